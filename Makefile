@@ -1,0 +1,36 @@
+# elastictrain — see README.md. `make test` is what CI runs.
+PY      := .venv/bin/python
+STAMP   := .venv/.setup-done
+PYTEST  := .venv/bin/pytest
+
+.PHONY: setup test test-unit test-integration lint format demo bench bench-quick chaos clean
+
+# Setup is idempotent; the stamp makes `make test` skip it when nothing it depends on changed.
+$(STAMP): scripts/setup.sh constraints/torch.txt pyproject.toml
+	bash scripts/setup.sh
+	@touch $(STAMP)
+
+setup:
+	bash scripts/setup.sh
+	@touch $(STAMP)
+
+test: $(STAMP)
+	$(PYTEST) -q -ra tests
+
+test-unit: $(STAMP)
+	$(PYTEST) -q tests/unit
+
+test-integration: $(STAMP)
+	$(PYTEST) -q -m integration tests
+
+lint: $(STAMP)
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+	.venv/bin/mypy
+
+format: $(STAMP)
+	.venv/bin/ruff format .
+	.venv/bin/ruff check --fix .
+
+clean:
+	rm -rf .pytest_cache .mypy_cache .ruff_cache runs

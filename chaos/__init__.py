@@ -1,0 +1,1 @@
+"""Fault injection for elastictrain jobs and scenario checks of its invariants."""

@@ -1,0 +1,3 @@
+"""elastictrain: elastic, fault-tolerant PyTorch training on Horovod elastic."""
+
+__version__ = "0.1.0"

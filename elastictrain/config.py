@@ -1,0 +1,522 @@
+"""Typed job configuration: YAML parsed once into frozen, keyword-only dataclasses.
+
+Each component owns one dataclass and receives only its own part. Parsing is strict: unknown keys are
+rejected with their dotted path and the closest valid name, types and ranges are checked, and every
+error is a :class:`ConfigError` whose message is one line. ``--set a.b=c`` overrides any field; the
+value is parsed as YAML (``--set training.base_lr=0.05``, ``--set data.path=null``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+ETCD_ENV = "ELASTICTRAIN_ETCD"
+
+
+class ConfigError(ValueError):
+    """A bad config file, key, value or override. The message is one line for the user."""
+
+
+def _check(cond: bool, path: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{path}: {msg}")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ModelConfig:
+    name: str = "small_cnn"
+    """``small_cnn`` (built in, for CPU runs) or a torchvision classification architecture (resnet18, resnet50, ...)."""
+    num_classes: int = 10
+    """Size of the classifier head."""
+    channels_last: bool = False
+    """Use the channels-last memory format (faster convolutions on GPUs with tensor cores)."""
+
+    def __post_init__(self) -> None:
+        _check(self.num_classes >= 2, "model.num_classes", f"must be >= 2, got {self.num_classes}")
+        _check(bool(self.name), "model.name", "must not be empty")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class DataConfig:
+    kind: Literal["synthetic", "image_folder"] = "synthetic"
+    """``synthetic``: a deterministic generated dataset; ``image_folder``: torchvision ImageFolder at ``path``."""
+    path: str | None = None
+    """Training images (ImageFolder layout: one sub-folder per class); required for ``image_folder``."""
+    val_path: str | None = None
+    """Validation images; none means no validation for ``image_folder``."""
+    image_size: int = 32
+    """Side of the (square) training crop in pixels."""
+    batch_size: int = 32
+    """Samples per worker per step under the ``per_worker`` policy (ignored by ``global``)."""
+    num_samples: int = 2048
+    """Training samples of the synthetic dataset."""
+    num_val_samples: int = 512
+    """Validation samples of the synthetic dataset."""
+    augment: bool = True
+    """Random-resized-crop and flip for training (the classic ImageNet transforms); off gives resize + center crop."""
+    loader_workers: int = 0
+    """DataLoader worker processes per training process."""
+    drop_last: bool = False
+    """Drop the final short step of an epoch (otherwise it runs with fewer samples; no sample is padded)."""
+
+    def __post_init__(self) -> None:
+        _check(self.image_size >= 8, "data.image_size", f"must be >= 8, got {self.image_size}")
+        _check(self.batch_size >= 1, "data.batch_size", f"must be >= 1, got {self.batch_size}")
+        _check(self.num_samples >= 1, "data.num_samples", f"must be >= 1, got {self.num_samples}")
+        _check(self.num_val_samples >= 0, "data.num_val_samples", f"must be >= 0, got {self.num_val_samples}")
+        _check(self.loader_workers >= 0, "data.loader_workers", f"must be >= 0, got {self.loader_workers}")
+        if self.kind == "image_folder":
+            _check(self.path is not None, "data.path", "is required when data.kind is image_folder")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ScheduleConfig:
+    kind: Literal["constant", "multistep", "cosine"] = "constant"
+    """LR schedule after warm-up, stepped once per optimizer step."""
+    milestones: tuple[int, ...] = ()
+    """Epochs at which ``multistep`` multiplies the LR by ``gamma``."""
+    gamma: float = 0.1
+    """Decay factor of ``multistep``."""
+    warmup_epochs: float = 0.0
+    """Linear warm-up from ``base_lr / 10`` over this many epochs (fractions allowed)."""
+    min_lr_ratio: float = 0.0
+    """Floor of ``cosine`` as a fraction of the peak LR."""
+
+    def __post_init__(self) -> None:
+        _check(0.0 < self.gamma <= 1.0, "training.schedule.gamma", f"must be in (0, 1], got {self.gamma}")
+        _check(
+            self.warmup_epochs >= 0,
+            "training.schedule.warmup_epochs",
+            f"must be >= 0, got {self.warmup_epochs}",
+        )
+        _check(0.0 <= self.min_lr_ratio <= 1.0, "training.schedule.min_lr_ratio", "must be in [0, 1]")
+        _check(
+            list(self.milestones) == sorted(set(self.milestones)),
+            "training.schedule.milestones",
+            f"must be strictly increasing, got {list(self.milestones)}",
+        )
+        _check(all(m > 0 for m in self.milestones), "training.schedule.milestones", "must be positive epochs")
+        if self.kind == "multistep":
+            _check(len(self.milestones) > 0, "training.schedule.milestones", "must not be empty for multistep")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class TrainingConfig:
+    epochs: int = 1
+    """Passes over the training set."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps in all (for smoke runs); none means run all epochs."""
+    optimizer: Literal["sgd", "adamw"] = "sgd"
+    base_lr: float = 0.1
+    """LR at ``elastic.base_world_size`` workers (``per_worker``) or for the whole global batch (``global``)."""
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+    nesterov: bool = False
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    grad_clip_norm: float | None = None
+    """Clip the averaged gradients to this L2 norm (applied after ``optimizer.synchronize()``)."""
+    grad_accumulation: int = 1
+    """Backward passes per optimizer step (Horovod's ``backward_passes_per_step``)."""
+    seed: int = 0
+    """Seed of model init, data order and augmentation."""
+    log_every_steps: int = 10
+    """Steps between metric logs (the only steps that call ``.item()`` or a metric collective)."""
+    label_smoothing: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check(self.epochs >= 1, "training.epochs", f"must be >= 1, got {self.epochs}")
+        if self.max_steps is not None:
+            _check(self.max_steps >= 1, "training.max_steps", f"must be >= 1, got {self.max_steps}")
+        _check(self.base_lr > 0, "training.base_lr", f"must be > 0, got {self.base_lr}")
+        _check(0.0 <= self.momentum < 1.0, "training.momentum", f"must be in [0, 1), got {self.momentum}")
+        _check(self.weight_decay >= 0, "training.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        if self.grad_clip_norm is not None:
+            _check(self.grad_clip_norm > 0, "training.grad_clip_norm", f"must be > 0, got {self.grad_clip_norm}")
+        _check(
+            self.grad_accumulation >= 1,
+            "training.grad_accumulation",
+            f"must be >= 1, got {self.grad_accumulation}",
+        )
+        _check(self.log_every_steps >= 1, "training.log_every_steps", f"must be >= 1, got {self.log_every_steps}")
+        _check(0.0 <= self.label_smoothing < 1.0, "training.label_smoothing", "must be in [0, 1)")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class PrecisionConfig:
+    mode: Literal["fp32", "fp16", "bf16"] = "fp32"
+    """``fp16``: autocast + GradScaler on CUDA (bf16 autocast on CPU, where fp16 autocast is not supported);
+    ``bf16``: bf16 autocast."""
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class CompressionConfig:
+    gradients: Literal["none", "fp16", "bf16"] = "none"
+    """Compression of gradients on the wire (Horovod compressor)."""
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ElasticConfig:
+    policy: Literal["per_worker", "global"] = "per_worker"
+    """``per_worker``: global batch = workers x per-worker batch, LR rescaled on resize;
+    ``global``: fixed global batch split over workers, LR unchanged."""
+    base_world_size: int = 1
+    """World size at which ``training.base_lr`` applies (``per_worker``)."""
+    lr_scaling: Literal["linear", "sqrt", "none"] = "linear"
+    """How the LR follows the world size under ``per_worker``."""
+    lr_ramp_steps: int = 0
+    """Steps over which the LR moves to its new value after a resize (0: at once)."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step under ``global``; required there."""
+    micro_batch_size: int = 32
+    """Largest per-worker forward pass under ``global``; a larger share is split into accumulation steps."""
+    commit_every_steps: int = 10
+    """Steps between in-memory commits (the rollback point after a hard failure)."""
+    min_np: int = 1
+    """Fewest workers to train with (horovodrun ``--min-np``)."""
+    max_np: int = 32
+    """Most workers to train with (horovodrun ``--max-np``)."""
+
+    def __post_init__(self) -> None:
+        _check(self.base_world_size >= 1, "elastic.base_world_size", f"must be >= 1, got {self.base_world_size}")
+        _check(self.lr_ramp_steps >= 0, "elastic.lr_ramp_steps", f"must be >= 0, got {self.lr_ramp_steps}")
+        _check(
+            self.micro_batch_size >= 1,
+            "elastic.micro_batch_size",
+            f"must be >= 1, got {self.micro_batch_size}",
+        )
+        _check(
+            self.commit_every_steps >= 1,
+            "elastic.commit_every_steps",
+            f"must be >= 1, got {self.commit_every_steps}",
+        )
+        _check(self.min_np >= 1, "elastic.min_np", f"must be >= 1, got {self.min_np}")
+        _check(
+            self.max_np >= self.min_np,
+            "elastic.max_np",
+            f"must be >= elastic.min_np ({self.min_np}), got {self.max_np}",
+        )
+        if self.policy == "global":
+            _check(
+                self.global_batch_size is not None,
+                "elastic.global_batch_size",
+                "is required when elastic.policy is global",
+            )
+        if self.global_batch_size is not None:
+            _check(
+                self.global_batch_size >= 1,
+                "elastic.global_batch_size",
+                f"must be >= 1, got {self.global_batch_size}",
+            )
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class CheckpointConfig:
+    enabled: bool = True
+    every_steps: int | None = 100
+    """Save every N optimizer steps (at a commit); none disables the step trigger."""
+    every_epochs: int | None = 1
+    """Save at the end of every N epochs; none disables the epoch trigger."""
+    keep_last: int = 3
+    """Complete checkpoints to keep; older ones are pruned."""
+    writer: Literal["process", "thread", "sync"] = "process"
+    """Where serialisation and writing happen: a background process (default), a thread, or inline."""
+    save_on_sigterm: bool = True
+    """Rank 0 writes the last committed state when a worker receives SIGTERM."""
+    resume: bool = True
+    """Start from the latest verified checkpoint in ``run_dir/checkpoints`` when one exists."""
+
+    def __post_init__(self) -> None:
+        if self.every_steps is not None:
+            _check(
+                self.every_steps >= 1,
+                "checkpoint.every_steps",
+                f"must be >= 1 or null, got {self.every_steps}",
+            )
+        if self.every_epochs is not None:
+            _check(
+                self.every_epochs >= 1,
+                "checkpoint.every_epochs",
+                f"must be >= 1 or null, got {self.every_epochs}",
+            )
+        _check(self.keep_last >= 1, "checkpoint.keep_last", f"must be >= 1, got {self.keep_last}")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class TrackingConfig:
+    mlflow: bool = True
+    """Track the run in MLflow (rank 0, from a background sender)."""
+    tracking_uri: str | None = None
+    """MLflow tracking URI; none means ``MLFLOW_TRACKING_URI`` or else ``sqlite:///<run_dir>/mlflow.db``."""
+    experiment: str = "elastictrain"
+    queue_size: int = 10000
+    """Points buffered for the sender; beyond it points are dropped and counted."""
+    progress_bar: bool = True
+    """Show a tqdm bar on rank 0 when stderr is a terminal."""
+
+    def __post_init__(self) -> None:
+        _check(self.queue_size >= 1, "tracking.queue_size", f"must be >= 1, got {self.queue_size}")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class DiscoveryConfig:
+    etcd: tuple[str, ...] = ()
+    """etcd endpoints (``http://host:port``); defaults to ``ELASTICTRAIN_ETCD`` (comma separated)."""
+    prefix: str = "/elastictrain"
+    """Key prefix; hosts live under ``<prefix>/<job>/hosts/<host>``."""
+    ttl_seconds: float = 10.0
+    """Lease TTL of an agent: a dead agent's host disappears after at most this long."""
+    heartbeat_seconds: float = 2.0
+    """Interval between lease refreshes."""
+    cache_staleness_seconds: float = 30.0
+    """How long discover.sh serves its cached host list while etcd is unreachable."""
+
+    def __post_init__(self) -> None:
+        _check(self.prefix.startswith("/"), "discovery.prefix", f"must start with '/', got {self.prefix!r}")
+        _check(self.ttl_seconds > 0, "discovery.ttl_seconds", f"must be > 0, got {self.ttl_seconds}")
+        _check(
+            0 < self.heartbeat_seconds <= self.ttl_seconds / 3,
+            "discovery.heartbeat_seconds",
+            f"must be in (0, ttl_seconds/3 = {self.ttl_seconds / 3:g}], got {self.heartbeat_seconds}",
+        )
+        _check(self.cache_staleness_seconds >= 0, "discovery.cache_staleness_seconds", "must be >= 0")
+        for ep in self.etcd:
+            _check(
+                ep.startswith(("http://", "https://")) or ":" in ep,
+                "discovery.etcd",
+                f"endpoint {ep!r} is not host:port or http(s)://host:port",
+            )
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class AuditConfig:
+    sample_ledger: bool = False
+    """Write the sample ids of every committed step under ``run_dir/ledger/`` (proof of exactly-once data)."""
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class JobConfig:
+    job: str
+    """The job's name; also its etcd prefix and MLflow run name."""
+    run_dir: str
+    """Where checkpoints, events.jsonl, the ledger and the local MLflow store live (shared storage on a cluster)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """``auto``: CUDA when available, else CPU."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    audit: AuditConfig = field(default_factory=AuditConfig)
+
+    def __post_init__(self) -> None:
+        _check(
+            bool(self.job) and all(c.isalnum() or c in "-_." for c in self.job),
+            "job",
+            f"must be a non-empty name of letters, digits, '-', '_' or '.', got {self.job!r}",
+        )
+        _check(bool(self.run_dir), "run_dir", "must not be empty")
+
+    @property
+    def run_path(self) -> Path:
+        return Path(self.run_dir)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def digest(self) -> str:
+        """SHA-256 of the resolved config, for checkpoint manifests."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+    def flat(self) -> dict[str, str]:
+        """Dotted key -> string value, e.g. for MLflow params."""
+        out: dict[str, str] = {}
+
+        def walk(prefix: str, value: Any) -> None:
+            if isinstance(value, dict):
+                for k, v in value.items():
+                    walk(f"{prefix}.{k}" if prefix else k, v)
+            else:
+                out[prefix] = json.dumps(value) if isinstance(value, list | type(None)) else str(value)
+
+        walk("", self.to_dict())
+        return out
+
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, tuple | list):
+        return [_to_plain(v) for v in obj]
+    return obj
+
+
+# ------------------------------------------------------------------------------------------ parsing
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is tuple:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path}: must be a mapping of {tp.__name__} fields, got {type(value).__name__}")
+        return _build(tp, value, path)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ConfigError(f"{path}: must be {_type_name(tp)}, got null")
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, path)
+            except ConfigError as e:
+                errors.append(e)
+        raise (errors[0] if len(errors) == 1 else ConfigError(f"{path}: must be {_type_name(tp)}, got {value!r}"))
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            hint = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+            extra = f" (did you mean {hint[0]!r}?)" if hint else ""
+            raise ConfigError(f"{path}: must be one of {', '.join(repr(a) for a in allowed)}, got {value!r}{extra}")
+        return value
+    if origin is tuple:
+        (item,) = typing.get_args(tp)[:1]
+        if isinstance(value, str) and item is str:
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, Sequence) or isinstance(value, str):
+            raise ConfigError(f"{path}: must be a list of {_type_name(item)}, got {value!r}")
+        return tuple(_coerce(item, v, f"{path}[{i}]") for i, v in enumerate(value))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{path}: must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: must be a string, got {value!r}")
+        return value
+    raise AssertionError(f"unsupported config type {tp!r} at {path}")
+
+
+def _build(cls: Any, data: Mapping[str, Any], path: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        dotted = f"{path}.{key}" if path else str(key)
+        if key not in fields:
+            hint = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
+            extra = f" (did you mean {(path + '.' if path else '') + hint[0]!r}?)" if hint else ""
+            raise ConfigError(f"{dotted}: unknown key{extra}")
+        kwargs[key] = _coerce(hints[key], value, dotted)
+    missing = [
+        n
+        for n, f in fields.items()
+        if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(f"{(path + '.' if path else '') + missing[0]}: required key is missing")
+    return cls(**kwargs)
+
+
+def apply_override(data: dict[str, Any], assignment: str) -> None:
+    """Apply one ``dotted.key=value`` override in place; the value is parsed as YAML."""
+    key, sep, raw = assignment.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"--set {assignment!r}: expected dotted.key=value, e.g. training.base_lr=0.05")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    parts = key.split(".")
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif not isinstance(child, dict):
+            raise ConfigError(f"--set {key}: {'.'.join(parts[: i + 1])} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def config_from_dict(
+    data: Mapping[str, Any], overrides: Sequence[str] = (), env: Mapping[str, str] | None = None
+) -> JobConfig:
+    """Build a :class:`JobConfig` from a mapping plus ``--set`` overrides and the environment."""
+    env = os.environ if env is None else env
+    raw = json.loads(json.dumps(data))  # deep copy, plain types only
+    if env.get(ETCD_ENV) and not (raw.get("discovery") or {}).get("etcd"):
+        raw.setdefault("discovery", {})
+        if raw["discovery"] is None:
+            raw["discovery"] = {}
+        raw["discovery"]["etcd"] = env[ETCD_ENV]
+    for assignment in overrides:
+        apply_override(raw, assignment)
+    cfg: JobConfig = _build(JobConfig, raw, "")
+    return cfg
+
+
+def load_config(
+    path: str | os.PathLike[str], overrides: Sequence[str] = (), env: Mapping[str, str] | None = None
+) -> JobConfig:
+    """Read a YAML config file, apply overrides, and validate. Raises :class:`ConfigError`."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: config file not found") from None
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read config file ({e.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or "invalid YAML"
+        raise ConfigError(f"{p}: invalid YAML{where}: {problem}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{p}: the top level must be a mapping, got {type(data).__name__}")
+    return config_from_dict(data, overrides, env)

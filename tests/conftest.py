@@ -1,0 +1,5 @@
+"""Shared pytest set-up. Fixture modules live in tests/fixtures/ (one per real service)."""
+
+pytest_plugins = [
+    "tests.fixtures.procs",
+]
