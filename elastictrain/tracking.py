@@ -1,0 +1,682 @@
+"""Experiment tracking that never stalls a training step: one MLflow run per job, sent from a thread.
+
+The worker holds a :class:`Tracker` built by :func:`make_tracker`: an :class:`MlflowTracker` on rank 0
+when ``tracking.mlflow`` is on, a :class:`NullTracker` everywhere else. Every call returns at once:
+it puts an item on a bounded queue (``tracking.queue_size``) that a sender thread turns into MLflow
+requests. When the queue is full, or a request fails after MLflow's own bounded retries, the points
+are dropped, counted in :attr:`Tracker.dropped` and warned about (at most once a minute).
+
+Two invariants hold here, not in the worker:
+
+* **One run per job.** The run id is kept in ``run_dir/mlflow_run_id`` (written atomically) and
+  reused by every later tracker of the job (after a reset, a relaunch or a resume); when that file is
+  missing the run is found by its tags ``elastictrain.job`` and ``elastictrain.run_dir``, and only
+  then is a new run created.
+* **No (step, metric) point twice.** The sender keeps the highest step sent per metric and skips a
+  point at or below it (a rollback re-runs steps and the worker logs them again). On resume the
+  high-water marks are read once from the store, by the sender thread.
+
+``import mlflow`` (about 3 s) happens in the sender thread, so building a tracker costs nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from discovery.logconf import get_logger
+
+if TYPE_CHECKING:
+    from elastictrain.config import JobConfig
+
+log = get_logger("elastictrain.tracking")
+
+RUN_ID_FILE = "mlflow_run_id"
+TAG_JOB = "elastictrain.job"
+TAG_RUN_DIR = "elastictrain.run_dir"
+# MLflow's limits per log_batch request and per value.
+MAX_METRICS_PER_BATCH = 1000
+MAX_PARAMS_TAGS_PER_BATCH = 100
+MAX_PARAM_VALUE_LENGTH = 6000
+MAX_TAG_VALUE_LENGTH = 8000
+# What the sender's HTTP requests may cost: MLflow's defaults are 7 retries and 120 s per request.
+SENDER_HTTP_ENV = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0",
+}
+
+
+# --------------------------------------------------------------------------------------- interface
+class Tracker(Protocol):
+    """What the worker calls. Every method returns at once and never raises for tracking failures."""
+
+    @property
+    def run_id(self) -> str | None:
+        """The MLflow run id once the sender has opened the run (None before, and for NullTracker)."""
+        ...
+
+    @property
+    def dropped(self) -> int:
+        """Values (metric points, params, tags, artifacts) lost to a full queue or failed requests."""
+        ...
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Once per worker start: the resolved config (``cfg.flat()``). Values that the run already has
+        are skipped; a changed value is recorded as tag ``elastictrain.param_changed.<key>``."""
+        ...
+
+    def log_metrics(self, metrics: Mapping[str, float | int | None], step: int) -> None:
+        """On logging steps: ``None`` values are ignored; points at or below the metric's highest
+        step sent so far are skipped."""
+        ...
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        """At start and whenever the host list changes; a tag keeps its latest value."""
+        ...
+
+    def log_artifact(self, path: str | os.PathLike[str], artifact_path: str | None = None) -> None:
+        """A file to attach to the run; it is read when the sender gets to it."""
+        ...
+
+    def wait_started(self, timeout: float) -> str | None:
+        """Wait up to ``timeout`` s for the run to be opened; the run id or None. Not for the hot path."""
+        ...
+
+    def close(self, status: str = "FINISHED", timeout: float = 30.0) -> None:
+        """When the worker leaves: send what is queued (at most ``timeout`` s), then mark the run
+        ``status`` (FINISHED when training is complete, KILLED when stopped, FAILED on error)."""
+        ...
+
+
+class NullTracker:
+    """Tracking off, or a rank other than 0: every call does nothing."""
+
+    run_id: str | None = None
+    dropped: int = 0
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        pass
+
+    def log_metrics(self, metrics: Mapping[str, float | int | None], step: int) -> None:
+        pass
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        pass
+
+    def log_artifact(self, path: str | os.PathLike[str], artifact_path: str | None = None) -> None:
+        pass
+
+    def wait_started(self, timeout: float) -> str | None:
+        return None
+
+    def close(self, status: str = "FINISHED", timeout: float = 30.0) -> None:
+        pass
+
+
+# ----------------------------------------------------------------------------------------- backend
+@dataclass(frozen=True, slots=True)
+class MetricPoint:
+    key: str
+    value: float
+    timestamp_ms: int
+    step: int
+
+
+@dataclass(slots=True)
+class OpenedRun:
+    """What a backend found or created for the job."""
+
+    run_id: str
+    resumed: bool
+    high_water: dict[str, int] = field(default_factory=dict)
+    """Highest step stored per metric key."""
+    params: dict[str, str] = field(default_factory=dict)
+    """Params the run already has."""
+
+
+class TrackingBackend(Protocol):
+    """The store behind :class:`MlflowTracker`; called from the sender thread only. Any exception is a
+    failed request (the tracker counts and warns); implementations do their own bounded retries."""
+
+    def open_run(self, *, existing_run_id: str | None, job: str, run_dir: str, experiment: str) -> OpenedRun:
+        """Return the run ``existing_run_id`` when the store has it (active), else the run tagged with
+        ``job`` and ``run_dir``, else a new one tagged so. Mark it running."""
+        ...
+
+    def log_batch(
+        self, run_id: str, metrics: list[MetricPoint], params: dict[str, str], tags: dict[str, str]
+    ) -> None: ...
+
+    def log_artifact(self, run_id: str, path: str, artifact_path: str | None) -> None: ...
+
+    def finish(self, run_id: str, status: str) -> None: ...
+
+
+class MlflowBackend:
+    """:class:`TrackingBackend` over ``mlflow.MlflowClient`` (imported on first use, in the sender)."""
+
+    def __init__(self, tracking_uri: str, *, artifact_location: str | None = None) -> None:
+        self.tracking_uri = tracking_uri
+        self.artifact_location = artifact_location
+        self._client: Any = None
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            from mlflow import MlflowClient
+
+            self._client = MlflowClient(tracking_uri=self.tracking_uri)
+        return self._client
+
+    def _experiment_id(self, name: str) -> str:
+        from mlflow.exceptions import MlflowException
+
+        exp = self.client.get_experiment_by_name(name)
+        if exp is None:
+            try:
+                return str(self.client.create_experiment(name, artifact_location=self.artifact_location))
+            except MlflowException as e:  # another job created it meanwhile
+                if e.error_code != "RESOURCE_ALREADY_EXISTS":
+                    raise
+                exp = self.client.get_experiment_by_name(name)
+                assert exp is not None
+        if exp.lifecycle_stage == "deleted":
+            self.client.restore_experiment(exp.experiment_id)
+        return str(exp.experiment_id)
+
+    def open_run(self, *, existing_run_id: str | None, job: str, run_dir: str, experiment: str) -> OpenedRun:
+        from mlflow.exceptions import MlflowException
+
+        run = None
+        if existing_run_id:
+            try:
+                run = self.client.get_run(existing_run_id)
+            except MlflowException as e:
+                if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+                    raise
+            if run is None or run.info.lifecycle_stage != "active":
+                log.warning("tracking_run_not_found", run_id=existing_run_id, tracking_uri=self.tracking_uri)
+                run = None
+        exp_id = self._experiment_id(experiment)
+        if run is None:
+            flt = f"tags.`{TAG_JOB}` = '{job}'"
+            if "'" not in run_dir and "\\" not in run_dir:
+                flt += f" and tags.`{TAG_RUN_DIR}` = '{run_dir}'"
+            found = self.client.search_runs(
+                [exp_id], filter_string=flt, max_results=1, order_by=["attributes.start_time ASC"]
+            )
+            run = found[0] if found else None
+        if run is None:
+            created = self.client.create_run(exp_id, run_name=job, tags={TAG_JOB: job, TAG_RUN_DIR: run_dir})
+            return OpenedRun(run_id=created.info.run_id, resumed=False)
+        run_id = run.info.run_id
+        self.client.update_run(run_id, status="RUNNING")
+        return OpenedRun(
+            run_id=run_id,
+            resumed=True,
+            high_water=self._high_water(run),
+            params=dict(run.data.params),
+        )
+
+    def _high_water(self, run: Any) -> dict[str, int]:
+        # MLflow's "latest" metric of a run is its point with the highest (step, timestamp): the run's
+        # data carries it with its step, so one get_run gives every high-water mark.
+        objs = getattr(run.data, "_metric_objs", None)
+        if objs is not None:
+            return {m.key: int(m.step) for m in objs}
+        marks: dict[str, int] = {}  # pragma: no cover - older RunData without metric objects
+        for key in run.data.metrics:  # pragma: no cover
+            history = self.client.get_metric_history(run.info.run_id, key)
+            marks[key] = max((int(m.step) for m in history), default=-1)
+        return marks  # pragma: no cover
+
+    def log_batch(self, run_id: str, metrics: list[MetricPoint], params: dict[str, str], tags: dict[str, str]) -> None:
+        from mlflow.entities import Metric, Param, RunTag
+
+        self.client.log_batch(
+            run_id,
+            metrics=[Metric(m.key, m.value, m.timestamp_ms, m.step) for m in metrics],
+            params=[Param(k, v) for k, v in params.items()],
+            tags=[RunTag(k, v) for k, v in tags.items()],
+            synchronous=True,
+        )
+
+    def log_artifact(self, run_id: str, path: str, artifact_path: str | None) -> None:
+        self.client.log_artifact(run_id, path, artifact_path)
+
+    def finish(self, run_id: str, status: str) -> None:
+        self.client.set_terminated(run_id, status)
+
+
+def default_tracking_uri(run_dir: str | os.PathLike[str]) -> str:
+    """``sqlite:///<abs run_dir>/mlflow.db``: the run's own store (MLflow's default is the cwd)."""
+    return f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"
+
+
+def resolve_tracking_uri(
+    configured: str | None, run_dir: str | os.PathLike[str], env: Mapping[str, str] | None = None
+) -> str:
+    """``tracking.tracking_uri``, else ``MLFLOW_TRACKING_URI``, else the sqlite store in ``run_dir``."""
+    env = os.environ if env is None else env
+    return configured or env.get("MLFLOW_TRACKING_URI") or default_tracking_uri(run_dir)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Temp file in the same folder, fsync, rename over ``path``, fsync the folder."""
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def read_run_id(run_dir: str | os.PathLike[str]) -> str | None:
+    """The job's persisted MLflow run id, or None."""
+    try:
+        text = (Path(run_dir) / RUN_ID_FILE).read_text().strip()
+    except OSError:
+        return None
+    return text or None
+
+
+# ----------------------------------------------------------------------------------------- tracker
+@dataclass(frozen=True, slots=True)
+class _Metrics:
+    values: dict[str, float]
+    step: int
+    timestamp_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Params:
+    values: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class _Tags:
+    values: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class _Artifact:
+    path: str
+    artifact_path: str | None
+
+
+_Item = _Metrics | _Params | _Tags | _Artifact
+
+
+def _size(item: _Item) -> int:
+    return 1 if isinstance(item, _Artifact) else len(item.values)
+
+
+class MlflowTracker:
+    """Rank 0's tracker: a bounded queue and one sender thread in front of a :class:`TrackingBackend`.
+
+    Build it with :func:`make_tracker`; tests pass ``backend_factory`` (a fake store) and a small
+    ``queue_size``. The sender opens the run first (retrying with backoff while the store is
+    unreachable; items wait in the queue meanwhile), then sends items in order, batching what is
+    queued into one request.
+    """
+
+    def __init__(
+        self,
+        *,
+        run_dir: str | os.PathLike[str],
+        job: str,
+        experiment: str = "elastictrain",
+        tracking_uri: str | None = None,
+        queue_size: int = 10000,
+        backend_factory: Callable[[], TrackingBackend] | None = None,
+        warn_interval_seconds: float = 60.0,
+        retry_backoff_seconds: tuple[float, float] = (1.0, 30.0),
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.job = job
+        self.experiment = experiment
+        self.tracking_uri = tracking_uri or default_tracking_uri(run_dir)
+        if backend_factory is None:
+            for key, value in SENDER_HTTP_ENV.items():  # before mlflow reads them; a user's value wins
+                os.environ.setdefault(key, value)
+            uri = self.tracking_uri
+            artifacts = (
+                (self.run_dir.resolve() / "mlartifacts").as_uri() if uri == default_tracking_uri(run_dir) else None
+            )
+            backend_factory = lambda: MlflowBackend(uri, artifact_location=artifacts)  # noqa: E731
+        self._backend_factory = backend_factory
+        self._queue: queue.Queue[_Item] = queue.Queue(maxsize=queue_size)
+        self._warn_interval = warn_interval_seconds
+        self._backoff_min, self._backoff_max = retry_backoff_seconds
+        self._lock = threading.Lock()
+        self._dropped = 0
+        self._skipped_duplicates = 0
+        self._last_drop_warning = -math.inf
+        self._run_id: str | None = None
+        self._started = threading.Event()
+        self._closing = threading.Event()
+        self._abandon = threading.Event()
+        self._final_status = "FINISHED"
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="elastictrain-tracking", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ caller side (training thread)
+    @property
+    def run_id(self) -> str | None:
+        return self._run_id
+
+    @property
+    def dropped(self) -> int:
+        return self._dropped
+
+    @property
+    def skipped_duplicates(self) -> int:
+        """Metric points not sent because their step was at or below the metric's high-water mark."""
+        return self._skipped_duplicates
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        values = {str(k): str(v)[:MAX_PARAM_VALUE_LENGTH] for k, v in params.items()}
+        if values:
+            self._put(_Params(values))
+
+    def log_metrics(self, metrics: Mapping[str, float | int | None], step: int) -> None:
+        values: dict[str, float] = {}
+        for key, value in metrics.items():
+            if value is None:
+                continue
+            try:
+                values[str(key)] = float(value)
+            except (TypeError, ValueError):
+                log.warning("tracking_metric_not_a_number", metric=key, value=repr(value))
+        if values:
+            self._put(_Metrics(values, int(step), int(time.time() * 1000)))
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        values = {str(k): str(v)[:MAX_TAG_VALUE_LENGTH] for k, v in tags.items()}
+        if values:
+            self._put(_Tags(values))
+
+    def log_artifact(self, path: str | os.PathLike[str], artifact_path: str | None = None) -> None:
+        self._put(_Artifact(os.fspath(path), artifact_path))
+
+    def wait_started(self, timeout: float) -> str | None:
+        self._started.wait(timeout)
+        return self._run_id
+
+    def close(self, status: str = "FINISHED", timeout: float = 30.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._final_status = status
+        self._closing.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._abandon.set()
+            left = self._drain_uncounted()
+            self._count_drop(left, "close_timed_out", force=True)
+        log.info(
+            "tracking_closed",
+            run_id=self._run_id,
+            dropped=self._dropped,
+            skipped_duplicates=self._skipped_duplicates,
+        )
+
+    def _put(self, item: _Item) -> None:
+        if self._closed:
+            self._count_drop(_size(item), "after_close")
+            return
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            self._count_drop(_size(item), "queue_full")
+
+    def _count_drop(self, n: int, reason: str, *, error: str | None = None, force: bool = False) -> None:
+        if n <= 0:
+            return
+        with self._lock:
+            self._dropped += n
+            now = time.monotonic()
+            warn = force or now - self._last_drop_warning >= self._warn_interval
+            if warn:
+                self._last_drop_warning = now
+        if warn:
+            log.warning(
+                "tracking_points_dropped",
+                reason=reason,
+                dropped_total=self._dropped,
+                error=error,
+                tracking_uri=self.tracking_uri,
+            )
+
+    def _drain_uncounted(self) -> int:
+        n = 0
+        while True:
+            try:
+                n += _size(self._queue.get_nowait())
+            except queue.Empty:
+                return n
+
+    # ------------------------------------------------------------------------------ sender thread
+    def _run(self) -> None:
+        try:
+            backend = self._backend_factory()
+            opened = self._open(backend)
+            if opened is None:  # closing before the store was reachable
+                self._count_drop(self._drain_uncounted(), "store_unreachable", force=True)
+                return
+            self._send_loop(backend, opened)
+            if not self._abandon.is_set():
+                try:
+                    backend.finish(opened.run_id, self._final_status)
+                except Exception as e:
+                    log.warning("tracking_finish_failed", run_id=opened.run_id, error=_one_line(e))
+        except Exception as e:  # a bug must not take the worker down; say so loudly
+            log.error("tracking_sender_crashed", error=_one_line(e), exc_info=True)
+            self._count_drop(self._drain_uncounted(), "sender_crashed", force=True)
+
+    def _open(self, backend: TrackingBackend) -> OpenedRun | None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        existing = read_run_id(self.run_dir)
+        delay = self._backoff_min
+        while True:
+            try:
+                opened = backend.open_run(
+                    existing_run_id=existing,
+                    job=self.job,
+                    run_dir=str(self.run_dir.resolve()),
+                    experiment=self.experiment,
+                )
+                break
+            except Exception as e:
+                log.warning(
+                    "tracking_open_failed", tracking_uri=self.tracking_uri, error=_one_line(e), retry_in_seconds=delay
+                )
+                if self._closing.wait(delay):
+                    return None
+                delay = min(delay * 2, self._backoff_max)
+        if opened.run_id != existing:
+            try:
+                write_atomic(self.run_dir / RUN_ID_FILE, opened.run_id + "\n")
+            except OSError as e:
+                log.warning("tracking_run_id_not_saved", path=str(self.run_dir / RUN_ID_FILE), error=str(e))
+        self._run_id = opened.run_id
+        self._started.set()
+        log.info(
+            "tracking_run_opened",
+            run_id=opened.run_id,
+            resumed=opened.resumed,
+            tracking_uri=self.tracking_uri,
+            metrics_with_history=len(opened.high_water),
+        )
+        return opened
+
+    def _send_loop(self, backend: TrackingBackend, opened: OpenedRun) -> None:
+        high_water = dict(opened.high_water)
+        params_sent = dict(opened.params)
+        delay = self._backoff_min
+        while not self._abandon.is_set():
+            try:
+                first = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                if self._closing.is_set():
+                    return
+                continue
+            items = [first]
+            while not isinstance(items[-1], _Artifact) and len(items) < MAX_METRICS_PER_BATCH:
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            ok = True
+            for batch in _batches(items, high_water, params_sent, self._note_duplicates):
+                if ok and not self._abandon.is_set():
+                    ok = self._send(backend, opened.run_id, batch)
+                else:  # the store just failed (or close gave up): don't spend another timeout on it
+                    self._count_drop(_size_of(batch), "request_failed" if not ok else "close_timed_out")
+            if ok:
+                delay = self._backoff_min
+            elif not self._closing.is_set():  # let the store recover; the queue buffers meanwhile
+                self._abandon.wait(delay)
+                delay = min(delay * 2, self._backoff_max)
+
+    def _note_duplicates(self, n: int) -> None:
+        with self._lock:
+            self._skipped_duplicates += n
+
+    def _send(self, backend: TrackingBackend, run_id: str, batch: _Batch | _Artifact) -> bool:
+        try:
+            if isinstance(batch, _Artifact):
+                backend.log_artifact(run_id, batch.path, batch.artifact_path)
+            elif batch.size:
+                backend.log_batch(run_id, batch.metrics, batch.params, batch.tags)
+            return True
+        except Exception as e:
+            self._count_drop(_size_of(batch), "request_failed", error=_one_line(e))
+            return False
+
+
+@dataclass(slots=True)
+class _Batch:
+    metrics: list[MetricPoint] = field(default_factory=list)
+    params: dict[str, str] = field(default_factory=dict)
+    tags: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return len(self.metrics) + len(self.params) + len(self.tags)
+
+    def full(self) -> bool:
+        return (
+            len(self.metrics) >= MAX_METRICS_PER_BATCH - MAX_PARAMS_TAGS_PER_BATCH
+            or len(self.params) >= MAX_PARAMS_TAGS_PER_BATCH
+            or len(self.tags) >= MAX_PARAMS_TAGS_PER_BATCH
+        )
+
+
+def _size_of(batch: _Batch | _Artifact) -> int:
+    return 1 if isinstance(batch, _Artifact) else batch.size
+
+
+def _batches(
+    items: list[_Item],
+    high_water: dict[str, int],
+    params_sent: dict[str, str],
+    note_duplicates: Callable[[int], None],
+) -> list[_Batch | _Artifact]:
+    """Turn queued items into requests in order, applying the high-water marks and the params rule.
+
+    ``high_water`` and ``params_sent`` are updated as if every request succeeds: a point whose request
+    fails may have reached the store anyway, so it is never sent twice.
+    """
+    out: list[_Batch | _Artifact] = []
+    batch = _Batch()
+
+    def flush() -> None:
+        nonlocal batch
+        if batch.size:
+            out.append(batch)
+        batch = _Batch()
+
+    for item in items:
+        if isinstance(item, _Artifact):
+            flush()
+            out.append(item)
+            continue
+        if isinstance(item, _Metrics):
+            skipped = 0
+            for key, number in item.values.items():
+                if item.step <= high_water.get(key, -1):
+                    skipped += 1
+                    continue
+                high_water[key] = item.step
+                batch.metrics.append(MetricPoint(key, number, item.timestamp_ms, item.step))
+                if batch.full():
+                    flush()
+            if skipped:
+                note_duplicates(skipped)
+        elif isinstance(item, _Params):
+            for key, text in item.values.items():
+                old = params_sent.get(key)
+                if old == text:
+                    continue
+                if old is None:
+                    params_sent[key] = text
+                    batch.params[key] = text
+                else:  # MLflow params are immutable: keep the first value, record the change as a tag
+                    batch.tags[f"elastictrain.param_changed.{key}"] = f"{old} -> {text}"[:MAX_TAG_VALUE_LENGTH]
+                if batch.full():
+                    flush()
+        else:
+            for key, text in item.values.items():
+                batch.tags[key] = text
+                if batch.full():
+                    flush()
+    flush()
+    return out
+
+
+def _one_line(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}"
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+def make_tracker(cfg: JobConfig, rank: int, env: Mapping[str, str] | None = None) -> Tracker:
+    """The worker's tracker: MLflow on rank 0 when ``tracking.mlflow`` is on, else a :class:`NullTracker`."""
+    if rank != 0 or not cfg.tracking.mlflow:
+        return NullTracker()
+    return MlflowTracker(
+        run_dir=cfg.run_path,
+        job=cfg.job,
+        experiment=cfg.tracking.experiment,
+        tracking_uri=resolve_tracking_uri(cfg.tracking.tracking_uri, cfg.run_path, env),
+        queue_size=cfg.tracking.queue_size,
+    )
+
+
+__all__ = [
+    "MetricPoint",
+    "MlflowBackend",
+    "MlflowTracker",
+    "NullTracker",
+    "OpenedRun",
+    "Tracker",
+    "TrackingBackend",
+    "make_tracker",
+    "read_run_id",
+    "resolve_tracking_uri",
+]
