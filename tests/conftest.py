@@ -2,4 +2,6 @@
 
 pytest_plugins = [
     "tests.fixtures.procs",
+    "tests.fixtures.mlflow_server",
+    "tests.fixtures.etcd",
 ]

@@ -1,0 +1,523 @@
+"""``elastictrain agent``: register this host in etcd, keep its lease alive, drain on SIGTERM.
+
+The daemon is a loop ``while not stopping: observe; decide; apply; wait``. :func:`decide` is a pure
+function of the config, the agent's bookkeeping and one :class:`Observation` (with its time), so
+tests drive it with chosen times. Signal handlers only set flags; the lease is revoked in ``finally``
+when the agent leaves for any reason other than losing etcd.
+
+Behaviour:
+- registers ``<prefix>/<job>/hosts/<host>`` as ``ready`` under a lease of ``--ttl`` seconds
+  (create-if-absent: it waits for a stale key of a previous agent to expire instead of taking it);
+- refreshes the lease every ``--heartbeat`` seconds; registers again under a new lease when etcd
+  lost the lease (restart on an empty data dir, an outage longer than the TTL);
+- keeps the state an operator set (``elastictrain hosts drain``) when it registers again;
+- SIGTERM or SIGINT: marks the host ``draining`` at once (discovery drops it, Horovod removes it
+  gracefully), revokes the lease after ``--drain-grace`` seconds and exits 0; a second signal
+  skips the rest of the grace period;
+- exits 0 when an operator removed its key (``elastictrain hosts remove``) while its lease lived;
+- exits 1 with one line when etcd stays unreachable longer than ``--retry-deadline`` (also at
+  start-up), and 2 with one line for bad flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any, NoReturn
+
+from discovery.logconf import configure_logging, get_logger
+from discovery.record import DEFAULT_PREFIX, DRAINING, READY, HostRecord, MalformedRecord, check_name
+from discovery.registry import (
+    EtcdRegistry,
+    HostRegistry,
+    LeaseLost,
+    RegistryError,
+    parse_endpoints,
+)
+
+PROG = "elastictrain agent"
+
+
+@dataclass(kw_only=True, slots=True)
+class AgentConfig:
+    """Settings of one agent. Timing rules are checked in ``__post_init__``."""
+
+    job: str
+    """Job name; keys live under ``<prefix>/<job>/hosts/``."""
+    host: str
+    """Host name horovodrun will use for this machine."""
+    slots: int
+    """Worker slots to advertise."""
+    addr: str
+    """Address recorded for operators."""
+    prefix: str = DEFAULT_PREFIX
+    """etcd key prefix."""
+    ttl_seconds: int = 10
+    """Lease TTL: a dead agent's host disappears at most this long after its last heartbeat."""
+    heartbeat_seconds: float = 3.0
+    """Interval between lease refreshes (and decisions)."""
+    request_timeout_seconds: float = 1.0
+    """Deadline of each etcd request."""
+    drain_grace_seconds: float = 30.0
+    """Time between marking the host draining (SIGTERM) and revoking the lease."""
+    retry_deadline_seconds: float = 60.0
+    """How long etcd may stay unreachable (or a stale key block registration) before the agent gives up."""
+
+    def __post_init__(self) -> None:
+        check_name("job", self.job)
+        check_name("host", self.host)
+        if self.slots < 1:
+            raise ValueError(f"--slots must be >= 1, got {self.slots}")
+        if self.ttl_seconds < 2:
+            raise ValueError(f"--ttl must be >= 2 seconds (etcd's minimum lease TTL), got {self.ttl_seconds}")
+        if not 0 < self.heartbeat_seconds <= self.ttl_seconds / 3:
+            raise ValueError(
+                f"--heartbeat must be > 0 and <= ttl/3 = {self.ttl_seconds / 3:g}s so that two missed "
+                f"heartbeats do not expire the lease, got {self.heartbeat_seconds:g}"
+            )
+        if not self.request_timeout_seconds > 0:
+            raise ValueError(f"--request-timeout must be > 0, got {self.request_timeout_seconds:g}")
+        if self.heartbeat_seconds + 2 * self.request_timeout_seconds > self.ttl_seconds:
+            raise ValueError(
+                f"heartbeat + 2*request_timeout = {self.heartbeat_seconds + 2 * self.request_timeout_seconds:g}s "
+                f"must be <= ttl = {self.ttl_seconds}s (lower --heartbeat or --request-timeout, or raise --ttl)"
+            )
+        if self.drain_grace_seconds < 0:
+            raise ValueError(f"--drain-grace must be >= 0, got {self.drain_grace_seconds:g}")
+        if self.retry_deadline_seconds < self.ttl_seconds:
+            raise ValueError(
+                f"--retry-deadline must be >= ttl = {self.ttl_seconds}s (a stale key of a previous agent "
+                f"takes up to one TTL to expire), got {self.retry_deadline_seconds:g}"
+            )
+
+
+class Action(enum.Enum):
+    REGISTER = "register"
+    MARK_DRAINING = "mark_draining"
+    HEARTBEAT = "heartbeat"
+    WAIT = "wait"
+    REVOKE_AND_EXIT = "revoke_and_exit"
+    EXIT = "exit"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What a cycle decided, as an action and the sentence that is logged."""
+
+    action: Action
+    reason: str
+    exit_code: int | None = None
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+@dataclass(slots=True)
+class AgentState:
+    """What the agent remembers between cycles (updated only by :class:`Agent`)."""
+
+    lease_id: int | None = None
+    wanted_state: str = READY
+    """State to register with: ``ready``, or what an operator or SIGTERM set."""
+    registered: bool = False
+    """The key was written under ``lease_id`` (so its absence later means someone deleted it)."""
+    drain_requested_at: float | None = None
+    force_stop: bool = False
+    unreachable_since: float | None = None
+    blocked_since: float | None = None
+    """When a key of another lease first blocked registration."""
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """One cycle's view of etcd, taken at ``now`` (monotonic seconds)."""
+
+    now: float
+    reachable: bool = True
+    lease_alive: bool = False
+    """Our lease exists and was just refreshed (False when we hold none)."""
+    lease_lost: bool = False
+    """The lease we held is gone (expired, or etcd lost it)."""
+    key_state: str | None = None
+    """State in our host's key, or None when there is no key."""
+    key_lease: int = 0
+    key_pid: int = 0
+    error: str = ""
+
+
+def decide(cfg: AgentConfig, st: AgentState, obs: Observation) -> Decision:
+    """The agent's decision for one cycle: pure, no I/O, times taken from ``obs.now``."""
+    if st.drain_requested_at is not None:
+        elapsed = obs.now - st.drain_requested_at
+        if st.force_stop or elapsed >= cfg.drain_grace_seconds:
+            why = (
+                "second signal"
+                if st.force_stop and elapsed < cfg.drain_grace_seconds
+                else (f"drain grace of {cfg.drain_grace_seconds:g}s over")
+            )
+            if st.lease_id is not None and obs.reachable:
+                return Decision(Action.REVOKE_AND_EXIT, f"{why}; revoking lease {st.lease_id:x} and exiting", 0)
+            return Decision(Action.EXIT, f"{why}; etcd unreachable, exiting (the lease expires by itself)", 0)
+    if not obs.reachable:
+        down = obs.now - (st.unreachable_since if st.unreachable_since is not None else obs.now)
+        if down > cfg.retry_deadline_seconds:
+            return Decision(
+                Action.EXIT,
+                f"etcd unreachable for {down:.0f}s, past the retry deadline of {cfg.retry_deadline_seconds:g}s "
+                f"({obs.error}); giving up",
+                1,
+            )
+        return Decision(Action.WAIT, f"etcd unreachable for {down:.0f}s ({obs.error}); retrying")
+    ours = st.lease_id is not None and obs.key_lease == st.lease_id
+    if obs.key_state is None:
+        if obs.lease_alive and st.registered:
+            return Decision(
+                Action.REVOKE_AND_EXIT, f"host key removed by an operator while lease {st.lease_id:x} lived; exiting", 0
+            )
+        how = "lease lost; " if obs.lease_lost else ""
+        return Decision(
+            Action.REGISTER,
+            f"{how}registering {cfg.host} ({cfg.slots} slots) as {st.wanted_state} "
+            f"under a new {cfg.ttl_seconds}s lease",
+        )
+    if not ours:
+        since = st.blocked_since if st.blocked_since is not None else obs.now
+        if obs.now - since > cfg.retry_deadline_seconds:
+            return Decision(
+                Action.EXIT,
+                f"host key still held by lease {obs.key_lease:x} of pid {obs.key_pid} after "
+                f"{obs.now - since:.0f}s; another agent runs as {cfg.host}? giving up",
+                1,
+            )
+        return Decision(
+            Action.WAIT,
+            f"host key held by lease {obs.key_lease:x} of pid {obs.key_pid} (a previous or duplicate "
+            "agent); waiting for it to expire",
+        )
+    if not obs.lease_alive:
+        return Decision(Action.WAIT, f"lease {st.lease_id:x} lost but its key is still listed; waiting")
+    if st.drain_requested_at is not None and obs.key_state != DRAINING:
+        left = cfg.drain_grace_seconds - (obs.now - st.drain_requested_at)
+        return Decision(Action.MARK_DRAINING, f"drain requested; marking host draining, lease revoked in {left:.0f}s")
+    return Decision(Action.HEARTBEAT, f"lease {st.lease_id:x} refreshed; host {obs.key_state}")
+
+
+class Signals:
+    """Flags set by SIGTERM/SIGINT handlers (the handlers do nothing else)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def handler(self, signum: int, frame: FrameType | None) -> None:
+        self.count += 1
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self.handler)
+        signal.signal(signal.SIGINT, self.handler)
+
+
+@dataclass
+class Agent:
+    """Runs the cycle against a registry. Collaborators are passed in so tests can use fakes."""
+
+    cfg: AgentConfig
+    registry: HostRegistry
+    clock: Callable[[], float] = time.monotonic
+    wall_clock: Callable[[], float] = time.time
+    signals: Signals = field(default_factory=Signals)
+    sleep: Callable[[float], None] = time.sleep
+    log: Any = None
+    state: AgentState = field(default_factory=AgentState)
+    exit_code: int | None = None
+    last_decision: Decision | None = None
+
+    def observe(self) -> Observation:
+        st = self.state
+        now = self.clock()
+        if self.signals.count and st.drain_requested_at is None:
+            st.drain_requested_at = now
+        if self.signals.count > 1:
+            st.force_stop = True
+        lease_alive = lease_lost = False
+        try:
+            if st.lease_id is not None:
+                try:
+                    self.registry.keep_alive(st.lease_id)
+                    lease_alive = True
+                except LeaseLost:
+                    st.lease_id, st.registered, lease_lost = None, False, True
+            try:
+                entry = self.registry.get(self.cfg.host)
+                key = (entry.record.state, entry.lease_id, entry.record.pid) if entry else None
+            except MalformedRecord as e:  # garbage under our key: treat it as a foreign key
+                key = (READY, -1, 0)
+                self._log().warning("malformed value under our key", error=str(e))
+        except RegistryError as e:
+            if st.unreachable_since is None:
+                st.unreachable_since = now
+            return Observation(now=now, reachable=False, error=str(e))
+        st.unreachable_since = None
+        if key is None:
+            st.blocked_since = None
+            return Observation(now=now, lease_alive=lease_alive, lease_lost=lease_lost)
+        state, key_lease, pid = key
+        if st.lease_id is not None and key_lease == st.lease_id:
+            st.blocked_since = None
+            if st.drain_requested_at is None:
+                st.wanted_state = state  # follow an operator's drain / undrain
+        elif st.blocked_since is None:
+            st.blocked_since = now
+        return Observation(
+            now=now, lease_alive=lease_alive, lease_lost=lease_lost, key_state=state, key_lease=key_lease, key_pid=pid
+        )
+
+    def apply(self, decision: Decision) -> None:
+        st = self.state
+        try:
+            if decision.action is Action.REGISTER:
+                self._register()
+            elif decision.action is Action.MARK_DRAINING:
+                entry = self.registry.get(self.cfg.host)
+                if entry is not None and entry.lease_id == st.lease_id:
+                    self.registry.compare_and_set(entry, entry.record.with_state(DRAINING))
+                st.wanted_state = DRAINING
+            elif decision.action is Action.REVOKE_AND_EXIT:
+                if st.lease_id is not None:
+                    self.registry.revoke_lease(st.lease_id)
+                st.lease_id, st.registered = None, False
+        except (RegistryError, MalformedRecord) as e:
+            self._log().warning(
+                "action failed; the next cycle decides again", action=decision.action.value, error=str(e)
+            )
+        if decision.exit_code is not None:
+            self.exit_code = decision.exit_code
+
+    def _register(self) -> None:
+        st = self.state
+        if st.drain_requested_at is not None:
+            st.wanted_state = DRAINING
+        lease_id = self.registry.grant_lease(self.cfg.ttl_seconds)
+        record = HostRecord(
+            host=self.cfg.host,
+            slots=self.cfg.slots,
+            addr=self.cfg.addr,
+            state=st.wanted_state,
+            pid=os.getpid(),
+            registered_at=self.wall_clock(),
+        )
+        try:
+            created = self.registry.register(record, lease_id)
+        except BaseException:
+            self.registry.revoke_lease(lease_id)
+            raise
+        if created:
+            st.lease_id, st.registered = lease_id, True
+        else:  # someone else's key appeared in between: drop our lease, the next cycle waits
+            self.registry.revoke_lease(lease_id)
+
+    def run_cycle(self) -> Decision:
+        decision = decide(self.cfg, self.state, self.observe())
+        self.apply(decision)
+        return decision
+
+    def next_wait(self) -> float:
+        st = self.state
+        wait = self.cfg.heartbeat_seconds
+        if st.drain_requested_at is not None:
+            left = st.drain_requested_at + self.cfg.drain_grace_seconds - self.clock()
+            wait = min(wait, max(0.0, left))
+        return wait
+
+    def wait(self, seconds: float) -> None:
+        """Sleep ``seconds``, returning early when a signal arrived (in slices of 0.1 s)."""
+        seen = self.signals.count
+        deadline = self.clock() + seconds
+        while self.signals.count == seen:
+            left = deadline - self.clock()
+            if left <= 0:
+                return
+            self.sleep(min(0.1, left))
+
+    def run(self) -> int:
+        """The daemon loop. Returns the exit code; the lease is revoked in ``finally`` unless done."""
+        log = self._log()
+        last = ""
+        try:
+            while self.exit_code is None:
+                decision = self.last_decision = self.run_cycle()
+                if decision.action is not Action.HEARTBEAT or decision.reason != last:
+                    log.info(decision.reason, action=decision.action.value)
+                else:
+                    log.debug(decision.reason, action=decision.action.value)
+                last = decision.reason
+                if self.exit_code is None:
+                    self.wait(self.next_wait())
+            return self.exit_code
+        finally:
+            if self.state.lease_id is not None:
+                try:
+                    self.registry.revoke_lease(self.state.lease_id)
+                    log.info("lease revoked on shutdown", lease=f"{self.state.lease_id:x}")
+                except RegistryError as e:
+                    log.warning("could not revoke lease on shutdown; it expires by itself", error=str(e))
+            self.registry.close()
+
+    def _log(self) -> Any:
+        if self.log is None:
+            self.log = get_logger("agent")
+        return self.log
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def detect_gpus(timeout_seconds: float = 5.0) -> int:
+    """Number of GPUs ``nvidia-smi -L`` lists; 0 when it is missing or fails."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return 0
+    try:
+        out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=timeout_seconds, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    if out.returncode != 0:
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+def _slots(value: str) -> int:
+    if value == "auto":
+        return max(1, detect_gpus())
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {value!r}")
+    return n
+
+
+def _number(kind: type) -> Callable[[str], float]:
+    def parse(value: str) -> float:
+        try:
+            x = kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+        if not math.isfinite(x):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {value!r}")
+        return x
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description="Register this host in etcd for a job; drain on SIGTERM.")
+    p.add_argument("--etcd", required=True, metavar="URL", help="etcd endpoint(s), http://HOST:PORT[,...]")
+    p.add_argument("--job", required=True, help="job name")
+    p.add_argument("--host", default=None, help="host name to register (default: this machine's hostname)")
+    p.add_argument("--addr", default=None, help="address to record (default: resolved from --host)")
+    p.add_argument("--slots", type=_slots, default="auto", help="worker slots, or 'auto' (GPU count, else 1)")
+    p.add_argument("--ttl", type=_number(int), default=10, metavar="SECONDS", help="lease TTL (default 10)")
+    p.add_argument(
+        "--heartbeat",
+        type=_number(float),
+        default=None,
+        metavar="SECONDS",
+        help="lease refresh interval (default ttl/3)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=_number(float),
+        default=None,
+        metavar="SECONDS",
+        help="deadline of each etcd request (default min(2, ttl/6))",
+    )
+    p.add_argument(
+        "--drain-grace",
+        type=_number(float),
+        default=30.0,
+        metavar="SECONDS",
+        help="seconds between SIGTERM (draining) and revoking the lease (default 30)",
+    )
+    p.add_argument(
+        "--retry-deadline",
+        type=_number(float),
+        default=None,
+        metavar="SECONDS",
+        help="give up when etcd stays unreachable this long (default max(60, ttl))",
+    )
+    p.add_argument(
+        "--prefix",
+        default=os.environ.get("ELASTICTRAIN_ETCD_PREFIX") or DEFAULT_PREFIX,
+        help="etcd key prefix (default $ELASTICTRAIN_ETCD_PREFIX or /elastictrain)",
+    )
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> AgentConfig:
+    host = args.host or socket.gethostname()
+    ttl = int(args.ttl)
+    return AgentConfig(
+        job=args.job,
+        host=host,
+        slots=args.slots,
+        addr=args.addr or _resolve(host),
+        prefix=args.prefix,
+        ttl_seconds=ttl,
+        heartbeat_seconds=args.heartbeat if args.heartbeat is not None else ttl / 3,
+        request_timeout_seconds=args.request_timeout if args.request_timeout is not None else min(2.0, ttl / 6),
+        drain_grace_seconds=args.drain_grace,
+        retry_deadline_seconds=args.retry_deadline if args.retry_deadline is not None else max(60.0, ttl),
+    )
+
+
+def _resolve(host: str) -> str:
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return host
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        parse_endpoints(args.etcd)
+        cfg = config_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    configure_logging(job=cfg.job, host=cfg.host)
+    signals = Signals()
+    signals.install()  # before the first request, so a SIGTERM during start-up drains too
+    registry = EtcdRegistry(args.etcd, cfg.job, cfg.prefix, timeout_seconds=cfg.request_timeout_seconds)
+    agent = Agent(cfg, registry, signals=signals)
+    get_logger("agent").info(
+        "agent starting",
+        etcd=args.etcd,
+        slots=cfg.slots,
+        ttl=cfg.ttl_seconds,
+        heartbeat=cfg.heartbeat_seconds,
+        drain_grace=cfg.drain_grace_seconds,
+        pid=os.getpid(),
+    )
+    code = agent.run()
+    if code != 0 and agent.last_decision is not None:
+        print(f"{PROG}: error: {agent.last_decision.reason}", file=sys.stderr)
+    return code

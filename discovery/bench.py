@@ -1,0 +1,56 @@
+"""Benchmark of ``discover.sh``: wall time per call with a populated job (the bench CLI calls this)."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from discovery.record import HostRecord
+from discovery.registry import EtcdRegistry
+
+DISCOVER_SH = Path(__file__).resolve().with_name("discover.sh")
+
+
+def bench_discover(endpoint: str, job: str, n_hosts: int = 32, calls: int = 30) -> dict[str, float | int]:
+    """Register ``n_hosts`` hosts under one lease, time ``calls`` runs of discover.sh, then clean up.
+
+    Returns ``median_ms``, ``p95_ms``, ``min_ms``, ``max_ms``, ``calls`` and ``n_hosts``; raises
+    ``RuntimeError`` when a call fails or does not list every host.
+    """
+    if n_hosts < 1 or calls < 1:
+        raise ValueError(f"n_hosts and calls must be >= 1, got {n_hosts} and {calls}")
+    registry = EtcdRegistry(endpoint, job)
+    lease_id = registry.grant_lease(max(60, calls * 2))
+    try:
+        for i in range(n_hosts):
+            registry.register(HostRecord(host=f"bench-{i:03d}", slots=1, addr="127.0.0.1"), lease_id)
+        with tempfile.TemporaryDirectory(prefix="elastictrain-bench-") as tmp:
+            env = {
+                **os.environ,
+                "ELASTICTRAIN_ETCD": endpoint,
+                "ELASTICTRAIN_JOB": job,
+                "ELASTICTRAIN_DISCOVER_CACHE": str(Path(tmp) / "cache.json"),
+            }
+            times_ms = []
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                proc = subprocess.run([str(DISCOVER_SH)], env=env, capture_output=True, text=True, check=False)
+                times_ms.append((time.perf_counter() - t0) * 1000.0)
+                if proc.returncode != 0 or len(proc.stdout.splitlines()) < n_hosts:
+                    raise RuntimeError(f"discover.sh failed (exit {proc.returncode}): {proc.stderr.strip()}")
+    finally:
+        registry.revoke_lease(lease_id)
+        registry.close()
+    times_ms.sort()
+    return {
+        "median_ms": statistics.median(times_ms),
+        "p95_ms": times_ms[min(len(times_ms) - 1, round(0.95 * (len(times_ms) - 1)))],
+        "min_ms": times_ms[0],
+        "max_ms": times_ms[-1],
+        "calls": calls,
+        "n_hosts": n_hosts,
+    }

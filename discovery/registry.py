@@ -1,0 +1,466 @@
+"""Host registry: the membership store behind an abstract class, on etcd v3 or in memory.
+
+Every method maps to one atomic etcd operation (named in its docstring), so an implementation over
+another store knows exactly what it must provide. All methods are synchronous; ``EtcdRegistry``
+runs the async ``aetcd`` client on a private event loop.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import itertools
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+from discovery.record import DEFAULT_PREFIX, HostRecord, MalformedRecord, check_name, host_key, hosts_prefix
+
+T = TypeVar("T")
+
+
+class RegistryError(Exception):
+    """Base of every registry error."""
+
+
+class RegistryUnavailable(RegistryError):
+    """The store did not answer in time (etcd down, paused or unreachable). Retry later."""
+
+
+class LeaseLost(RegistryError):
+    """The lease expired or was revoked (or the store lost it); its keys are gone."""
+
+
+class HostNotFound(RegistryError):
+    """No key for the host."""
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """A host record as read, with what a compare-and-set needs."""
+
+    record: HostRecord
+    mod_revision: int
+    """Revision of the last write of the key: the compare in :meth:`HostRegistry.compare_and_set`."""
+    lease_id: int
+    """Lease the key is attached to (0: none)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Listing:
+    """All hosts of a job: parsed entries sorted by host, and values that failed to parse."""
+
+    entries: list[Entry] = field(default_factory=list)
+    malformed: list[str] = field(default_factory=list)
+    """One message per skipped value, naming the host and what is wrong."""
+
+
+class HostRegistry(abc.ABC):
+    """Membership of one job's hosts under ``<prefix>/<job>/hosts/<host>``.
+
+    An agent calls :meth:`grant_lease`, then :meth:`register` under that lease, then
+    :meth:`keep_alive` every heartbeat; a dead agent's key disappears when its lease runs out.
+    State changes (drain, undrain) go through :meth:`compare_and_set` so that concurrent writers
+    (the agent and an operator) never overwrite each other blindly.
+    """
+
+    def __init__(self, job: str, prefix: str = DEFAULT_PREFIX) -> None:
+        self.job = check_name("job", job)
+        self.prefix = prefix
+
+    def key(self, host: str) -> str:
+        return host_key(self.prefix, self.job, host)
+
+    @abc.abstractmethod
+    def grant_lease(self, ttl_seconds: int) -> int:
+        """Create a lease that expires ``ttl_seconds`` after its last keep-alive; return its id.
+
+        Atomic operation: LeaseGrant.
+        """
+
+    @abc.abstractmethod
+    def keep_alive(self, lease_id: int) -> float:
+        """Refresh the lease; return the TTL it now has. Call once per heartbeat.
+
+        Atomic operation: one LeaseKeepAlive round trip. Raises :class:`LeaseLost` when the lease
+        no longer exists (expired, revoked, or the store lost its data).
+        """
+
+    @abc.abstractmethod
+    def revoke_lease(self, lease_id: int) -> None:
+        """Revoke the lease, deleting every key attached to it in the same step.
+
+        Atomic operation: LeaseRevoke. Revoking an unknown lease is not an error.
+        """
+
+    @abc.abstractmethod
+    def register(self, record: HostRecord, lease_id: int) -> bool:
+        """Create the host's key under ``lease_id`` unless the key exists; return whether it did.
+
+        Atomic operation: create-if-absent, a Txn comparing the key's create_revision with 0 whose
+        success branch is a Put with the lease attached.
+        """
+
+    @abc.abstractmethod
+    def get(self, host: str) -> Entry | None:
+        """The host's entry, or ``None`` when there is no key.
+
+        Atomic operation: Range on one key. Raises :class:`discovery.record.MalformedRecord` when
+        the value does not parse.
+        """
+
+    @abc.abstractmethod
+    def list_hosts(self) -> Listing:
+        """Every host of the job, malformed values reported rather than raised.
+
+        Atomic operation: one Range over the prefix (a consistent snapshot).
+        """
+
+    @abc.abstractmethod
+    def compare_and_set(self, entry: Entry, record: HostRecord) -> bool:
+        """Replace the value read as ``entry`` with ``record``, keeping the key's lease.
+
+        Atomic operation: compare-and-set, a Txn comparing the key's mod_revision with
+        ``entry.mod_revision`` whose success branch is a Put with ``entry.lease_id``. Returns False
+        when the key changed (or vanished) since it was read; the caller re-reads and decides again.
+        """
+
+    @abc.abstractmethod
+    def delete(self, host: str) -> bool:
+        """Delete the host's key; return whether it existed. The lease stays (its agent notices).
+
+        Atomic operation: DeleteRange on one key.
+        """
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections. The registry is unusable afterwards."""
+
+    def __enter__(self) -> HostRegistry:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def set_state(registry: HostRegistry, host: str, state: str, attempts: int = 5) -> tuple[str, str]:
+    """Set a host's state with compare-and-set, re-reading on conflict up to ``attempts`` times.
+
+    Returns ``(old_state, new_state)``. Raises :class:`HostNotFound` or :class:`RegistryError`.
+    """
+    for _ in range(attempts):
+        entry = registry.get(host)
+        if entry is None:
+            raise HostNotFound(f"no host {host!r} in job {registry.job!r}")
+        if entry.record.state == state:
+            return state, state
+        if registry.compare_and_set(entry, entry.record.with_state(state)):
+            return entry.record.state, state
+    raise RegistryError(f"host {host!r} changed concurrently {attempts} times; try again")
+
+
+# --------------------------------------------------------------------------------------------------
+# In memory (unit tests)
+
+
+class InMemoryRegistry(HostRegistry):
+    """A registry in a dict with etcd's semantics, its leases expiring by an injected clock.
+
+    Tests drive time with ``clock`` (e.g. a ``FakeClock``), simulate an outage with
+    ``available = False``, the loss of etcd's data with :meth:`lose_everything`, and garbage values
+    with :meth:`put_raw`. Several registries may share one store (``store=other.store``).
+    """
+
+    def __init__(
+        self,
+        job: str,
+        prefix: str = DEFAULT_PREFIX,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        store: _MemStore | None = None,
+    ) -> None:
+        super().__init__(job, prefix)
+        self.clock = clock
+        self.store = store if store is not None else _MemStore()
+        self.available = True
+
+    # -- test hooks
+    def put_raw(self, host: str, value: bytes, lease_id: int = 0) -> None:
+        """Write any bytes under the host's key (to test readers against garbage)."""
+        self._check()
+        self.store.put(self.key(host), value, lease_id)
+
+    def lose_everything(self) -> None:
+        """Forget all keys and leases, as an etcd restarted on an empty data dir would."""
+        self.store.keys.clear()
+        self.store.leases.clear()
+
+    # -- HostRegistry
+    def grant_lease(self, ttl_seconds: int) -> int:
+        self._check()
+        lease_id = next(self.store.lease_ids)
+        self.store.leases[lease_id] = _MemLease(ttl_seconds, self.clock() + ttl_seconds)
+        return lease_id
+
+    def keep_alive(self, lease_id: int) -> float:
+        self._check()
+        lease = self.store.leases.get(lease_id)
+        if lease is None:
+            raise LeaseLost(f"lease {lease_id:x} not found")
+        lease.expires_at = self.clock() + lease.ttl
+        return float(lease.ttl)
+
+    def revoke_lease(self, lease_id: int) -> None:
+        self._check()
+        self.store.drop_lease(lease_id)
+
+    def register(self, record: HostRecord, lease_id: int) -> bool:
+        self._check()
+        if lease_id not in self.store.leases:
+            raise LeaseLost(f"lease {lease_id:x} not found")
+        key = self.key(record.host)
+        if key in self.store.keys:
+            return False
+        self.store.put(key, record.to_json(), lease_id)
+        return True
+
+    def get(self, host: str) -> Entry | None:
+        self._check()
+        item = self.store.keys.get(self.key(host))
+        if item is None:
+            return None
+        value, mod_revision, lease_id = item
+        return Entry(HostRecord.from_json(host, value), mod_revision, lease_id)
+
+    def list_hosts(self) -> Listing:
+        self._check()
+        start = hosts_prefix(self.prefix, self.job)
+        listing = Listing()
+        for key in sorted(k for k in self.store.keys if k.startswith(start)):
+            value, mod_revision, lease_id = self.store.keys[key]
+            try:
+                record = HostRecord.from_json(key[len(start) :], value)
+            except MalformedRecord as e:
+                listing.malformed.append(str(e))
+                continue
+            listing.entries.append(Entry(record, mod_revision, lease_id))
+        return listing
+
+    def compare_and_set(self, entry: Entry, record: HostRecord) -> bool:
+        self._check()
+        key = self.key(record.host)
+        item = self.store.keys.get(key)
+        if item is None or item[1] != entry.mod_revision:
+            return False
+        self.store.put(key, record.to_json(), entry.lease_id)
+        return True
+
+    def delete(self, host: str) -> bool:
+        self._check()
+        return self.store.keys.pop(self.key(host), None) is not None
+
+    def _check(self) -> None:
+        if not self.available:
+            raise RegistryUnavailable("in-memory registry marked unavailable")
+        self.store.expire(self.clock())
+
+
+@dataclass(slots=True)
+class _MemLease:
+    ttl: int
+    expires_at: float
+
+
+@dataclass(slots=True)
+class _MemStore:
+    keys: dict[str, tuple[bytes, int, int]] = field(default_factory=dict)  # value, mod_revision, lease
+    leases: dict[int, _MemLease] = field(default_factory=dict)
+    revision: int = 1
+    lease_ids: itertools.count = field(default_factory=lambda: itertools.count(0x1000))
+
+    def put(self, key: str, value: bytes, lease_id: int) -> None:
+        self.revision += 1
+        self.keys[key] = (value, self.revision, lease_id)
+
+    def drop_lease(self, lease_id: int) -> None:
+        if self.leases.pop(lease_id, None) is not None:
+            self.revision += 1
+            for key in [k for k, v in self.keys.items() if v[2] == lease_id]:
+                del self.keys[key]
+
+    def expire(self, now: float) -> None:
+        for lease_id in [i for i, lease in self.leases.items() if lease.expires_at <= now]:
+            self.drop_lease(lease_id)
+
+
+# --------------------------------------------------------------------------------------------------
+# etcd v3 (aetcd)
+
+
+def parse_endpoints(spec: str) -> list[tuple[str, int]]:
+    """``http://h1:2379,http://h2:2379`` (scheme optional) -> ``[(h1, 2379), (h2, 2379)]``."""
+    out: list[tuple[str, int]] = []
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        url = urlsplit(part if "://" in part else f"http://{part}")
+        if url.scheme != "http" or not url.hostname:
+            raise ValueError(f"invalid etcd endpoint {part!r}: expected http://HOST:PORT")
+        try:
+            port = url.port or 2379
+        except ValueError:
+            raise ValueError(f"invalid etcd endpoint {part!r}: bad port") from None
+        out.append((url.hostname, port))
+    if not out:
+        raise ValueError(f"invalid etcd endpoints {spec!r}: expected http://HOST:PORT[,...]")
+    return out
+
+
+class EtcdRegistry(HostRegistry):
+    """The registry on etcd v3 through ``aetcd``, with a synchronous facade.
+
+    Each call is bounded by ``timeout_seconds``; a timeout or a connection failure raises
+    :class:`RegistryUnavailable`, after which the next call reconnects (to the next endpoint when
+    several are given).
+    """
+
+    def __init__(self, endpoints: str, job: str, prefix: str = DEFAULT_PREFIX, *, timeout_seconds: float = 2.0) -> None:
+        super().__init__(job, prefix)
+        self.endpoints = parse_endpoints(endpoints)
+        self.timeout_seconds = timeout_seconds
+        self._endpoint_index = 0
+        self._loop = asyncio.new_event_loop()
+        self._client: Any = None
+
+    @property
+    def endpoint(self) -> str:
+        host, port = self.endpoints[self._endpoint_index]
+        return f"http://{host}:{port}"
+
+    def _connect(self) -> Any:
+        import aetcd  # deferred: grpc takes ~100 ms to import
+
+        if self._client is None:
+            host, port = self.endpoints[self._endpoint_index]
+            self._client = aetcd.Client(
+                host=host,
+                port=port,
+                timeout=max(1, round(self.timeout_seconds)),
+                # Reconnect soon after an outage instead of gRPC's default backoff of up to 2 min.
+                options={"grpc.initial_reconnect_backoff_ms": 100, "grpc.max_reconnect_backoff_ms": 1000},
+            )
+        return self._client
+
+    def _reset(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(Exception):  # closing a broken channel may fail in many ways
+                self._loop.run_until_complete(asyncio.wait_for(client.close(), 1.0))
+        self._endpoint_index = (self._endpoint_index + 1) % len(self.endpoints)
+
+    def _run(self, make: Callable[[Any], Coroutine[Any, Any, T]], what: str) -> T:
+        import aetcd
+
+        client = self._connect()
+        try:
+            return self._loop.run_until_complete(asyncio.wait_for(make(client), self.timeout_seconds))
+        except (TimeoutError, asyncio.TimeoutError, aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError) as e:
+            endpoint = self.endpoint
+            self._reset()
+            raise RegistryUnavailable(f"etcd at {endpoint} did not answer {what}: {_describe(e)}") from None
+        except aetcd.ClientError as e:
+            raise RegistryError(f"etcd at {self.endpoint} failed {what}: {_describe(e)}") from None
+
+    def grant_lease(self, ttl_seconds: int) -> int:
+        lease = self._run(lambda c: c.lease(ttl_seconds), "LeaseGrant")
+        return int(lease.id)
+
+    def keep_alive(self, lease_id: int) -> float:
+        reply = self._run(lambda c: c.refresh_lease(lease_id), "LeaseKeepAlive")
+        if reply is None or reply.TTL <= 0:
+            raise LeaseLost(f"lease {lease_id:x} not found")
+        return float(reply.TTL)
+
+    def revoke_lease(self, lease_id: int) -> None:
+        try:
+            self._run(lambda c: c.revoke_lease(lease_id), "LeaseRevoke")
+        except RegistryError as e:
+            # Revoking an expired lease answers "lease not found": the work is already done.
+            if isinstance(e, RegistryUnavailable) or "not found" not in str(e):
+                raise
+
+    def register(self, record: HostRecord, lease_id: int) -> bool:
+        key = self.key(record.host).encode()
+
+        async def txn(c: Any) -> bool:
+            ok, _ = await c.transaction(
+                compare=[c.transactions.create(key) == 0],
+                success=[c.transactions.put(key, record.to_json(), lease=lease_id)],
+                failure=[],
+            )
+            return bool(ok)
+
+        try:
+            return self._run(txn, "create-if-absent Txn")
+        except RegistryError as e:
+            if "lease not found" in str(e):
+                raise LeaseLost(f"lease {lease_id:x} not found") from None
+            raise
+
+    def get(self, host: str) -> Entry | None:
+        kv = self._run(lambda c: c.get(self.key(host).encode()), "Range")
+        if kv is None:
+            return None
+        return Entry(HostRecord.from_json(host, kv.value), int(kv.mod_revision), int(kv.lease))
+
+    def list_hosts(self) -> Listing:
+        start = hosts_prefix(self.prefix, self.job)
+        result = self._run(lambda c: c.get_prefix(start.encode()), "Range over prefix")
+        listing = Listing()
+        for kv in sorted(result, key=lambda kv: kv.key):
+            host = kv.key.decode(errors="replace")[len(start) :]
+            try:
+                record = HostRecord.from_json(host, kv.value)
+            except MalformedRecord as e:
+                listing.malformed.append(str(e))
+                continue
+            listing.entries.append(Entry(record, int(kv.mod_revision), int(kv.lease)))
+        return listing
+
+    def compare_and_set(self, entry: Entry, record: HostRecord) -> bool:
+        key = self.key(record.host).encode()
+
+        async def txn(c: Any) -> bool:
+            ok, _ = await c.transaction(
+                compare=[c.transactions.mod(key) == entry.mod_revision],
+                success=[c.transactions.put(key, record.to_json(), lease=entry.lease_id or None)],
+                failure=[],
+            )
+            return bool(ok)
+
+        try:
+            return self._run(txn, "compare-and-set Txn")
+        except RegistryError as e:
+            if "lease not found" in str(e):  # the lease expired between read and write
+                return False
+            raise
+
+    def delete(self, host: str) -> bool:
+        result = self._run(lambda c: c.delete(self.key(host).encode()), "DeleteRange")
+        return result is not None
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        try:
+            self._reset()
+        finally:
+            self._loop.close()
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__

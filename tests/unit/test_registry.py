@@ -1,0 +1,172 @@
+"""Registry semantics on the in-memory store, driven by a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from discovery.record import DRAINING, READY, HostRecord, MalformedRecord
+from discovery.registry import (
+    HostNotFound,
+    InMemoryRegistry,
+    LeaseLost,
+    RegistryUnavailable,
+    parse_endpoints,
+    set_state,
+)
+
+
+class FakeClock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def rec(host: str = "node-a", slots: int = 2, state: str = READY) -> HostRecord:
+    return HostRecord(host=host, slots=slots, addr="127.0.0.1", state=state, pid=42, registered_at=1.0)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def registry(clock: FakeClock) -> InMemoryRegistry:
+    return InMemoryRegistry("job1", clock=clock)
+
+
+def test_registered_host_is_listed_under_its_key(registry: InMemoryRegistry) -> None:
+    lease = registry.grant_lease(10)
+    assert registry.register(rec(), lease)
+    assert registry.key("node-a") == "/elastictrain/job1/hosts/node-a"
+    (entry,) = registry.list_hosts().entries
+    assert entry.record == rec()
+    assert entry.lease_id == lease
+
+
+def test_register_does_not_overwrite_an_existing_key(registry: InMemoryRegistry) -> None:
+    first, second = registry.grant_lease(10), registry.grant_lease(10)
+    assert registry.register(rec(slots=2), first)
+    assert not registry.register(rec(slots=8), second)
+    entry = registry.get("node-a")
+    assert entry is not None and entry.record.slots == 2 and entry.lease_id == first
+
+
+def test_host_disappears_when_its_lease_is_not_kept_alive(registry: InMemoryRegistry, clock: FakeClock) -> None:
+    lease = registry.grant_lease(10)
+    registry.register(rec(), lease)
+    clock.advance(9)
+    assert registry.keep_alive(lease) == 10
+    clock.advance(9.9)
+    assert registry.get("node-a") is not None
+    clock.advance(0.1)
+    assert registry.get("node-a") is None
+    with pytest.raises(LeaseLost):
+        registry.keep_alive(lease)
+
+
+def test_revoking_a_lease_deletes_its_keys_only(registry: InMemoryRegistry) -> None:
+    a, b = registry.grant_lease(10), registry.grant_lease(10)
+    registry.register(rec("node-a"), a)
+    registry.register(rec("node-b"), b)
+    registry.revoke_lease(a)
+    registry.revoke_lease(a)  # revoking twice is fine
+    assert [e.record.host for e in registry.list_hosts().entries] == ["node-b"]
+
+
+def test_register_under_a_lost_lease_fails(registry: InMemoryRegistry) -> None:
+    lease = registry.grant_lease(10)
+    registry.revoke_lease(lease)
+    with pytest.raises(LeaseLost):
+        registry.register(rec(), lease)
+
+
+def test_compare_and_set_keeps_the_lease_and_fails_on_a_stale_read(registry: InMemoryRegistry) -> None:
+    lease = registry.grant_lease(10)
+    registry.register(rec(), lease)
+    read = registry.get("node-a")
+    assert read is not None
+    assert registry.compare_and_set(read, read.record.with_state(DRAINING))
+    assert not registry.compare_and_set(read, read.record.with_state(READY)), "stale mod_revision must lose"
+    now = registry.get("node-a")
+    assert now is not None and now.record.state == DRAINING and now.lease_id == lease
+    registry.revoke_lease(lease)
+    assert registry.get("node-a") is None, "the rewritten key still belongs to the lease"
+
+
+def test_set_state_drains_and_undrains(registry: InMemoryRegistry) -> None:
+    registry.register(rec(), registry.grant_lease(10))
+    assert set_state(registry, "node-a", DRAINING) == (READY, DRAINING)
+    assert set_state(registry, "node-a", DRAINING) == (DRAINING, DRAINING)
+    assert set_state(registry, "node-a", READY) == (DRAINING, READY)
+    with pytest.raises(HostNotFound):
+        set_state(registry, "node-x", DRAINING)
+
+
+def test_delete_removes_the_key_but_not_the_lease(registry: InMemoryRegistry) -> None:
+    lease = registry.grant_lease(10)
+    registry.register(rec(), lease)
+    assert registry.delete("node-a")
+    assert not registry.delete("node-a")
+    assert registry.keep_alive(lease) == 10
+
+
+def test_malformed_values_are_reported_not_raised_when_listing(registry: InMemoryRegistry) -> None:
+    registry.register(rec("good"), registry.grant_lease(10))
+    registry.put_raw("garbage", b"{not json")
+    registry.put_raw("noslots", b'{"addr": "x"}')
+    registry.put_raw("badstate", b'{"slots": 1, "state": "zombie"}')
+    listing = registry.list_hosts()
+    assert [e.record.host for e in listing.entries] == ["good"]
+    assert len(listing.malformed) == 3
+    assert any("garbage" in m and "not JSON" in m for m in listing.malformed)
+    with pytest.raises(MalformedRecord):
+        registry.get("garbage")
+
+
+def test_jobs_and_prefixes_do_not_see_each_other(registry: InMemoryRegistry, clock: FakeClock) -> None:
+    other_job = InMemoryRegistry("job2", clock=clock, store=registry.store)
+    other_prefix = InMemoryRegistry("job1", "/other", clock=clock, store=registry.store)
+    registry.register(rec("node-a"), registry.grant_lease(10))
+    assert other_job.list_hosts().entries == []
+    assert other_prefix.list_hosts().entries == []
+
+
+def test_an_unavailable_store_raises_a_typed_error(registry: InMemoryRegistry) -> None:
+    registry.available = False
+    with pytest.raises(RegistryUnavailable):
+        registry.list_hosts()
+
+
+def test_losing_everything_drops_keys_and_leases(registry: InMemoryRegistry) -> None:
+    lease = registry.grant_lease(10)
+    registry.register(rec(), lease)
+    registry.lose_everything()
+    assert registry.get("node-a") is None
+    with pytest.raises(LeaseLost):
+        registry.keep_alive(lease)
+
+
+def test_record_round_trips_through_json() -> None:
+    r = rec(state=DRAINING)
+    assert HostRecord.from_json(r.host, r.to_json()) == r
+    assert b'"host"' not in r.to_json(), "the key names the host"
+
+
+@pytest.mark.parametrize("bad", ["", "a:b", "a/b", "-x", "h o"])
+def test_invalid_host_names_are_rejected(bad: str) -> None:
+    with pytest.raises(ValueError, match="invalid host name"):
+        rec(bad)
+
+
+def test_parse_endpoints() -> None:
+    assert parse_endpoints("http://127.0.0.1:2379,10.0.0.2") == [("127.0.0.1", 2379), ("10.0.0.2", 2379)]
+    with pytest.raises(ValueError, match="invalid etcd endpoint"):
+        parse_endpoints("https://x:1")
+    with pytest.raises(ValueError, match="invalid etcd endpoints"):
+        parse_endpoints(" , ")
