@@ -365,6 +365,7 @@ class MlflowTracker:
         self._lock = threading.Lock()
         self._dropped = 0
         self._skipped_duplicates = 0
+        self._in_flight = 0
         self._last_drop_warning = -math.inf
         self._run_id: str | None = None
         self._started = threading.Event()
@@ -426,8 +427,9 @@ class MlflowTracker:
         self._closing.set()
         self._thread.join(timeout)
         if self._thread.is_alive():
-            self._abandon.set()
-            left = self._drain_uncounted()
+            with self._lock:  # from here on the sender counts nothing: what it holds is counted now
+                self._abandon.set()
+                left = self._drain_uncounted() + self._in_flight
             self._count_drop(left, "close_timed_out", force=True)
         log.info(
             "tracking_closed",
@@ -449,6 +451,8 @@ class MlflowTracker:
         if n <= 0:
             return
         with self._lock:
+            if self._abandon.is_set() and not force:
+                return  # close() already counted everything the sender held
             self._dropped += n
             now = time.monotonic()
             warn = force or now - self._last_drop_warning >= self._warn_interval
@@ -542,12 +546,20 @@ class MlflowTracker:
                     items.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
+            batches = _batches(items, high_water, params_sent, self._note_duplicates)
+            with self._lock:
+                if self._abandon.is_set():  # close gave up meanwhile and counted the queue; count these
+                    self._dropped += sum(_size_of(b) for b in batches)
+                    return
+                self._in_flight = sum(_size_of(b) for b in batches)
             ok = True
-            for batch in _batches(items, high_water, params_sent, self._note_duplicates):
+            for batch in batches:
                 if ok and not self._abandon.is_set():
                     ok = self._send(backend, opened.run_id, batch)
                 else:  # the store just failed (or close gave up): don't spend another timeout on it
-                    self._count_drop(_size_of(batch), "request_failed" if not ok else "close_timed_out")
+                    self._count_drop(_size_of(batch), "request_failed")
+                with self._lock:
+                    self._in_flight -= _size_of(batch)
             if ok:
                 delay = self._backoff_min
             elif not self._closing.is_set():  # let the store recover; the queue buffers meanwhile

@@ -1,0 +1,284 @@
+"""MlflowTracker against a fake store: the caller never waits, one run per job, no point twice."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+from structlog.testing import capture_logs
+
+from elastictrain.config import config_from_dict
+from elastictrain.tracking import (
+    RUN_ID_FILE,
+    MetricPoint,
+    MlflowTracker,
+    NullTracker,
+    OpenedRun,
+    make_tracker,
+    read_run_id,
+    resolve_tracking_uri,
+)
+
+
+class FakeStore:
+    """Runs and their points, shared by the backends of successive trackers (like a real store)."""
+
+    def __init__(self) -> None:
+        self.runs: dict[str, dict] = {}
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail_requests = False
+        self.fail_open = False
+        self.batches: list[tuple[list[MetricPoint], dict[str, str], dict[str, str]]] = []
+        self.open_calls: list[str | None] = []
+
+    def points(self, run_id: str, key: str) -> list[int]:
+        return [p.step for p in self.runs[run_id]["metrics"] if p.key == key]
+
+
+class FakeBackend:
+    def __init__(self, store: FakeStore) -> None:
+        self.store = store
+
+    def open_run(self, *, existing_run_id: str | None, job: str, run_dir: str, experiment: str) -> OpenedRun:
+        self.store.open_calls.append(existing_run_id)
+        if self.store.fail_open:
+            raise ConnectionError("store unreachable")
+        run = self.store.runs.get(existing_run_id or "")
+        if run is None:
+            run = next(
+                (
+                    r
+                    for r in self.store.runs.values()
+                    if r["tags"].get("elastictrain.job") == job and r["tags"].get("elastictrain.run_dir") == run_dir
+                ),
+                None,
+            )
+        if run is None:
+            run_id = uuid.uuid4().hex
+            run = self.store.runs[run_id] = {
+                "id": run_id,
+                "metrics": [],
+                "params": {},
+                "artifacts": [],
+                "status": "RUNNING",
+                "tags": {"elastictrain.job": job, "elastictrain.run_dir": run_dir},
+            }
+            return OpenedRun(run_id=run_id, resumed=False)
+        marks: dict[str, int] = {}
+        for p in run["metrics"]:
+            marks[p.key] = max(marks.get(p.key, -1), p.step)
+        run["status"] = "RUNNING"
+        return OpenedRun(run_id=run["id"], resumed=True, high_water=marks, params=dict(run["params"]))
+
+    def log_batch(self, run_id: str, metrics: list[MetricPoint], params: dict[str, str], tags: dict[str, str]) -> None:
+        self.store.gate.wait(30)
+        if self.store.fail_requests:
+            raise ConnectionError("connection refused")
+        assert len(metrics) <= 1000 and len(params) <= 100 and len(tags) <= 100
+        self.store.batches.append((metrics, params, tags))
+        run = self.store.runs[run_id]
+        run["metrics"].extend(metrics)
+        for k, v in params.items():
+            assert k not in run["params"], f"param {k} logged twice"
+            run["params"][k] = v
+        run["tags"].update(tags)
+
+    def log_artifact(self, run_id: str, path: str, artifact_path: str | None) -> None:
+        self.store.runs[run_id]["artifacts"].append((path, artifact_path))
+
+    def finish(self, run_id: str, status: str) -> None:
+        self.store.runs[run_id]["status"] = status
+
+
+@pytest.fixture
+def store() -> FakeStore:
+    return FakeStore()
+
+
+def tracker(store: FakeStore, run_dir: Path, **kw) -> MlflowTracker:
+    kw.setdefault("retry_backoff_seconds", (0.01, 0.05))
+    return MlflowTracker(run_dir=run_dir, job="job1", backend_factory=lambda: FakeBackend(store), **kw)
+
+
+def test_points_params_tags_and_artifacts_reach_the_store_and_the_run_is_finished(
+    store: FakeStore, tmp_path: Path
+) -> None:
+    t = tracker(store, tmp_path)
+    t.log_params({"training.base_lr": 0.1, "job": "job1"})
+    t.set_tags({"hosts": "a,b", "torch": "2.14"})
+    for step in range(1, 11):
+        t.log_metrics({"loss": 1.0 / step, "accuracy": None, "world_size": 2}, step=step)
+    t.log_artifact(tmp_path / "config.yaml", "config")
+    assert t.wait_started(10) is not None
+    t.close()
+    run = store.runs[t.run_id]
+    assert store.points(t.run_id, "loss") == list(range(1, 11))
+    assert store.points(t.run_id, "accuracy") == []
+    assert run["params"] == {"training.base_lr": "0.1", "job": "job1"}
+    assert run["tags"]["hosts"] == "a,b"
+    assert run["artifacts"] == [(str(tmp_path / "config.yaml"), "config")]
+    assert run["status"] == "FINISHED"
+    assert t.dropped == 0
+
+
+def test_the_run_id_is_persisted_and_reused_by_the_next_tracker_of_the_job(store: FakeStore, tmp_path: Path) -> None:
+    first = tracker(store, tmp_path)
+    run_id = first.wait_started(10)
+    first.close(status="KILLED")
+    assert read_run_id(tmp_path) == run_id
+    assert (tmp_path / RUN_ID_FILE).read_text() == f"{run_id}\n"
+    second = tracker(store, tmp_path)
+    assert second.wait_started(10) == run_id
+    second.close()
+    assert store.open_calls == [None, run_id]
+    assert len(store.runs) == 1 and store.runs[run_id]["status"] == "FINISHED"
+
+
+def test_a_lost_run_id_file_finds_the_run_by_its_tags_instead_of_creating_another(
+    store: FakeStore, tmp_path: Path
+) -> None:
+    first = tracker(store, tmp_path)
+    run_id = first.wait_started(10)
+    first.close()
+    (tmp_path / RUN_ID_FILE).unlink()
+    second = tracker(store, tmp_path)
+    assert second.wait_started(10) == run_id
+    second.close()
+    assert len(store.runs) == 1 and read_run_id(tmp_path) == run_id
+
+
+def test_steps_re_run_after_a_rollback_are_not_logged_twice(store: FakeStore, tmp_path: Path) -> None:
+    t = tracker(store, tmp_path)
+    for step in range(1, 11):
+        t.log_metrics({"loss": 1.0, "lr": 0.1}, step=step)
+    for step in range(6, 13):  # rolled back to the commit at step 5, re-run
+        t.log_metrics({"loss": 2.0, "lr": 0.1}, step=step)
+    t.log_metrics({"recovery_seconds": 3.0}, step=6)  # a new metric may start at any step
+    t.close()
+    assert store.points(t.run_id, "loss") == list(range(1, 13))
+    assert store.points(t.run_id, "lr") == list(range(1, 13))
+    assert store.points(t.run_id, "recovery_seconds") == [6]
+    assert t.skipped_duplicates == 2 * 5
+    assert t.dropped == 0
+
+
+def test_a_resumed_tracker_reads_the_high_water_marks_from_the_store(store: FakeStore, tmp_path: Path) -> None:
+    first = tracker(store, tmp_path)
+    for step in range(1, 21):
+        first.log_metrics({"loss": 1.0}, step=step)
+    first.close()
+    resumed = tracker(store, tmp_path)  # resumed from a checkpoint at step 12
+    for step in range(13, 26):
+        resumed.log_metrics({"loss": 0.5, "samples_per_sec": 100.0}, step=step)
+    resumed.close()
+    assert store.points(first.run_id, "loss") == list(range(1, 26))
+    assert store.points(first.run_id, "samples_per_sec") == list(range(13, 26))
+
+
+def test_params_are_logged_once_and_a_changed_value_becomes_a_tag(store: FakeStore, tmp_path: Path) -> None:
+    first = tracker(store, tmp_path)
+    first.log_params({f"p{i}": i for i in range(150)})  # more than one request's worth
+    first.close()
+    second = tracker(store, tmp_path)
+    second.log_params({"p1": 1, "p2": 99, "new": "x"})
+    second.close()
+    run = store.runs[first.run_id]
+    assert len(run["params"]) == 151 and run["params"]["p2"] == "2" and run["params"]["new"] == "x"
+    assert run["tags"]["elastictrain.param_changed.p2"] == "2 -> 99"
+
+
+def test_a_stalled_store_never_blocks_the_caller_and_drops_are_counted(store: FakeStore, tmp_path: Path) -> None:
+    store.gate.clear()  # every request hangs until released
+    t = tracker(store, tmp_path, queue_size=5)
+    with capture_logs() as logs:
+        for step in range(1, 101):  # would hang here if a call waited on the store
+            t.log_metrics({"loss": 1.0, "lr": 0.1}, step=step)
+        assert t.dropped > 0
+        store.gate.set()
+        t.close()
+    sent = len(store.points(t.run_id, "loss")) + len(store.points(t.run_id, "lr"))
+    assert sent + t.dropped == 200
+    assert any(e["event"] == "tracking_points_dropped" and e["reason"] == "queue_full" for e in logs)
+
+
+def test_failed_requests_drop_their_points_and_the_sender_keeps_going(store: FakeStore, tmp_path: Path) -> None:
+    t = tracker(store, tmp_path)
+    assert t.wait_started(10)
+    store.fail_requests = True
+    with capture_logs() as logs:
+        for step in range(1, 11):
+            t.log_metrics({"loss": 1.0}, step=step)
+        t.close(timeout=10)
+    assert t.dropped == 10
+    assert any(e["event"] == "tracking_points_dropped" and e["reason"] == "request_failed" for e in logs)
+    assert any(e["event"] == "tracking_closed" and e["dropped"] == 10 for e in logs)
+
+
+def test_an_unreachable_store_at_start_costs_drops_not_a_hang(store: FakeStore, tmp_path: Path) -> None:
+    store.fail_open = True
+    t = tracker(store, tmp_path)
+    for step in range(1, 6):
+        t.log_metrics({"loss": 1.0}, step=step)
+    t.log_params({"a": 1})
+    assert t.wait_started(0.1) is None
+    t.close(timeout=5)
+    assert t.run_id is None and t.dropped == 6
+    assert len(store.open_calls) >= 1 and read_run_id(tmp_path) is None
+
+
+def test_the_store_coming_back_after_start_up_failures_opens_the_run(store: FakeStore, tmp_path: Path) -> None:
+    store.fail_open = True
+    t = tracker(store, tmp_path)
+    t.log_metrics({"loss": 1.0}, step=1)
+    while len(store.open_calls) < 2:
+        threading.Event().wait(0.01)
+    store.fail_open = False
+    assert t.wait_started(10) is not None
+    t.close()
+    assert store.points(t.run_id, "loss") == [1] and t.dropped == 0
+
+
+def test_close_gives_up_after_its_timeout_and_counts_what_was_left(store: FakeStore, tmp_path: Path) -> None:
+    t = tracker(store, tmp_path)
+    assert t.wait_started(10)
+    store.gate.clear()
+    for step in range(1, 51):
+        t.log_metrics({"loss": 1.0}, step=step)
+    t.close(timeout=0.2)  # returns although the store is still hanging
+    assert t.dropped >= 1
+    t.log_metrics({"loss": 1.0}, step=99)  # after close: counted, never raises
+    store.gate.set()
+
+
+def test_non_numbers_are_skipped_with_a_warning(store: FakeStore, tmp_path: Path) -> None:
+    t = tracker(store, tmp_path)
+    with capture_logs() as logs:
+        t.log_metrics({"loss": "abc", "lr": 0.1}, step=1)  # type: ignore[dict-item]
+    t.close()
+    assert store.points(t.run_id, "lr") == [1] and store.points(t.run_id, "loss") == []
+    assert any(e["event"] == "tracking_metric_not_a_number" for e in logs)
+
+
+def test_null_tracker_and_factory(tmp_path: Path) -> None:
+    cfg = config_from_dict({"job": "j", "run_dir": str(tmp_path)}, env={})
+    assert isinstance(make_tracker(cfg, rank=1), NullTracker)
+    off = config_from_dict({"job": "j", "run_dir": str(tmp_path), "tracking": {"mlflow": False}}, env={})
+    null = make_tracker(off, rank=0)
+    assert isinstance(null, NullTracker)
+    null.log_params({"a": 1})
+    null.log_metrics({"loss": 1.0}, step=1)
+    null.set_tags({"x": 1})
+    null.log_artifact("nothing")
+    assert null.wait_started(0) is None and null.dropped == 0 and null.run_id is None
+    null.close()
+
+
+def test_the_tracking_uri_comes_from_config_then_env_then_the_run_dir(tmp_path: Path) -> None:
+    assert resolve_tracking_uri("http://cfg:5000", tmp_path, env={"MLFLOW_TRACKING_URI": "http://env"}) == (
+        "http://cfg:5000"
+    )
+    assert resolve_tracking_uri(None, tmp_path, env={"MLFLOW_TRACKING_URI": "http://env"}) == "http://env"
+    assert resolve_tracking_uri(None, tmp_path, env={}) == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
