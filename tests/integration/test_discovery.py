@@ -1,0 +1,191 @@
+"""Discovery against a real etcd: the agent daemon, discover.sh and the hosts CLI as processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from discovery.record import HostRecord
+from discovery.registry import EtcdRegistry
+from tests.fixtures.etcd import EtcdServer
+from tests.fixtures.procs import REPO, VENV_BIN, ProcessGroup, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
+
+DISCOVER_SH = REPO / "discovery" / "discover.sh"
+ELASTICTRAIN = str(VENV_BIN / "elastictrain")
+JOB = "itest"
+TTL = 3
+
+
+def start_agent(procs: ProcessGroup, etcd: EtcdServer, host: str, *extra: str, log: Path) -> subprocess.Popen:
+    args = [ELASTICTRAIN, "agent", "--etcd", etcd.endpoint, "--job", JOB, "--host", host, "--slots", "1",
+            "--ttl", str(TTL), "--heartbeat", "0.5", "--request-timeout", "0.5", *extra]  # fmt: skip
+    with log.open("ab") as f:
+        return procs.start(args, stdout=subprocess.DEVNULL, stderr=f)
+
+
+def discover(etcd_endpoint: str, cache: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    full_env = {**os.environ, "ELASTICTRAIN_ETCD": etcd_endpoint, "ELASTICTRAIN_JOB": JOB,
+                "ELASTICTRAIN_DISCOVER_CACHE": str(cache), "ELASTICTRAIN_DISCOVER_TIMEOUT": "0.5", **env}  # fmt: skip
+    return subprocess.run([str(DISCOVER_SH)], env=full_env, capture_output=True, text=True, timeout=10, check=False)
+
+
+def hosts(etcd: EtcdServer, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([ELASTICTRAIN, "hosts", "--etcd", etcd.endpoint, "--job", JOB, *args],
+                          capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
+
+
+def states(etcd: EtcdServer) -> dict[str, str]:
+    with EtcdRegistry(etcd.endpoint, JOB, timeout_seconds=1.0) as registry:
+        return {e.record.host: e.record.state for e in registry.list_hosts().entries}
+
+
+def lease_of(etcd: EtcdServer, host: str) -> int | None:
+    with EtcdRegistry(etcd.endpoint, JOB, timeout_seconds=1.0) as registry:
+        entry = registry.get(host)
+    return entry.lease_id if entry else None
+
+
+def test_agent_host_appears_and_disappears_within_ttl_after_sigkill(
+    etcd_server: EtcdServer, procs: ProcessGroup, tmp_path: Path
+) -> None:
+    agent = start_agent(procs, etcd_server, "node-a", log=tmp_path / "agent.log")
+    wait_until(lambda: states(etcd_server) == {"node-a": "ready"}, 15, what="node-a registered")
+    out = discover(etcd_server.endpoint, tmp_path / "cache.json")
+    assert (out.returncode, out.stdout) == (0, "node-a:1\n"), out.stderr
+    listed = hosts(etcd_server, "list")
+    assert listed.returncode == 0 and listed.stdout.split()[:9] == [
+        "HOST", "SLOTS", "STATE", "AGE", "PID", "ADDR", "node-a", "1", "ready"]  # fmt: skip
+
+    agent.send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    wait_until(lambda: states(etcd_server) == {}, TTL + 2, what="node-a gone after its lease expired")
+    assert time.monotonic() - killed_at <= TTL + 1.5
+
+
+def test_sigterm_drains_at_once_and_the_host_is_gone_after_grace(
+    etcd_server: EtcdServer, procs: ProcessGroup, tmp_path: Path
+) -> None:
+    agent = start_agent(procs, etcd_server, "node-a", "--drain-grace", "3", log=tmp_path / "agent.log")
+    wait_until(lambda: states(etcd_server) == {"node-a": "ready"}, 15, what="node-a registered")
+    agent.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    wait_until(lambda: states(etcd_server) == {"node-a": "draining"}, 1.0, what="node-a draining at once")
+    assert discover(etcd_server.endpoint, tmp_path / "cache.json").stdout == "", "draining hosts are not listed"
+    wait_until(lambda: states(etcd_server) == {}, 6, what="node-a gone after the grace period")
+    assert time.monotonic() - sent >= 2.9
+    assert agent.wait(timeout=10) == 0
+
+
+def test_agent_registers_again_after_etcd_restarts(
+    etcd_server: EtcdServer, procs: ProcessGroup, tmp_path: Path
+) -> None:
+    start_agent(procs, etcd_server, "node-a", log=tmp_path / "agent.log")
+    wait_until(lambda: states(etcd_server) == {"node-a": "ready"}, 15, what="node-a registered")
+    first_lease = lease_of(etcd_server, "node-a")
+
+    etcd_server.stop()  # same data dir: etcd keeps the lease and the agent resumes its heartbeats
+    time.sleep(TTL)  # an outage as long as the TTL
+    etcd_server.start()
+    wait_until(lambda: states(etcd_server) == {"node-a": "ready"}, 10, what="node-a listed after the restart")
+
+    etcd_server.stop()  # an empty data dir: the lease is gone and the agent must register again
+    etcd_server.start(wipe=True)
+    wait_until(lambda: states(etcd_server) == {"node-a": "ready"}, 10, what="node-a registered on a fresh etcd")
+    assert lease_of(etcd_server, "node-a") != first_lease
+    time.sleep(TTL + 0.5)  # the new registration is kept alive past one TTL
+    assert states(etcd_server) == {"node-a": "ready"}
+
+
+def test_discover_serves_the_cache_during_an_outage_then_fails(etcd_server: EtcdServer, tmp_path: Path) -> None:
+    cache = tmp_path / "cache.json"
+    with EtcdRegistry(etcd_server.endpoint, JOB) as registry:
+        lease = registry.grant_lease(60)
+        registry.register(HostRecord(host="node-b", slots=2, addr="127.0.0.1"), lease)
+        registry.register(HostRecord(host="node-a", slots=1, addr="127.0.0.1"), lease)
+    assert discover(etcd_server.endpoint, cache).stdout == "node-a:1\nnode-b:2\n"
+
+    etcd_server.pause()  # a frozen etcd: connections hang rather than fail
+    try:
+        out = discover(etcd_server.endpoint, cache, ELASTICTRAIN_DISCOVER_STALENESS="2")
+        assert (out.returncode, out.stdout) == (0, "node-a:1\nnode-b:2\n")
+        assert "serving membership cached" in out.stderr
+        wait_until(lambda: discover(etcd_server.endpoint, cache, ELASTICTRAIN_DISCOVER_STALENESS="2").returncode == 1,
+                   5, interval=0.5, what="discover.sh to fail once the cache is stale")  # fmt: skip
+        out = discover(etcd_server.endpoint, cache, ELASTICTRAIN_DISCOVER_STALENESS="2")
+        assert out.stdout == "" and len(out.stderr.strip().splitlines()) == 1 and "old" in out.stderr
+    finally:
+        etcd_server.resume()
+    assert discover(etcd_server.endpoint, cache).returncode == 0
+
+
+def test_garbage_value_is_skipped_with_a_warning(etcd_server: EtcdServer, tmp_path: Path) -> None:
+    import asyncio
+
+    import aetcd
+
+    async def put_garbage() -> None:
+        host, port = etcd_server.endpoint.removeprefix("http://").split(":")
+        async with aetcd.Client(host=host, port=int(port)) as client:
+            await client.put(f"/elastictrain/{JOB}/hosts/junk".encode(), b"\x00not json")
+            await client.put(f"/elastictrain/{JOB}/hosts/ok".encode(), b'{"slots": 3, "state": "ready"}')
+
+    asyncio.run(put_garbage())
+    out = discover(etcd_server.endpoint, tmp_path / "cache.json")
+    assert (out.returncode, out.stdout) == (0, "ok:3\n")
+    assert "skipping malformed value at /elastictrain/itest/hosts/junk" in out.stderr
+    listed = hosts(etcd_server, "list")
+    assert listed.returncode == 0 and "ok" in listed.stdout and "junk" in listed.stderr
+
+
+def test_operator_drains_undrains_and_removes_a_host(
+    etcd_server: EtcdServer, procs: ProcessGroup, tmp_path: Path
+) -> None:
+    agent = start_agent(procs, etcd_server, "node-a", log=tmp_path / "agent.log")
+    wait_until(lambda: states(etcd_server) == {"node-a": "ready"}, 15, what="node-a registered")
+    assert hosts(etcd_server, "drain", "node-a").stdout == "node-a: ready -> draining\n"
+    time.sleep(1.5)  # a few heartbeats: the agent keeps the operator's state
+    assert states(etcd_server) == {"node-a": "draining"}
+    assert hosts(etcd_server, "undrain", "node-a").stdout == "node-a: draining -> ready\n"
+    missing = hosts(etcd_server, "drain", "node-x")
+    assert (
+        missing.returncode == 2
+        and missing.stderr.strip() == "elastictrain hosts: error: no host 'node-x' in job 'itest'"
+    )
+    assert hosts(etcd_server, "remove", "node-a").returncode == 0
+    assert agent.wait(timeout=10) == 0, "the agent exits when its host is removed"
+    assert states(etcd_server) == {}
+
+
+def test_agent_gives_up_with_one_line_when_etcd_is_unreachable_at_startup(tmp_path: Path) -> None:
+    from tests.fixtures.procs import free_port
+
+    proc = subprocess.run(
+        [ELASTICTRAIN, "agent", "--etcd", f"http://127.0.0.1:{free_port()}", "--job", JOB, "--host", "node-a",
+         "--ttl", "3", "--heartbeat", "1", "--request-timeout", "0.5", "--retry-deadline", "3"],
+        capture_output=True, text=True, timeout=30, check=False,
+        env={**os.environ, "ELASTICTRAIN_LOG_LEVEL": "error"},
+    )  # fmt: skip
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("elastictrain agent: error: etcd unreachable for"), proc.stderr
+
+
+def test_bad_timing_flags_exit_2_with_one_line() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "elastictrain.cli", "agent", "--etcd", "http://127.0.0.1:1", "--job", JOB,
+         "--ttl", "3", "--heartbeat", "2"],
+        capture_output=True, text=True, timeout=30, check=False, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "elastictrain agent: error: --heartbeat must be > 0 and <= ttl/3 = 1s so that two missed heartbeats "
+        "do not expire the lease, got 2"
+    ]
