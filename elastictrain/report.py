@@ -1,0 +1,330 @@
+"""``elastictrain report --run-dir D``: a timeline PNG and a goodput summary of a run, from events.jsonl.
+
+:func:`summarize` is a pure function of the event list (goodput as defined in docs/events.md);
+:func:`build_figure` draws world size, throughput and loss over time with failures, resets,
+checkpoints and (re)starts marked as vertical lines; :func:`main` writes ``report.png`` and
+``report.json`` into the run dir and prints a summary table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from elastictrain.events import EVENTS_FILE, read_events
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+REPORT_JSON = "report.json"
+REPORT_PNG = "report.png"
+# Vertical marks on the timeline: event -> (colour, line style, legend label).
+MARK_STYLES: dict[str, tuple[str, str, str]] = {
+    "start": ("tab:blue", "-", "start / relaunch"),
+    "failure": ("tab:red", "--", "failure"),
+    "reset": ("tab:orange", "-.", "reset"),
+    "checkpoint": ("tab:green", ":", "checkpoint"),
+}
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _stats(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"count": 0, "total": 0.0, "median": None, "max": None}
+    return {
+        "count": len(values),
+        "total": sum(values),
+        "median": statistics.median(values),
+        "max": max(values),
+    }
+
+
+def kept_step_seconds(events: Sequence[dict[str, Any]]) -> tuple[float, int]:
+    """Productive seconds and re-run steps, from the ``metrics`` events alone.
+
+    Each ``metrics`` event covers steps ``(step - steps, step]`` at ``step_seconds`` each. A later
+    interval that starts at or below a step already covered means those steps (and every one after
+    them) were rolled back: their earlier time is lost and only the last run of a step counts.
+    """
+    segments: list[tuple[int, int, float]] = []  # (first step exclusive, last step inclusive, seconds each)
+    rerun = 0
+    for ev in events:
+        if ev.get("event") != "metrics":
+            continue
+        end, n, sec = ev.get("step"), ev.get("steps"), _num(ev.get("step_seconds"))
+        if not isinstance(end, int) or not isinstance(n, int) or n <= 0 or sec is None:
+            continue
+        lo = end - n
+        kept: list[tuple[int, int, float]] = []
+        for a, b, s in segments:
+            if b <= lo:
+                kept.append((a, b, s))
+            elif a < lo:
+                rerun += b - lo
+                kept.append((a, lo, s))
+            else:
+                rerun += b - a
+        kept.append((lo, end, sec))
+        segments = kept
+    return sum((b - a) * s for a, b, s in segments), rerun
+
+
+def summarize(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The run's summary: goodput, recovery per reset, lost steps, checkpoint stall, marks (seconds
+    since the first event) and the latest state. Pure: the same events give the same dict."""
+    if not events:
+        raise ValueError("no events")
+    t0 = next((e["ts"] for e in events if e.get("event") == "start"), events[0]["ts"])
+    dones = [e for e in events if e.get("event") == "done"]
+    t_end = dones[-1]["ts"] if dones else events[-1]["ts"]
+    wall = max(0.0, float(t_end) - float(t0))
+    productive, rerun = kept_step_seconds(events)
+
+    marks: dict[str, list[float]] = {kind: [] for kind in MARK_STYLES}
+    resets: list[dict[str, Any]] = []
+    failures: list[dict[str, Any]] = []
+    relaunches: list[dict[str, Any]] = []
+    stalls: list[float] = []
+    writes: list[float] = []
+    checkpoint_failures = 0
+    last_failure_ts: float | None = None
+    max_step = -1
+    last_metrics: dict[str, Any] | None = None
+    starts = 0
+    for ev in events:
+        kind, ts = ev.get("event"), float(ev["ts"])
+        t = ts - t0
+        step = ev.get("step")
+        if kind in marks:
+            marks[kind].append(t)
+        if kind == "start":
+            starts += 1
+            resumed = ev.get("resumed_from_step")
+            if starts > 1:
+                lost = max(0, max_step - resumed) if isinstance(resumed, int) else max(0, max_step)
+                relaunches.append({"t": t, "resumed_from_step": resumed, "lost_steps": lost})
+        elif kind == "failure":
+            last_failure_ts = ts
+            failures.append({"t": t, "step": step, "reason": ev.get("reason"), "error": ev.get("error")})
+        elif kind == "reset":
+            recovery = _num(ev.get("recovery_seconds"))
+            if recovery is None and last_failure_ts is not None:
+                recovery = ts - last_failure_ts
+            resets.append(
+                {
+                    "t": t,
+                    "step": step,
+                    "reason": ev.get("reason"),
+                    "old_size": ev.get("old_size"),
+                    "new_size": ev.get("new_size", ev.get("world_size")),
+                    "recovery_seconds": recovery,
+                    "lost_steps": ev.get("lost_steps") if isinstance(ev.get("lost_steps"), int) else 0,
+                }
+            )
+            last_failure_ts = None
+        elif kind == "checkpoint":
+            if (s := _num(ev.get("stall_seconds"))) is not None:
+                stalls.append(s)
+            if (w := _num(ev.get("write_seconds"))) is not None:
+                writes.append(w)
+        elif kind == "checkpoint_failed":
+            checkpoint_failures += 1
+        elif kind == "metrics":
+            last_metrics = ev
+        if isinstance(step, int):
+            max_step = max(max_step, step)
+
+    last = events[-1]
+    throughput = [v for e in events if e.get("event") == "metrics" if (v := _num(e.get("samples_per_sec")))]
+    recoveries = [r["recovery_seconds"] for r in resets if r["recovery_seconds"] is not None]
+    lost_by_resets = sum(r["lost_steps"] for r in resets)
+    lost_by_relaunch = sum(r["lost_steps"] for r in relaunches)
+    state = {"done": "done", "stopped": "stopped"}.get(str(last.get("event")), "running")
+    return {
+        "state": state,
+        "step": last.get("step"),
+        "epoch": last.get("epoch"),
+        "world_size": last.get("world_size"),
+        "wall_seconds": wall,
+        "productive_seconds": productive,
+        "goodput": productive / wall if wall > 0 else None,
+        "final_loss": dones[-1].get("final_loss") if dones else (last_metrics or {}).get("loss"),
+        "starts": starts,
+        "failures": failures,
+        "resets": resets,
+        "relaunches": relaunches,
+        "recovery_seconds": _stats(recoveries),
+        "lost_steps": lost_by_resets + lost_by_relaunch,
+        "lost_steps_by_resets": lost_by_resets,
+        "lost_steps_by_relaunches": lost_by_relaunch,
+        "rerun_steps_logged": rerun,
+        "checkpoints": {
+            "count": len(stalls) if stalls else len(marks["checkpoint"]),
+            "failed": checkpoint_failures,
+            "stall_seconds": _stats(stalls),
+            "write_seconds": _stats(writes),
+        },
+        "samples_per_sec": {
+            "mean": statistics.fmean(throughput) if throughput else None,
+            "last": throughput[-1] if throughput else None,
+        },
+        "marks": marks,
+    }
+
+
+def build_figure(events: Sequence[dict[str, Any]], summary: dict[str, Any] | None = None) -> Figure:
+    """The timeline: world size, samples/s and loss against minutes since start, with marks.
+
+    Every mark is an ``axvline`` whose gid is ``mark-<kind>`` (kind as in :data:`MARK_STYLES`), drawn
+    on each of the three axes. Uses the Agg canvas directly (no pyplot, no global backend switch).
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    summary = summary if summary is not None else summarize(events)
+    t0 = next((float(e["ts"]) for e in events if e.get("event") == "start"), float(events[0]["ts"]))
+
+    def minutes(e: dict[str, Any]) -> float:
+        return (float(e["ts"]) - t0) / 60.0
+
+    sized = [e for e in events if isinstance(e.get("world_size"), int)]
+    metrics = [e for e in events if e.get("event") == "metrics"]
+    fig = Figure(figsize=(11, 7.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax_ws, ax_tp, ax_loss = fig.subplots(3, 1, sharex=True)
+    ax_ws.step([minutes(e) for e in sized], [e["world_size"] for e in sized], where="post", color="black")
+    ax_ws.set_ylabel("world size")
+    ax_ws.set_ylim(bottom=0)
+    tp = [(minutes(e), v) for e in metrics if (v := _num(e.get("samples_per_sec"))) is not None]
+    ax_tp.plot([x for x, _ in tp], [y for _, y in tp], marker=".", color="tab:purple")
+    ax_tp.set_ylabel("samples/s")
+    loss = [(minutes(e), v) for e in metrics if (v := _num(e.get("loss"))) is not None]
+    ax_loss.plot([x for x, _ in loss], [y for _, y in loss], marker=".", color="tab:brown")
+    ax_loss.set_ylabel("loss")
+    ax_loss.set_xlabel("minutes since start")
+    for ax in (ax_ws, ax_tp, ax_loss):
+        ax.grid(True, alpha=0.3)
+        for kind, times in summary["marks"].items():
+            color, style, label = MARK_STYLES[kind]
+            for i, t in enumerate(times):
+                ax.axvline(
+                    t / 60.0,
+                    color=color,
+                    linestyle=style,
+                    linewidth=1.0,
+                    alpha=0.8,
+                    gid=f"mark-{kind}",
+                    label=label if i == 0 else None,
+                )
+    if any(summary["marks"].values()):
+        ax_ws.legend(loc="lower left", fontsize="small", ncols=4)
+    goodput = summary["goodput"]
+    fig.suptitle(
+        ("goodput n/a" if goodput is None else f"goodput {goodput:.1%}")
+        + f" · {len(summary['resets'])} resets · {summary['lost_steps']} lost steps"
+    )
+    return fig
+
+
+def write_png(fig: Figure, out: str | os.PathLike[str]) -> None:
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp.{os.getpid()}.png")
+    fig.savefig(tmp, dpi=100)
+    os.replace(tmp, out)
+
+
+def _fmt(value: Any, unit: str = "") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.2f}{unit}"
+    return f"{value}{unit}"
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    """The summary as aligned ``name  value`` lines, then one line per reset."""
+    goodput = summary["goodput"]
+    rec, stall = summary["recovery_seconds"], summary["checkpoints"]["stall_seconds"]
+    rows = [
+        ("state", summary["state"]),
+        ("step / epoch", f"{summary['step']} / {summary['epoch']}"),
+        ("world size", summary["world_size"]),
+        ("wall time", _fmt(summary["wall_seconds"], " s")),
+        ("productive time", _fmt(summary["productive_seconds"], " s")),
+        ("goodput", f"{goodput:.1%}" if goodput is not None else "-"),
+        ("starts", summary["starts"]),
+        ("failures", len(summary["failures"])),
+        ("resets", len(summary["resets"])),
+        ("recovery s (median / max)", f"{_fmt(rec['median'])} / {_fmt(rec['max'])}"),
+        (
+            "lost steps (resets + relaunches)",
+            f"{summary['lost_steps']} ({summary['lost_steps_by_resets']} + {summary['lost_steps_by_relaunches']})",
+        ),
+        ("checkpoints (failed)", f"{summary['checkpoints']['count']} ({summary['checkpoints']['failed']})"),
+        ("checkpoint stall s (median / max)", f"{_fmt(stall['median'])} / {_fmt(stall['max'])}"),
+        (
+            "samples/s (mean / last)",
+            f"{_fmt(summary['samples_per_sec']['mean'])} / {_fmt(summary['samples_per_sec']['last'])}",
+        ),
+        ("final loss", _fmt(summary["final_loss"])),
+    ]
+    width = max(len(name) for name, _ in rows)
+    lines = [f"{name:<{width}}  {value}" for name, value in rows]
+    for i, r in enumerate(summary["resets"], 1):
+        lines.append(
+            f"  reset {i}: t={r['t']:.1f}s {r['reason']} {r['old_size']}->{r['new_size']} "
+            f"recovery={_fmt(r['recovery_seconds'], 's')} lost_steps={r['lost_steps']}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def report(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """Write ``report.png`` (or ``out``) and ``report.json`` for ``run_dir``; return the summary."""
+    run_dir = Path(run_dir)
+    events = read_events(run_dir / EVENTS_FILE)
+    summary = summarize(events)
+    png = Path(out) if out is not None else run_dir / REPORT_PNG
+    write_png(build_figure(events, summary), png)
+    summary["png"] = str(png)
+    tmp = run_dir / f".{REPORT_JSON}.tmp.{os.getpid()}"
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    os.replace(tmp, run_dir / REPORT_JSON)
+    return summary
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="elastictrain report", description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--run-dir", required=True, help="the job's run_dir (holds events.jsonl)")
+    p.add_argument("--out", help=f"where to write the PNG (default: RUN_DIR/{REPORT_PNG})")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
+    args = p.parse_args(argv)
+    run_dir = Path(args.run_dir)
+    events_path = run_dir / EVENTS_FILE
+    if not run_dir.is_dir():
+        sys.stderr.write(f"elastictrain report: --run-dir {run_dir}: not a directory\n")
+        return 2
+    try:
+        if not read_events(events_path):
+            sys.stderr.write(f"elastictrain report: {events_path}: no events yet\n")
+            return 2
+        summary = report(run_dir, args.out)
+    except FileNotFoundError:
+        sys.stderr.write(f"elastictrain report: {events_path}: not found (is {run_dir} a run_dir?)\n")
+        return 2
+    except OSError as e:
+        sys.stderr.write(f"elastictrain report: {e.filename or run_dir}: {e.strerror}\n")
+        return 2
+    if args.json:
+        sys.stdout.write(json.dumps(summary, indent=2) + "\n")
+    else:
+        sys.stdout.write(format_table(summary) + f"timeline: {summary['png']}\nsummary:  {run_dir / REPORT_JSON}\n")
+    return 0

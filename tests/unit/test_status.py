@@ -1,0 +1,126 @@
+"""status: what a run is doing, from events.jsonl, checkpoints/latest and (optionally) etcd."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastictrain.events import EVENTS_FILE
+from elastictrain.status import main, read_status
+
+T0 = 1_000_000.0
+
+
+def ev(t: float, event: str, step: int, world_size: int = 2, **fields: Any) -> dict[str, Any]:
+    return {"ts": T0 + t, "event": event, "step": step, "epoch": 0, "world_size": world_size, **fields}
+
+
+EVENTS = [
+    ev(0, "start", 0, hosts=["a", "b"], resumed_from_step=None, attempt=0),
+    ev(10, "metrics", 10, loss=2.0, samples_per_sec=64.0, steps=10, step_seconds=1.0),
+    ev(25, "failure", 25, reason="worker_failed", error="x"),
+    ev(
+        40,
+        "reset",
+        21,
+        world_size=1,
+        old_size=2,
+        new_size=1,
+        reason="worker_failed",
+        recovery_seconds=15.0,
+        lost_steps=5,
+        hosts=["a"],
+    ),
+    ev(50, "metrics", 30, world_size=1, loss=1.0, samples_per_sec=16.0, steps=10, step_seconds=2.0),
+]
+
+
+def make_run_dir(tmp_path: Path, *, checkpoint: bool) -> Path:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / EVENTS_FILE).write_text("".join(json.dumps(e) + "\n" for e in EVENTS) + '{"ts": 3, "ev')
+    (run_dir / "mlflow_run_id").write_text("abc123\n")
+    if checkpoint:
+        folder = run_dir / "checkpoints" / "step-00000020"
+        folder.mkdir(parents=True)
+        (folder / "manifest.json").write_text(
+            json.dumps({"step": 20, "epoch": 0, "world_size": 2, "created_at": T0 + 21, "files": {}})
+        )
+        (run_dir / "checkpoints" / "latest").write_text("step-00000020")
+    return run_dir
+
+
+def test_status_shows_size_hosts_step_throughput_resets_and_the_latest_checkpoint(tmp_path: Path) -> None:
+    st = read_status(make_run_dir(tmp_path, checkpoint=True), now=T0 + 81)
+    assert (st["state"], st["step"], st["world_size"], st["hosts"]) == ("running", 30, 1, ["a"])
+    assert st["samples_per_sec"] == 16.0 and st["failures"] == 1 and st["attempts"] == 1
+    assert [(r["reason"], r["old_size"], r["new_size"], r["recovery_seconds"]) for r in st["resets"]] == [
+        ("worker_failed", 2, 1, 15.0)
+    ]
+    assert st["checkpoint"]["name"] == "step-00000020" and st["checkpoint"]["step"] == 20
+    assert st["checkpoint"]["age_seconds"] == pytest.approx(60.0)
+    assert st["last_event"]["age_seconds"] == pytest.approx(31.0)
+    assert st["mlflow_run_id"] == "abc123"
+
+
+def test_status_json_for_scripts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = make_run_dir(tmp_path, checkpoint=False)
+    assert main(["--run-dir", str(run_dir), "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["world_size"] == 1 and st["checkpoint"] is None and len(st["resets"]) == 1
+
+
+def test_status_table_for_people(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--run-dir", str(make_run_dir(tmp_path, checkpoint=True))]) == 0
+    out = capsys.readouterr().out
+    assert "world size" in out and "16.0 samples/s" in out and "step-00000020 (step 20" in out
+    assert "reset 1: step 21 worker_failed 2->1 recovered in 15.0s, 5 steps lost" in out
+
+
+def test_status_with_etcd_lists_the_registered_hosts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    calls = []
+
+    def hosts(etcd: str, job: str, prefix: str) -> list[dict[str, Any]]:
+        calls.append((etcd, job, prefix))
+        return [{"host": "a", "slots": 1, "state": "ready", "addr": "10.0.0.1", "pid": 1, "registered_at": T0}]
+
+    run_dir = make_run_dir(tmp_path, checkpoint=False)
+    assert main(["--run-dir", str(run_dir), "--etcd", "http://127.0.0.1:2379", "--job", "j"], hosts_reader=hosts) == 0
+    assert calls == [("http://127.0.0.1:2379", "j", "/elastictrain")]
+    assert "a                        slots=1 ready" in capsys.readouterr().out
+
+
+def test_status_with_etcd_down_shows_the_rest_and_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def down(etcd: str, job: str, prefix: str) -> list[dict[str, Any]]:
+        raise ConnectionError("etcd unreachable")
+
+    run_dir = make_run_dir(tmp_path, checkpoint=False)
+    assert (
+        main(["--run-dir", str(run_dir), "--json", "--etcd", "http://127.0.0.1:1", "--job", "j"], hosts_reader=down)
+        == 1
+    )
+    st = json.loads(capsys.readouterr().out)
+    assert st["step"] == 30 and "etcd unreachable" in st["registered_hosts_error"]
+
+
+def test_status_of_a_fresh_run_dir_with_only_a_checkpoint(tmp_path: Path) -> None:
+    run_dir = make_run_dir(tmp_path, checkpoint=True)
+    (run_dir / EVENTS_FILE).unlink()
+    st = read_status(run_dir, now=time.time())
+    assert st["state"] == "not_started" and st["checkpoint"]["step"] == 20
+
+
+@pytest.mark.parametrize(
+    "args", [["--run-dir", "MISSING"], ["--run-dir", "EMPTY"], ["--run-dir", "EMPTY", "--job", "j"]]
+)
+def test_status_on_a_bad_run_dir_or_flags_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str]
+) -> None:
+    (tmp_path / "EMPTY").mkdir()
+    argv = [str(tmp_path / a) if a in ("MISSING", "EMPTY") else a for a in args]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.count("\n") == 1
