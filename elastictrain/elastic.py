@@ -1,0 +1,658 @@
+"""The one module that owns Horovod: ``hvd.init``, the elastic state, ``hvd.elastic.run``, commits and resets.
+
+Everything else (the step, the policies, the data plan, the snapshot buffers, checkpoint files,
+tracking) is plain code called from here.
+
+Life of a worker::
+
+    hvd.init -> build model/optimizer/scheduler/scaler -> rank 0 loads the latest checkpoint
+    hvd.elastic.run(train):
+        sync   state from the most advanced rank (not blindly rank 0: a new process may hold rank 0)
+        train  steps; every ``commit_every_steps``: ledger, commit (in-memory), check host updates
+        on HorovodInternalError: roll back to the last commit, re-init, sync, continue
+        on HostsUpdatedInterrupt: (state already committed) re-init, sync, continue
+    exit 0 only when training is complete; 143 after SIGTERM (rank 0 checkpoints the last commit first)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import horovod.torch as hvd
+import torch
+from horovod.common.elastic import State
+from horovod.common.exceptions import HostsUpdatedInterrupt
+
+from discovery.logconf import bind, get_logger
+from elastictrain.checkpoint import Checkpointer, LocalStorage, load_latest
+from elastictrain.config import JobConfig
+from elastictrain.data import build_datasets, load_batches
+from elastictrain.events import NullEventLog, open_event_log
+from elastictrain.models import build_model
+from elastictrain.policy import ScaleRamp, batch_plan, lr_scale, schedule_factor
+from elastictrain.progress import NullProgress, Progress, make_progress
+from elastictrain.sampler import ExactlyOncePlanner, SampleLedger, SamplerState, StepPlan, iter_plans, shares
+from elastictrain.state import CommittedState, Counters, reseed
+from elastictrain.step import Precision, eval_batches, train_step
+from elastictrain.tracking import NullTracker, Tracker, make_tracker
+
+log = get_logger("elastictrain.worker")
+
+EXIT_STOPPED = 143  # 128 + SIGTERM: a stopped job is not a completed one
+
+
+class StopRequested(Exception):
+    """SIGTERM reached this worker; leave after rank 0 has checkpointed the last commit."""
+
+
+@dataclass(slots=True)
+class DistContext:
+    """Who this process is in the current world; refreshed after every reset. ``if rank == 0`` lives here."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    host: str = field(default_factory=socket.gethostname)
+
+    def refresh(self) -> None:
+        self.rank, self.size, self.local_rank = hvd.rank(), hvd.size(), hvd.local_rank()
+        self.host = os.environ.get("HOROVOD_HOSTNAME", self.host)
+        bind(rank=self.rank, local_rank=self.local_rank, world_size=self.size, host=self.host)
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+
+def _bf16_compressor() -> Any:
+    class BF16Compressor(hvd.Compression.none.__class__):
+        @staticmethod
+        def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+            return (tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor), tensor.dtype
+
+        @staticmethod
+        def decompress(tensor: torch.Tensor, ctx: torch.dtype) -> torch.Tensor:
+            return tensor.to(ctx)
+
+    return BF16Compressor
+
+
+def sync_tensors_from(root: int, tensors: dict[str, torch.Tensor]) -> None:
+    """Broadcast ``tensors`` in place from ``root`` (asynchronously, then wait for all)."""
+    handles = [hvd.broadcast_async_(t, root, name=f"sync.{name}") for name, t in tensors.items()]
+    for h in handles:
+        hvd.synchronize(h)
+
+
+class ElasticTrainingState(State):
+    """Horovod elastic state over :class:`CommittedState`: commit/rollback in place, sync from the best rank."""
+
+    def __init__(self, committed: CommittedState, seed: int) -> None:
+        self.committed = committed
+        self.seed = seed
+        self.failure: tuple[str, float] | None = None
+        """(reason, unix time) of the failure or host notice that caused the current reset."""
+        self.last_commit_seconds = 0.0
+        super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank)
+
+    def save(self) -> None:
+        t0 = time.perf_counter()
+        self.committed.save()
+        self.last_commit_seconds = time.perf_counter() - t0
+
+    def restore(self) -> None:
+        """Called by ``hvd.elastic.run`` on HorovodInternalError: a worker failed mid-step."""
+        self.failure = self.failure or ("worker_failed", time.time())
+        self.committed.restore()
+
+    def check_host_updates(self) -> None:
+        try:
+            super().check_host_updates()
+        except HostsUpdatedInterrupt as e:
+            self.failure = ("hosts_removed" if e.skip_sync else "hosts_changed", time.time())
+            raise
+
+    def sync(self) -> None:
+        c = self.committed
+        steps = hvd.allgather_object(c.counters.step)
+        root = max(range(len(steps)), key=lambda r: (steps[r], -r))
+        # Optimizer state layout (which params have which buffers) comes from the root first.
+        opt = c.optimizer
+        params = [p for g in opt.param_groups for p in g["params"]]
+        layout = hvd.broadcast_object(
+            {
+                i: {
+                    k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ("value", v)
+                    for k, v in opt.state.get(p, {}).items()
+                }
+                for i, p in enumerate(params)
+            },
+            root_rank=root,
+            name="sync.opt_layout",
+        )
+        tensors: dict[str, torch.Tensor] = {}
+        for name, t in c.model.state_dict(keep_vars=True).items():
+            tensors[f"model.{name}"] = t.detach()
+        for i, entries in layout.items():
+            p = params[i]
+            st = opt.state.setdefault(p, {}) if entries else opt.state.get(p, {})
+            for key, spec in entries.items():
+                if spec[0] == "value":
+                    st[key] = spec[1]
+                    continue
+                shape, dtype = spec
+                cur = st.get(key)
+                if not isinstance(cur, torch.Tensor) or tuple(cur.shape) != shape or cur.dtype != dtype:
+                    st[key] = cur = torch.zeros(shape, dtype=dtype, device=p.device if len(shape) else "cpu")
+                tensors[f"opt.{i}.{key}"] = cur
+        for i, p in enumerate(params):
+            if not layout.get(i):
+                opt.state.pop(p, None)
+        sync_tensors_from(root, tensors)
+        groups = hvd.broadcast_object(
+            [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+            root_rank=root,
+            name="sync.opt_groups",
+        )
+        for g, saved in zip(opt.param_groups, groups, strict=True):
+            g.update(saved)
+        small = hvd.broadcast_object(c.small_state(), root_rank=root, name="sync.small")
+        c.load_small_state(small)
+        reseed(self.seed, c.counters.step, hvd.rank())
+        self.save()
+
+
+class ElasticTrainer:
+    """Builds the training objects once and runs :meth:`train` under ``hvd.elastic.run``."""
+
+    def __init__(self, cfg: JobConfig) -> None:
+        self.cfg = cfg
+        self.ctx = DistContext()
+        self.ctx.refresh()
+        self.device = self._device()
+        t = cfg.training
+        torch.manual_seed(t.seed)  # the same initial weights everywhere (then synced anyway)
+        self.model = build_model(cfg.model).to(self.device)
+        if cfg.model.channels_last:
+            self.model = self.model.to(memory_format=torch.channels_last)
+        self.train_set, self.val_set = build_datasets(cfg.data, cfg.model.num_classes, t.seed)
+        self.planner = ExactlyOncePlanner(len(self.train_set), t.seed, cfg.data.drop_last)  # type: ignore[arg-type]
+        self.sampler = SamplerState()
+        self.precision = Precision.resolve(cfg.precision.mode, self.device)
+        base = self._base_optimizer()
+        compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}.get(cfg.compression.gradients)
+        self.optimizer = hvd.DistributedOptimizer(
+            base,
+            named_parameters=self.model.named_parameters(),
+            compression=compression or _bf16_compressor(),
+            op=hvd.Sum,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda=lambda _: self._schedule())
+        self.scaler = torch.amp.GradScaler("cuda") if self.precision.use_scaler else None
+        self.counters = Counters()
+        self.ramp = ScaleRamp(1.0, 1.0, 0, 0)
+        self.committed = CommittedState(
+            self.model, self.optimizer, self.scheduler, self.scaler, self.sampler, self.counters, self.ramp
+        )
+        self.state = ElasticTrainingState(self.committed, t.seed)
+        self.config_hash = cfg.digest()
+        self.stop_requested = False
+        # Rank-0 services, created when this process first holds rank 0.
+        self.events: Any = NullEventLog()
+        self.tracker: Tracker = NullTracker()
+        self.checkpointer: Checkpointer | None = None
+        self.ledger: SampleLedger | None = None
+        self.progress: Progress = NullProgress()
+        self._pending_ledger: list[tuple[int, int, list[int]]] = []
+        self._pending_reset: dict[str, Any] | None = None
+        self._metrics = self._zero_metrics()
+        self._last_log = (time.perf_counter(), 0)
+        self.resumed_from: int | None = None
+        self._checkpointed_step = -1
+        self.attempt = int(os.environ.get("ELASTICTRAIN_ATTEMPT", "0"))
+
+    # ------------------------------------------------------------------------------------ building
+    def _device(self) -> torch.device:
+        want = self.cfg.device
+        if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+            if not torch.cuda.is_available():
+                from elastictrain.config import ConfigError
+
+                raise ConfigError("device: cuda requested but no CUDA device is available")
+            torch.cuda.set_device(self.ctx.local_rank % torch.cuda.device_count())
+            return torch.device("cuda", torch.cuda.current_device())
+        # Share the cores between the workers on this machine instead of oversubscribing them. Logical hosts
+        # on one machine each have local_size 1, so the launcher sets OMP_NUM_THREADS for them.
+        threads = os.environ.get("OMP_NUM_THREADS")
+        torch.set_num_threads(
+            int(threads)
+            if threads and threads.isdigit() and int(threads) > 0
+            else max(1, (os.cpu_count() or 1) // max(1, hvd.local_size()))
+        )
+        return torch.device("cpu")
+
+    def _base_optimizer(self) -> torch.optim.Optimizer:
+        t = self.cfg.training
+        if t.optimizer == "adamw":
+            return torch.optim.AdamW(self.model.parameters(), lr=t.base_lr, weight_decay=t.weight_decay)
+        return torch.optim.SGD(
+            self.model.parameters(), lr=t.base_lr, momentum=t.momentum, weight_decay=t.weight_decay, nesterov=t.nesterov
+        )
+
+    def _schedule(self) -> float:
+        progress = self.sampler.epoch + self.sampler.cursor / self.planner.num_samples
+        return schedule_factor(self.cfg.training.schedule, self.cfg.training, progress)
+
+    def _apply_lr(self) -> None:
+        """LR = base_lr x world-size scale (ramped) x schedule; the scheduler's base LRs follow the scale."""
+        scale = self.ramp.at(self.counters.step)
+        self.scheduler.base_lrs = [self.cfg.training.base_lr * scale for _ in self.optimizer.param_groups]
+        factor = self._schedule()
+        for g, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
+            g["lr"] = base * factor
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+
+    # ------------------------------------------------------------------------------------ rank 0
+    def _become_rank0(self) -> None:
+        cfg = self.cfg
+        if self.checkpointer is not None or not self.ctx.is_rank0:
+            return
+        self.events = open_event_log(cfg.run_path, 0)
+        self.tracker = make_tracker(cfg, 0)
+        if cfg.checkpoint.enabled:
+            self.checkpointer = Checkpointer(
+                LocalStorage.for_run_dir(cfg.run_path),
+                keep_last=cfg.checkpoint.keep_last,
+                writer=cfg.checkpoint.writer,
+                on_event=self._on_checkpoint_event,
+            )
+        if cfg.audit.sample_ledger:
+            self.ledger = SampleLedger(cfg.run_path / "ledger", f"attempt-{self.attempt:03d}-{os.getpid()}")
+        total = self._total_steps_estimate()
+        self.progress = make_progress(
+            rank=0, enabled=cfg.tracking.progress_bar, total_steps=total, initial_step=self.counters.step
+        )
+        self.tracker.log_params(cfg.flat())
+        self.tracker.set_tags(
+            {
+                "elastictrain.job": cfg.job,
+                "horovod": hvd.__version__ if hasattr(hvd, "__version__") else "0.28.1",
+                "torch": torch.__version__,
+            }
+        )
+
+    def _on_checkpoint_event(self, name: str, fields: dict[str, Any]) -> None:
+        c = self.counters
+        self.events.emit(
+            name,
+            step=fields.get("step", c.step),
+            epoch=self.sampler.epoch,
+            world_size=self.ctx.size,
+            **{k: v for k, v in fields.items() if k not in ("step", "epoch", "world_size")},
+        )
+        if name == "checkpoint":
+            self.tracker.log_metrics(
+                {"checkpoint_stall_seconds": fields.get("stall_seconds", 0.0)}, step=fields.get("step", c.step)
+            )
+
+    def _total_steps_estimate(self) -> int | None:
+        t = self.cfg.training
+        gb = batch_plan(self.cfg.elastic, self.cfg.data.batch_size, t.grad_accumulation, self.ctx.size).global_batch
+        per_epoch = math.ceil(self.planner.num_samples / gb)
+        total = per_epoch * t.epochs
+        return min(total, t.max_steps) if t.max_steps else total
+
+    # ------------------------------------------------------------------------------------ resume
+    def resume_from_checkpoint(self) -> None:
+        """Rank 0 loads the latest verified checkpoint; the first sync hands it to everyone."""
+        if not (self.cfg.checkpoint.enabled and self.cfg.checkpoint.resume and self.ctx.is_rank0):
+            return
+        loaded = load_latest(LocalStorage.for_run_dir(self.cfg.run_path), map_location="cpu")
+        if loaded is None:
+            return
+        self.committed.load_full_state(loaded.state)
+        self.resumed_from = self._checkpointed_step = self.counters.step
+        log.info(
+            "resumed from checkpoint",
+            path=str(loaded.path),
+            step=self.counters.step,
+            epoch=self.sampler.epoch,
+            cursor=self.sampler.cursor,
+        )
+
+    # ------------------------------------------------------------------------------------ the loop
+    def _zero_metrics(self) -> dict[str, Any]:
+        return {
+            "loss": torch.zeros((), dtype=torch.float64),
+            "correct": torch.zeros((), dtype=torch.float64),
+            "count": 0,
+            "steps": 0,
+            "step_seconds": 0.0,
+        }
+
+    def _after_sync(self) -> None:
+        """Start of ``train`` after a (re)start: resize handling, LR, rank-0 services, ledger marker."""
+        self.ctx.refresh()
+        c, cfg = self.counters, self.cfg
+        bind(job=cfg.job, step=c.step)
+        self._become_rank0()
+        new_size = self.ctx.size
+        if c.world_size != new_size:
+            old = c.world_size
+            current = self.ramp.at(c.step) if old else lr_scale(cfg.elastic, new_size)
+            self.ramp.start, self.ramp.target = current, lr_scale(cfg.elastic, new_size)
+            self.ramp.start_step, self.ramp.ramp_steps = c.step, (cfg.elastic.lr_ramp_steps if old else 0)
+            if old:
+                reason, ts = self.state.failure or ("hosts_changed", time.time())
+                self._pending_reset = {"old_size": old, "new_size": new_size, "reason": reason, "failure_ts": ts}
+            c.world_size = new_size
+        elif self.state.failure is not None:
+            reason, ts = self.state.failure
+            self._pending_reset = {"old_size": new_size, "new_size": new_size, "reason": reason, "failure_ts": ts}
+        if self._pending_reset is not None:
+            self._pending_reset["lost_steps"] = max(0, self._pending_reset.get("at_step", c.step) - c.step)
+        self.state.failure = None
+        self._pending_ledger.clear()
+        if self.ledger is not None:
+            self.ledger.restore(c.step)
+        self._apply_lr()
+        self._metrics = self._zero_metrics()
+        self._last_log = (time.perf_counter(), c.step)
+        self.events.emit(
+            "start",
+            step=c.step,
+            epoch=self.sampler.epoch,
+            world_size=new_size,
+            hosts=sorted(set(hvd.allgather_object(self.ctx.host))),
+            resumed_from_step=self.resumed_from,
+            config_hash=self.config_hash,
+            run_id=self.tracker.run_id,
+            attempt=self.attempt,
+        )
+        log.info(
+            "training",
+            step=c.step,
+            epoch=self.sampler.epoch,
+            cursor=self.sampler.cursor,
+            lr=self.optimizer.param_groups[0]["lr"],
+        )
+
+    def train(self, state: ElasticTrainingState) -> None:
+        """The function ``hvd.elastic.run`` calls (again after every reset)."""
+        self._after_sync()
+        cfg, c, t = self.cfg, self.counters, self.cfg.training
+        while True:
+            if self.stop_requested:
+                raise StopRequested
+            if t.max_steps is not None and c.step >= t.max_steps:
+                break
+            plan_b = batch_plan(cfg.elastic, cfg.data.batch_size, t.grad_accumulation, self.ctx.size)
+            if self.planner.epoch_done(self.sampler, plan_b.global_batch):
+                self._end_epoch(state)
+                if self.sampler.epoch >= t.epochs:
+                    break
+                continue
+            self._run_epoch_part(state, plan_b.global_batch, plan_b.micro_batch)
+        self._finish(state)
+
+    def _run_epoch_part(self, state: ElasticTrainingState, global_batch: int, micro_batch: int) -> None:
+        """Steps until the epoch ends, max_steps, or a stop; the plans are fixed for this world size."""
+        cfg, c, t = self.cfg, self.counters, self.cfg.training
+        plans = list(
+            iter_plans(
+                self.planner,
+                self.sampler,
+                global_batch=global_batch,
+                world_size=self.ctx.size,
+                rank=self.ctx.rank,
+                micro_batch=micro_batch,
+            )
+        )
+        if hasattr(self.train_set, "set_epoch"):
+            self.train_set.set_epoch(self.sampler.epoch)
+        loaded = load_batches(self.train_set, (p.local_ids for p in plans if p.local_ids), cfg.data.loader_workers)
+        for plan in plans:
+            if self.stop_requested or (t.max_steps is not None and c.step >= t.max_steps):
+                return
+            t0 = time.perf_counter()
+            micro = self._micro_batches(plan, next(loaded) if plan.local_ids else None)
+            stats = train_step(
+                self.model,
+                self.optimizer,
+                self.scaler,
+                micro,
+                plan.global_count,
+                precision=self.precision,
+                grad_clip_norm=t.grad_clip_norm,
+                label_smoothing=t.label_smoothing,
+            )
+            c.step += 1
+            c.samples += plan.global_count
+            self.sampler.cursor += plan.global_count
+            if self.ledger is not None:
+                perm = self.planner.permutation(plan.epoch)
+                self._pending_ledger.append((c.step, plan.epoch, perm[plan.start : plan.start + plan.global_count]))
+            self._apply_lr()
+            m = self._metrics
+            m["loss"] += stats.loss_sum.double().cpu()
+            m["correct"] += stats.correct.double().cpu()
+            m["count"] += stats.count
+            m["steps"] += 1
+            m["step_seconds"] += time.perf_counter() - t0
+            if self._pending_reset is not None:
+                self._emit_reset()
+            self.progress.update(c.step, world_size=self.ctx.size, epoch=self.sampler.epoch)
+            if c.step % t.log_every_steps == 0:
+                self._log_metrics()
+            ckpt_due = (
+                cfg.checkpoint.enabled
+                and cfg.checkpoint.every_steps is not None
+                and c.step % cfg.checkpoint.every_steps == 0
+            )
+            if c.step % cfg.elastic.commit_every_steps == 0 or ckpt_due:
+                self._commit(state, checkpoint=ckpt_due)
+
+    def _micro_batches(self, plan: StepPlan, batch: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if batch is None:
+            return []
+        x, y, ids = batch
+        if ids.tolist() != plan.local_ids:  # the loader must deliver exactly the planned samples
+            raise RuntimeError(f"data loader returned samples {ids.tolist()[:8]}... instead of the plan")
+        if self.cfg.model.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        out, start = [], 0
+        for mb in plan.micro_batches:
+            out.append((x[start : start + len(mb)], y[start : start + len(mb)]))
+            start += len(mb)
+        return out
+
+    def _emit_reset(self) -> None:
+        r, self._pending_reset = self._pending_reset, None
+        assert r is not None
+        recovery = max(0.0, time.time() - r.pop("failure_ts"))
+        r.pop("at_step", None)
+        self.counters.resets += 1
+        hosts = sorted(set(hvd.allgather_object(self.ctx.host)))
+        self.events.emit(
+            "reset",
+            step=self.counters.step,
+            epoch=self.sampler.epoch,
+            world_size=self.ctx.size,
+            recovery_seconds=round(recovery, 3),
+            hosts=hosts,
+            **r,
+        )
+        self.tracker.log_metrics({"recovery_seconds": recovery}, step=self.counters.step)
+        self.tracker.set_tags({"hosts": ",".join(hosts)})
+        log.info("reset complete", recovery_seconds=round(recovery, 3), **r)
+
+    def _log_metrics(self) -> None:
+        m, c = self._metrics, self.counters
+        local = torch.tensor([float(m["loss"]), float(m["correct"]), float(m["count"])], dtype=torch.float64)
+        total = hvd.allreduce(local, op=hvd.Sum, name="metrics").tolist()
+        now = time.perf_counter()
+        t_last, s_last = self._last_log
+        steps = max(1, m["steps"])
+        values = {
+            "loss": total[0] / max(1.0, total[2]),
+            "accuracy": total[1] / max(1.0, total[2]),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "world_size": self.ctx.size,
+            "samples_per_sec": total[2] / max(1e-9, now - t_last),
+            "step_seconds": m["step_seconds"] / steps,
+            "commit_seconds": self.state.last_commit_seconds,
+        }
+        self.events.emit(
+            "metrics",
+            step=c.step,
+            epoch=self.sampler.epoch,
+            world_size=self.ctx.size,
+            steps=m["steps"],
+            **{k: v for k, v in values.items() if k != "world_size"},
+        )
+        self.tracker.log_metrics(values, step=c.step)
+        if self.ctx.is_rank0:
+            log.info("metrics", step=c.step, **{k: round(v, 5) for k, v in values.items()})
+        self.progress.update(c.step, world_size=self.ctx.size, epoch=self.sampler.epoch, loss=values["loss"])
+        self._metrics = self._zero_metrics()
+        self._last_log = (now, s_last + steps)
+
+    def _commit(self, state: ElasticTrainingState, checkpoint: bool = False) -> None:
+        """Ledger (rank 0), in-memory commit, optional checkpoint, then the host-update check (may raise)."""
+        c = self.counters
+        if self.ledger is not None:
+            for step, epoch, ids in self._pending_ledger:
+                self.ledger.record(step, epoch, ids)
+            self.ledger.flush()
+        self._pending_ledger.clear()
+        state.save()
+        self.events.emit(
+            "commit",
+            step=c.step,
+            epoch=self.sampler.epoch,
+            world_size=self.ctx.size,
+            commit_seconds=round(state.last_commit_seconds, 6),
+        )
+        if checkpoint:
+            self._checkpoint()
+        state.check_host_updates()
+
+    def _checkpoint(self, wait: bool = False) -> None:
+        c = self.counters
+        if self.checkpointer is None or self._checkpointed_step == c.step:
+            return
+        self._checkpointed_step = c.step
+        self.checkpointer.save(
+            self.committed.full_state(),
+            step=c.step,
+            epoch=self.sampler.epoch,
+            world_size=self.ctx.size,
+            config_hash=self.config_hash,
+            meta={"run_id": self.tracker.run_id, "cursor": self.sampler.cursor, "config": self.cfg.to_dict()},
+            if_busy="wait" if wait else "skip",
+        )
+        if wait:
+            self.checkpointer.wait()
+
+    def _end_epoch(self, state: ElasticTrainingState) -> None:
+        cfg, t0 = self.cfg, time.perf_counter()
+        val_loss = val_acc = None
+        if self.val_set is not None and len(self.val_set):  # type: ignore[arg-type]
+            n = len(self.val_set)  # type: ignore[arg-type]
+            sizes = shares(n, self.ctx.size)
+            start = sum(sizes[: self.ctx.rank])
+            ids = list(range(start, start + sizes[self.ctx.rank]))
+            chunks = [ids[i : i + cfg.data.batch_size] for i in range(0, len(ids), cfg.data.batch_size)]
+            totals = eval_batches(self.model, load_batches(self.val_set, iter(chunks), 0), self.precision)
+            totals = hvd.allreduce(totals, op=hvd.Sum, name="val_metrics")
+            val_loss, val_acc = float(totals[0] / totals[2]), float(totals[1] / totals[2])
+        epoch = self.sampler.epoch
+        self.events.emit(
+            "epoch_end",
+            step=self.counters.step,
+            epoch=epoch,
+            world_size=self.ctx.size,
+            epoch_seconds=round(time.perf_counter() - t0, 3),
+            val_loss=val_loss,
+            val_accuracy=val_acc,
+        )
+        if val_loss is not None:
+            self.tracker.log_metrics({"val_loss": val_loss, "val_accuracy": val_acc}, step=self.counters.step)
+            log.info("epoch end", epoch=epoch, val_loss=round(val_loss, 4), val_accuracy=round(val_acc or 0, 4))
+        self.last_val_accuracy = val_acc
+        self.sampler.epoch += 1
+        self.sampler.cursor = 0
+        self._apply_lr()
+        every = cfg.checkpoint.every_epochs
+        self._commit(state, checkpoint=cfg.checkpoint.enabled and every is not None and self.sampler.epoch % every == 0)
+
+    def _finish(self, state: ElasticTrainingState) -> None:
+        if self._metrics["steps"]:
+            self._log_metrics()
+        state.save()
+        self._pending_ledger.clear()
+        if self.cfg.checkpoint.enabled:
+            self._checkpoint(wait=True)
+        self.events.emit(
+            "done",
+            step=self.counters.step,
+            epoch=self.sampler.epoch,
+            world_size=self.ctx.size,
+            final_loss=None,
+            val_accuracy=getattr(self, "last_val_accuracy", None),
+        )
+
+    # ------------------------------------------------------------------------------------ stop / close
+    def on_sigterm(self, signum: int, frame: Any) -> None:
+        self.stop_requested = True
+
+    def checkpoint_last_commit(self) -> bool:
+        """After SIGTERM: rank 0 writes the last committed state and waits for it."""
+        if not self.ctx.is_rank0 or self.checkpointer is None:
+            return False
+        self._checkpoint(wait=True)
+        return self.checkpointer.stats.failures == 0
+
+    def close(self, status: str) -> None:
+        self.progress.close()
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+        if self.ledger is not None:
+            self.ledger.close()
+        self.tracker.close(status=status)
+        self.events.close()
+
+
+def run(cfg: JobConfig) -> int:
+    """Run one worker to completion: 0 when training completed, 143 when stopped by SIGTERM."""
+    hvd.init()
+    trainer = ElasticTrainer(cfg)
+    signal.signal(signal.SIGTERM, trainer.on_sigterm)
+    status = "FAILED"
+    try:
+        trainer.resume_from_checkpoint()
+        hvd.elastic.run(trainer.train)(trainer.state)
+        status = "FINISHED"
+        log.info("training complete", step=trainer.counters.step)
+        return 0
+    except StopRequested:
+        ok = trainer.checkpoint_last_commit()
+        trainer.events.emit(
+            "stopped",
+            step=trainer.counters.step,
+            epoch=trainer.sampler.epoch,
+            world_size=trainer.ctx.size,
+            signal="SIGTERM",
+            checkpointed=ok,
+        )
+        log.warning("stopped by SIGTERM", step=trainer.counters.step, checkpointed=ok)
+        status = "KILLED"
+        return EXIT_STOPPED
+    finally:
+        trainer.close(status)

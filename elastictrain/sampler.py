@@ -1,0 +1,158 @@
+"""Exactly-once data partitioning for a changing number of workers.
+
+Each epoch has one permutation of the sample ids, shared by every worker (seeded by ``seed + epoch``).
+The only state is the epoch and a ``cursor``: how many positions of the permutation committed steps
+have consumed. A step takes the next ``global_count`` positions and splits them into contiguous
+shares, one per rank. Nothing is padded; the last step of an epoch may be short. After any
+membership change the remaining positions are simply re-split over the new world, and after a
+failure the cursor rolls back with the rest of the state. So every id is used by exactly one
+committed step per epoch. Stock ``ElasticSampler`` pads shares to equal length, which duplicates
+samples; this planner does not.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass(slots=True)
+class SamplerState:
+    epoch: int = 0
+    cursor: int = 0
+    """Positions of this epoch's permutation consumed by committed steps."""
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.epoch, self.cursor = int(d["epoch"]), int(d["cursor"])
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    epoch: int
+    start: int
+    """First permutation position of the step."""
+    global_count: int
+    """Samples in the whole step (over all workers)."""
+    local_ids: list[int]
+    """This rank's sample ids, in order."""
+    micro_batches: list[list[int]]
+    """This rank's ids split into forward/backward passes (may be empty for a rank with no share)."""
+
+
+def shares(count: int, world_size: int) -> list[int]:
+    """Split ``count`` samples into ``world_size`` near-equal contiguous shares (larger ones first)."""
+    base, extra = divmod(count, world_size)
+    return [base + (1 if r < extra else 0) for r in range(world_size)]
+
+
+class ExactlyOncePlanner:
+    """Plans the sample ids of each step from ``(epoch, cursor, world_size, rank)`` alone."""
+
+    def __init__(self, num_samples: int, seed: int, drop_last: bool = False) -> None:
+        if num_samples < 1:
+            raise ValueError("num_samples must be >= 1")
+        self.num_samples = num_samples
+        self.seed = seed
+        self.drop_last = drop_last
+        self._perm_epoch = -1
+        self._perm: list[int] = []
+
+    def permutation(self, epoch: int) -> list[int]:
+        if epoch != self._perm_epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm = torch.randperm(self.num_samples, generator=g).tolist()
+            self._perm_epoch = epoch
+        return self._perm
+
+    def epoch_done(self, state: SamplerState, global_batch: int) -> bool:
+        remaining = self.num_samples - state.cursor
+        return remaining <= 0 or (self.drop_last and remaining < global_batch)
+
+    def plan(self, state: SamplerState, *, global_batch: int, world_size: int, rank: int, micro_batch: int) -> StepPlan:
+        """The next step after ``state``; call only when not :meth:`epoch_done`."""
+        assert 0 <= rank < world_size and global_batch >= 1 and micro_batch >= 1
+        count = min(global_batch, self.num_samples - state.cursor)
+        assert count > 0, "plan() called at the end of an epoch"
+        sizes = shares(count, world_size)
+        offset = state.cursor + sum(sizes[:rank])
+        ids = self.permutation(state.epoch)[offset : offset + sizes[rank]]
+        micro = [ids[i : i + micro_batch] for i in range(0, len(ids), micro_batch)]
+        return StepPlan(state.epoch, state.cursor, count, ids, micro)
+
+    def steps_left(self, state: SamplerState, global_batch: int) -> int:
+        remaining = max(0, self.num_samples - state.cursor)
+        return remaining // global_batch if self.drop_last else -(-remaining // global_batch)
+
+
+# ---------------------------------------------------------------------------------------------- ledger
+class SampleLedger:
+    """Rank 0's audit record of which sample ids each committed step used (``run_dir/ledger/``).
+
+    ``record`` lines are written *before* the state is committed, and a ``restore`` line whenever
+    training resumes from a committed step (after a reset or on resume from a checkpoint), meaning
+    "steps after this one were rolled back". :func:`committed_samples` replays the file(s) in order.
+    """
+
+    def __init__(self, root: str | Path, name: str) -> None:
+        self.dir = Path(root)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / f"{name}.jsonl"
+        self._f = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+
+    def _write(self, obj: dict[str, Any]) -> None:
+        self._f.write(json.dumps(obj, separators=(",", ":")) + "\n")
+
+    def record(self, step: int, epoch: int, ids: list[int]) -> None:
+        self._write({"kind": "step", "step": step, "epoch": epoch, "ids": ids})
+
+    def restore(self, step: int) -> None:
+        self._write({"kind": "restore", "step": step})
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def committed_samples(ledger_dir: str | Path) -> dict[int, list[int]]:
+    """Replay a ledger folder: epoch -> sample ids of every committed step, in step order.
+
+    Files are read in name order (one per launch attempt, ``attempt-000.jsonl``, ...); a ``restore``
+    line drops the entries of later steps.
+    """
+    steps: dict[int, tuple[int, list[int]]] = {}
+    for path in sorted(Path(ledger_dir).glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a torn final line of a killed writer
+            if entry["kind"] == "restore":
+                steps = {s: v for s, v in steps.items() if s <= entry["step"]}
+            else:
+                steps[entry["step"]] = (entry["epoch"], entry["ids"])
+    out: dict[int, list[int]] = {}
+    for step in sorted(steps):
+        epoch, ids = steps[step]
+        out.setdefault(epoch, []).extend(ids)
+    return out
+
+
+def iter_plans(
+    planner: ExactlyOncePlanner, state: SamplerState, *, global_batch: int, world_size: int, rank: int, micro_batch: int
+) -> Iterator[StepPlan]:
+    """Plans of the rest of the current epoch, assuming each step commits (for prefetching loaders)."""
+    shadow = SamplerState(state.epoch, state.cursor)
+    while not planner.epoch_done(shadow, global_batch):
+        p = planner.plan(shadow, global_batch=global_batch, world_size=world_size, rank=rank, micro_batch=micro_batch)
+        yield p
+        shadow.cursor += p.global_count

@@ -1,0 +1,234 @@
+"""The complete training state, committed in memory and rolled back in place. No Horovod here.
+
+A commit copies every tensor into buffers allocated once (``torch._foreach_copy_``, one call per
+group), instead of deep-copying state dicts the way stock ``TorchState`` does. A rollback copies them
+back. The scheduler, the GradScaler, the sampler position, the counters and the RNG states are small;
+their state dicts are copied as plain values. Stock ``ObjectState`` keeps references to those objects,
+so its ``restore()`` would not roll them back.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from elastictrain.policy import ScaleRamp
+from elastictrain.sampler import SamplerState
+
+
+@dataclass(slots=True)
+class Counters:
+    step: int = 0
+    """Optimizer steps completed."""
+    samples: int = 0
+    """Training samples consumed by completed steps, over all epochs."""
+    world_size: int = 0
+    """World size the last step ran at (detects resizes after a sync)."""
+    resets: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def load_state_dict(self, d: dict[str, int]) -> None:
+        for k, v in d.items():
+            setattr(self, k, int(v))
+
+
+class TensorSnapshot:
+    """Copies of a fixed list of tensors in buffers allocated once; pinned when the source is on a GPU."""
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+        self._signature: list[tuple[torch.Size, torch.dtype, torch.device]] = []
+
+    @staticmethod
+    def _sig(tensors: list[torch.Tensor]) -> list[tuple[torch.Size, torch.dtype, torch.device]]:
+        return [(t.shape, t.dtype, t.device) for t in tensors]
+
+    def save(self, tensors: list[torch.Tensor]) -> None:
+        sig = self._sig(tensors)
+        if sig != self._signature:
+            self._buffers = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda) for t in tensors]
+            self._signature = sig
+        if tensors:
+            torch._foreach_copy_(self._buffers, tensors, non_blocking=True)
+            if any(t.is_cuda for t in tensors):
+                torch.cuda.synchronize()
+
+    def restore(self, tensors: list[torch.Tensor]) -> None:
+        assert self._sig(tensors) == self._signature, "tensor layout changed since the last commit"
+        if tensors:
+            torch._foreach_copy_(tensors, self._buffers)
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        return self._buffers
+
+
+def module_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Parameters and buffers of ``model`` as plain tensors, in ``state_dict`` order."""
+    return [t.detach() for t in model.state_dict(keep_vars=True).values()]
+
+
+class OptimizerSnapshot:
+    """The optimizer's per-parameter state and param-group hyper-parameters, saved and restored in place."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.tensors = TensorSnapshot()
+        self._layout: list[tuple[int, str]] = []
+        self._values: dict[tuple[int, str], Any] = {}
+        self._groups: list[dict[str, Any]] = []
+
+    def _entries(self) -> tuple[list[tuple[int, str]], list[torch.Tensor], dict[tuple[int, str], Any]]:
+        layout, tensors, values = [], [], {}
+        for i, p in enumerate(self.params):
+            for key, v in self.optimizer.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor):
+                    layout.append((i, key))
+                    tensors.append(v)
+                else:
+                    values[(i, key)] = copy.copy(v)
+        return layout, tensors, values
+
+    def save(self) -> None:
+        layout, tensors, values = self._entries()
+        self._layout, self._values = layout, values
+        self.tensors.save(tensors)
+        self._groups = [{k: copy.copy(v) for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+
+    def restore(self) -> None:
+        state = self.optimizer.state
+        saved_params = {i for i, _ in self._layout} | {i for i, _ in self._values}
+        for i, p in enumerate(self.params):
+            if i not in saved_params:
+                state.pop(p, None)  # state created after the commit (e.g. the first step) is undone
+        current = {(i, k) for i, p in enumerate(self.params) for k in state.get(p, {})}
+        targets: list[torch.Tensor] = []
+        for i, key in self._layout:
+            p = self.params[i]
+            entry = state.setdefault(p, {})
+            buf = self.tensors.buffers[len(targets)]
+            t = entry.get(key)
+            if not isinstance(t, torch.Tensor) or t.shape != buf.shape or t.dtype != buf.dtype:
+                entry[key] = t = torch.empty_like(buf, device=p.device if buf.is_floating_point() else "cpu")
+            targets.append(t)
+        for (i, key), v in self._values.items():
+            state.setdefault(self.params[i], {})[key] = copy.copy(v)
+        for i, key in current - set(self._layout) - set(self._values):
+            state[self.params[i]].pop(key, None)
+        self.tensors.restore(targets)
+        for g, saved in zip(self.optimizer.param_groups, self._groups, strict=True):
+            g.update(copy.copy(saved))
+
+
+def rng_state() -> dict[str, Any]:
+    out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def reseed(seed: int, step: int, rank: int) -> None:
+    """Derive every RNG from ``(seed, step, rank)``: used after a sync, when rank numbering may have changed."""
+    s = (seed * 1_000_003 + step) * 4099 + rank
+    torch.manual_seed(s)
+    random.seed(s)
+
+
+class CommittedState:
+    """All state that a rollback must restore: model, optimizer, scheduler, scaler, sampler, counters, RNG."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        scaler: Any,
+        sampler: SamplerState,
+        counters: Counters,
+        ramp: ScaleRamp,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.scaler = scaler
+        self.sampler = sampler
+        self.counters = counters
+        self.ramp = ramp
+        self._model_snapshot = TensorSnapshot()
+        self._opt_snapshot = OptimizerSnapshot(optimizer)
+        self._small: dict[str, Any] = {}
+        self._rng: dict[str, Any] = {}
+        self.on_restore: list[Callable[[], None]] = []
+
+    def small_state(self) -> dict[str, Any]:
+        """The non-tensor part: cheap to copy, broadcast as one object, stored in checkpoints."""
+        return {
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "sampler": self.sampler.state_dict(),
+            "counters": self.counters.state_dict(),
+            "ramp": self.ramp.state_dict(),
+        }
+
+    def load_small_state(self, d: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(d["scheduler"])
+        if self.scaler is not None and d.get("scaler"):
+            self.scaler.load_state_dict(d["scaler"])
+        self.sampler.load_state_dict(d["sampler"])
+        self.counters.load_state_dict(d["counters"])
+        self.ramp.load_state_dict(d["ramp"])
+
+    def save(self) -> None:
+        self._model_snapshot.save(module_tensors(self.model))
+        self._opt_snapshot.save()
+        self._small = copy.deepcopy(self.small_state())
+        self._rng = rng_state()
+
+    def restore(self) -> None:
+        self._model_snapshot.restore(module_tensors(self.model))
+        self._opt_snapshot.restore()
+        self.load_small_state(copy.deepcopy(self._small))
+        set_rng_state(self._rng)
+        for callback in self.on_restore:
+            callback()
+
+    def full_state(self) -> dict[str, Any]:
+        """The committed state as one structure of tensors and small values (for checkpoints)."""
+        return {
+            "model": dict(zip(self.model.state_dict().keys(), self._model_snapshot.buffers, strict=True)),
+            "optimizer_layout": list(self._opt_snapshot._layout),
+            "optimizer_tensors": list(self._opt_snapshot.tensors.buffers),
+            "optimizer_values": {f"{i}:{k}": v for (i, k), v in self._opt_snapshot._values.items()},
+            "optimizer_groups": copy.deepcopy(self._opt_snapshot._groups),
+            **copy.deepcopy(self._small),
+            "rng_torch": self._rng.get("torch"),
+        }
+
+    def load_full_state(self, d: dict[str, Any]) -> None:
+        """Load a checkpoint written from :meth:`full_state` into the live objects, then commit it."""
+        self.model.load_state_dict(d["model"])
+        snap = self._opt_snapshot
+        snap._layout = [tuple(x) for x in d["optimizer_layout"]]
+        snap._values = {(int(k.split(":", 1)[0]), k.split(":", 1)[1]): v for k, v in d["optimizer_values"].items()}
+        snap._groups = d["optimizer_groups"]
+        snap.tensors._buffers = [t.clone() for t in d["optimizer_tensors"]]
+        snap.tensors._signature = TensorSnapshot._sig(snap.tensors._buffers)
+        snap.restore()
+        self.load_small_state(d)
+        self.save()

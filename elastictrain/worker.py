@@ -1,0 +1,32 @@
+"""``elastictrain train --config X [--set ...]``: the command horovodrun starts on every slot.
+
+Exit 0 only when training is complete (Horovod takes a 0 as the end of the whole job); 2 for a bad
+config or input, with one line; 143 when stopped by SIGTERM.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from discovery.logconf import configure_logging
+from elastictrain.config import ConfigError, load_config
+from elastictrain.config_cli import OneLineParser, add_config_args
+
+
+def main(argv: list[str]) -> int:
+    p = OneLineParser(prog="elastictrain train", description=__doc__.splitlines()[0] if __doc__ else None)
+    add_config_args(p)
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"elastictrain: config error: {e}", file=sys.stderr)
+        return 2
+    configure_logging(job=cfg.job)
+    from elastictrain import elastic  # torch + horovod: imported only once the config is good
+
+    try:
+        return elastic.run(cfg)
+    except ConfigError as e:
+        print(f"elastictrain: config error: {e}", file=sys.stderr)
+        return 2
