@@ -1,0 +1,249 @@
+"""Background writers: where a snapshot is serialised (torch.save) and written to storage.
+
+- :class:`ProcessWriter`: a separate process (preferred: on a small machine a writer thread fights
+  the training loop for the GIL while pickling and hashing). Started from a ``forkserver`` that has
+  torch preloaded, so a start or a restart after a crash costs milliseconds, and the child inherits
+  nothing of the trainer (no CUDA context, no Horovod threads). It receives the shared pool once,
+  at start, and then one small :class:`WriteJob` per save over a pipe.
+- :class:`InlineWriter`: writes in the calling thread (the checkpointer's ``thread`` and ``sync`` modes).
+
+Both expose ``run(job) -> WriteResult`` (blocking; raises on failure, :class:`WriterDied` when the
+process vanished).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.forkserver
+import os
+import signal
+import sys
+import traceback
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from elastictrain.checkpoint.format import WriteResult, write_checkpoint
+from elastictrain.checkpoint.snapshot import SharedPool, Snapshot, materialize
+from elastictrain.checkpoint.storage import CheckpointStorage
+
+_FORKSERVER_PRELOAD = ["torch", "elastictrain.checkpoint.async_writer"]
+
+
+@dataclass(frozen=True, slots=True)
+class WriteJob:
+    """One save, as sent to a writer: the snapshot skeleton plus the manifest fields."""
+
+    snapshot: Snapshot
+    step: int
+    epoch: int
+    world_size: int
+    config_hash: str
+    meta: dict[str, Any] = field(default_factory=dict)
+    keep_last: int | None = None
+
+
+class WriterDied(RuntimeError):
+    """The writer process exited (killed, out of memory) before answering."""
+
+
+class WriteFailed(RuntimeError):
+    """The writer reported an exception; the message carries its type, text and traceback."""
+
+
+def execute(storage: CheckpointStorage, pool: SharedPool, job: WriteJob) -> WriteResult:
+    """Rebuild the state from the pool and write it; shared by every writer kind."""
+    return write_checkpoint(
+        storage,
+        materialize(job.snapshot, pool),
+        step=job.step,
+        epoch=job.epoch,
+        world_size=job.world_size,
+        config_hash=job.config_hash,
+        meta=job.meta,
+        keep_last=job.keep_last,
+    )
+
+
+class InlineWriter:
+    """Writes in the calling thread."""
+
+    pid: int | None = None
+
+    def __init__(self, storage: CheckpointStorage) -> None:
+        self.storage = storage
+        self._pool: SharedPool | None = None
+
+    def ensure(self, pool: SharedPool) -> str | None:
+        self._pool = pool
+        return None
+
+    def run(self, job: WriteJob) -> WriteResult:
+        assert self._pool is not None, "ensure(pool) first"
+        return execute(self.storage, self._pool, job)
+
+    def stop(self, timeout: float | None = None) -> None:
+        self._pool = None
+
+    def kill(self) -> None:
+        self._pool = None
+
+
+def _writer_main(
+    conn: multiprocessing.connection.Connection, storage: CheckpointStorage, pool: SharedPool, nice: int
+) -> None:
+    """Body of the writer process: one job at a time until ``None`` or the parent goes away."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent decides
+    with contextlib.suppress(OSError):
+        os.nice(nice)
+    torch.set_num_threads(1)
+    while True:
+        try:
+            job = conn.recv()
+        except (EOFError, OSError):
+            return  # the parent is gone
+        if job is None:
+            return
+        try:
+            result = execute(storage, pool, job)
+        except BaseException as e:
+            conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
+        else:
+            conn.send(("ok", result))
+
+
+@contextlib.contextmanager
+def _no_main_reimport() -> Iterator[None]:
+    """Start children without re-running the parent's ``__main__`` in them.
+
+    ``forkserver`` (like ``spawn``) re-imports the main script in each child, which in a trainer would
+    import Horovod, MLflow and the whole worker again, and re-run an unguarded script. The writer
+    needs none of it, so the main module is hidden for the few milliseconds of ``start()``.
+    """
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
+
+
+def _context() -> Any:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
+    return ctx
+
+
+def prestart_forkserver() -> None:
+    """Start the fork server and wait until it has imported torch (~1-2 s, once per process).
+
+    Called when a process-mode checkpointer is built, so the first ``save`` does not pay for it.
+    """
+    ctx = _context()
+    with _no_main_reimport():
+        probe = ctx.Process(target=os.getpid, name="elastictrain-checkpoint-warmup", daemon=True)
+        probe.start()
+    probe.join(120)
+    probe.close()
+
+
+class ProcessWriter:
+    """A writer process holding one pool. Driven by one thread at a time (the checkpointer keeps it so)."""
+
+    def __init__(self, storage: CheckpointStorage, *, nice: int = 10) -> None:
+        self.storage = storage
+        self.nice = nice
+        self._proc: Any = None
+        self._conn: multiprocessing.connection.Connection | None = None
+        self._pool: SharedPool | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.is_alive()
+
+    def ensure(self, pool: SharedPool) -> str | None:
+        """Make sure a live writer holds ``pool``; (re)start it if needed.
+
+        Returns a sentence when a previous writer was found dead (the caller counts it), else None.
+        """
+        died = None
+        if self._proc is not None and not self._proc.is_alive():
+            died = f"checkpoint writer process {self._proc.pid} had died (exit code {self._proc.exitcode})"
+            self._discard()
+        if self._proc is not None and self._pool is not pool:
+            self.stop()
+        if self._proc is None:
+            self._start(pool)
+        return died
+
+    def _start(self, pool: SharedPool) -> None:
+        ctx = _context()
+        parent, child = ctx.Pipe(duplex=True)
+        proc = ctx.Process(
+            target=_writer_main,
+            args=(child, self.storage, pool, self.nice),
+            name="elastictrain-checkpoint-writer",
+            daemon=True,
+        )
+        with _no_main_reimport():
+            proc.start()
+        child.close()
+        self._proc, self._conn, self._pool = proc, parent, pool
+
+    def run(self, job: WriteJob) -> WriteResult:
+        assert self._proc is not None and self._conn is not None, "ensure(pool) first"
+        proc, conn = self._proc, self._conn
+        try:
+            conn.send(job)
+            multiprocessing.connection.wait([conn, proc.sentinel])
+            reply = conn.recv() if conn.poll() else None
+        except (EOFError, OSError):
+            reply = None
+        if reply is None:
+            pid = proc.pid
+            proc.join(5)
+            code = proc.exitcode
+            self._discard()
+            raise WriterDied(f"checkpoint writer process {pid} died during the save (exit code {code})")
+        if reply[0] == "ok":
+            result: WriteResult = reply[1]
+            return result
+        raise WriteFailed(f"{reply[1]}\n{reply[2]}")
+
+    def _discard(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+        if self._proc is not None:
+            with contextlib.suppress(ValueError):
+                self._proc.close()
+        self._proc = self._conn = self._pool = None
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """Ask an idle writer to exit; kill it when it does not within ``timeout`` seconds."""
+        if self._proc is None:
+            return
+        with contextlib.suppress(OSError, ValueError):
+            assert self._conn is not None
+            self._conn.send(None)
+        self._proc.join(timeout)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+        self._discard()
+
+    def kill(self) -> None:
+        """SIGKILL the writer (a stuck save at close); what it was writing is lost, ``latest`` is intact.
+
+        Only signals: the thread inside :meth:`run` sees the death and cleans up.
+        """
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.kill()

@@ -1,0 +1,320 @@
+"""The on-storage checkpoint format: write, prune, verify, load (with fallback to the previous good one).
+
+Layout under a :class:`~elastictrain.checkpoint.storage.CheckpointStorage` (``<run_dir>/checkpoints``)::
+
+    step-00000100/state.pt        torch.save of the whole state dict
+    step-00000100/manifest.json   step, epoch, world_size, config_hash, created_at, files{name: sha256, bytes}, meta
+    step-00000200/...
+    latest                        "step-00000200": the newest complete, verified checkpoint
+
+Commit protocol (a crash at any instant leaves ``latest`` naming a complete checkpoint):
+
+1. the state file is written atomically under a name no manifest refers to yet (``state.pt``, or
+   ``state-<token>.pt`` when the same step is saved again), its SHA-256 computed while it streams out;
+2. ``manifest.json`` is written atomically: this is the commit point of the folder;
+3. ``latest`` is replaced atomically, only after the manifest is durable;
+4. older checkpoints beyond ``keep_last`` are pruned (never the one ``latest`` names), together with
+   folders that never got a manifest, temporary files and state files no manifest names.
+
+One writer per storage at a time (rank 0's checkpointer); pruning assumes no other save is running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import re
+import secrets
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, BinaryIO
+
+import torch
+
+from discovery.logconf import get_logger
+from elastictrain.checkpoint.storage import LATEST, TEMP_MARKER, CheckpointStorage
+
+
+def _log() -> Any:
+    """A fresh logger per call, so structlog configuration changes (and tests' capture_logs) apply."""
+    return get_logger("elastictrain.checkpoint")
+
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+STATE_FILE = "state.pt"
+_STEP_RE = re.compile(r"^step-(\d{8,})$")
+_HASH_CHUNK = 8 << 20
+
+
+class CheckpointDamaged(Exception):
+    """A checkpoint folder is incomplete or does not match its manifest (the message says how)."""
+
+
+def checkpoint_name(step: int) -> str:
+    """Folder name of the checkpoint at global step ``step``: ``step-00000100``."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"step-{step:08d}"
+
+
+def parse_step(name: str) -> int | None:
+    """The step of a checkpoint folder name, or ``None`` when ``name`` is not one."""
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def list_checkpoints(storage: CheckpointStorage) -> list[tuple[int, str]]:
+    """``(step, folder name)`` of every checkpoint folder, complete or not, oldest first."""
+    found = [(s, n) for n in storage.list_dir("") if (s := parse_step(n)) is not None]
+    return sorted(found)
+
+
+@dataclass(frozen=True, slots=True)
+class WriteResult:
+    """What :func:`write_checkpoint` wrote."""
+
+    name: str
+    """Folder name, e.g. ``step-00000100``."""
+    path: str
+    """Human-readable location of the folder (``storage.describe``)."""
+    bytes: int
+    """Size of the state file."""
+    write_seconds: float
+    """Serialise + write + fsync + manifest + ``latest`` (pruning excluded)."""
+    pruned: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedCheckpoint:
+    """A verified checkpoint, as returned by :func:`load_latest`."""
+
+    step: int
+    epoch: int
+    world_size: int
+    state: Any
+    """The state dict exactly as it was passed to ``save`` (tensors on ``map_location``)."""
+    manifest: dict[str, Any]
+    path: str
+    """Human-readable location of the checkpoint folder."""
+    skipped: tuple[str, ...] = field(default=())
+    """``"<folder>: <why>"`` for each newer checkpoint that was damaged and skipped."""
+
+
+class _HashingWriter:
+    """A write-only file wrapper that counts bytes and computes SHA-256 as data streams through."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self._f = f
+        self.sha256 = hashlib.sha256()
+        self.bytes = 0
+
+    def write(self, data: Any) -> int:
+        self.sha256.update(data)
+        n = self._f.write(data)
+        self.bytes += len(memoryview(data).cast("B"))
+        return n
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def write_checkpoint(
+    storage: CheckpointStorage,
+    state: Any,
+    *,
+    step: int,
+    epoch: int,
+    world_size: int,
+    config_hash: str,
+    meta: dict[str, Any] | None = None,
+    keep_last: int | None = None,
+) -> WriteResult:
+    """Write ``state`` as the checkpoint of ``step`` following the commit protocol, then prune.
+
+    Synchronous; the async checkpointer runs this in its background writer. Raises on any failure,
+    leaving ``latest`` untouched.
+    """
+    start = time.perf_counter()
+    name = checkpoint_name(step)
+    state_file = STATE_FILE
+    if storage.exists(f"{name}/{state_file}"):  # the same step saved again: never overwrite what a manifest names
+        state_file = f"state-{secrets.token_hex(4)}.pt"
+    with storage.open_write(f"{name}/{state_file}") as f:
+        hw = _HashingWriter(f)
+        torch.save(state, hw)  # type: ignore[arg-type]
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "epoch": epoch,
+        "world_size": world_size,
+        "config_hash": config_hash,
+        "created_at": datetime.now(timezone.utc).isoformat(),
+        "torch_version": torch.__version__,
+        "state_file": state_file,
+        "files": {state_file: {"sha256": hw.sha256.hexdigest(), "bytes": hw.bytes}},
+        "meta": meta or {},
+    }
+    storage.write_bytes(f"{name}/{MANIFEST}", json.dumps(manifest, indent=1, sort_keys=True).encode())
+    storage.set_latest(name)
+    write_seconds = time.perf_counter() - start
+    pruned: tuple[str, ...] = ()
+    try:
+        pruned = tuple(prune(storage, keep_last))
+    except Exception as e:  # the checkpoint itself is committed; a failed clean-up is only worth a warning
+        _log().warning("checkpoint_prune_failed", error=repr(e), path=storage.describe())
+    return WriteResult(name, storage.describe(name), hw.bytes, write_seconds, pruned)
+
+
+def read_manifest(storage: CheckpointStorage, name: str) -> dict[str, Any]:
+    """The manifest of checkpoint ``name``; :class:`CheckpointDamaged` when missing or unreadable."""
+    try:
+        raw = storage.read_bytes(f"{name}/{MANIFEST}")
+    except FileNotFoundError:
+        raise CheckpointDamaged(f"{name}: no {MANIFEST} (incomplete save)") from None
+    try:
+        manifest = json.loads(raw)
+        files = manifest["files"]
+        if not isinstance(files, dict) or manifest["state_file"] not in files:
+            raise ValueError("files does not list state_file")
+        for key in ("step", "epoch", "world_size"):
+            int(manifest[key])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointDamaged(f"{name}: {MANIFEST} is unreadable ({e})") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointDamaged(f"{name}: {MANIFEST} is not an object")
+    return manifest
+
+
+def verify_checkpoint(storage: CheckpointStorage, name: str) -> dict[str, Any]:
+    """Check every file of ``name`` against its manifest (size, then SHA-256); return the manifest.
+
+    Raises :class:`CheckpointDamaged` naming the first file that is missing, truncated or altered.
+    """
+    manifest = read_manifest(storage, name)
+    for fname, expect in manifest["files"].items():
+        key = f"{name}/{fname}"
+        try:
+            size = storage.size(key)
+        except FileNotFoundError:
+            raise CheckpointDamaged(f"{name}: {fname} is missing") from None
+        if size != int(expect["bytes"]):
+            raise CheckpointDamaged(f"{name}: {fname} has {size} bytes, manifest says {expect['bytes']}")
+        h = hashlib.sha256()
+        with storage.open_read(key) as f:
+            while chunk := f.read(_HASH_CHUNK):
+                h.update(chunk)
+        if h.hexdigest() != expect["sha256"]:
+            raise CheckpointDamaged(f"{name}: {fname} SHA-256 does not match the manifest (corrupted)")
+    return manifest
+
+
+def load_checkpoint(
+    storage: CheckpointStorage, name: str, map_location: Any = "cpu", *, weights_only: bool = False
+) -> LoadedCheckpoint:
+    """Verify and load checkpoint folder ``name``; :class:`CheckpointDamaged` when it fails verification."""
+    manifest = verify_checkpoint(storage, name)
+    key = f"{name}/{manifest['state_file']}"
+    local = storage.local_path(key)
+    if local is not None:
+        state = torch.load(local, map_location=map_location, weights_only=weights_only)
+    else:
+        with storage.open_read(key) as f:
+            state = torch.load(f, map_location=map_location, weights_only=weights_only)
+    return LoadedCheckpoint(
+        step=int(manifest["step"]),
+        epoch=int(manifest["epoch"]),
+        world_size=int(manifest["world_size"]),
+        state=state,
+        manifest=manifest,
+        path=storage.describe(name),
+    )
+
+
+def load_latest(
+    storage: CheckpointStorage, map_location: Any = "cpu", *, weights_only: bool = False
+) -> LoadedCheckpoint | None:
+    """Load the newest verified checkpoint, or ``None`` when the storage holds none.
+
+    Tries the folder ``latest`` names first, then every other checkpoint folder, newest step first.
+    Each damaged one (missing manifest, missing/truncated file, SHA-256 mismatch) is skipped with a
+    ``checkpoint_damaged_falling_back`` warning that names it, why, and what is tried next; the reasons
+    are also in ``LoadedCheckpoint.skipped``. ``weights_only=False`` by default because the state holds
+    arbitrary small picklable values (RNG states, counters); the file's SHA-256 was checked first.
+    """
+    latest = storage.get_latest()
+    others = [n for _, n in reversed(list_checkpoints(storage)) if n != latest]
+    candidates = ([latest] if latest else []) + others
+    skipped: list[str] = []
+    for i, name in enumerate(candidates):
+        try:
+            loaded = load_checkpoint(storage, name, map_location, weights_only=weights_only)
+        except CheckpointDamaged as e:
+            nxt = candidates[i + 1] if i + 1 < len(candidates) else None
+            _log().warning(
+                "checkpoint_damaged_falling_back",
+                message=f"checkpoint {name} is damaged ({e}); falling back to "
+                + (f"the previous checkpoint {nxt}" if nxt else "nothing: no older checkpoint"),
+                damaged=name,
+                reason=str(e),
+                fallback=nxt,
+                path=storage.describe(name),
+            )
+            skipped.append(str(e))
+            continue
+        if skipped:
+            _log().warning("checkpoint_loaded_fallback", loaded=name, skipped=skipped, path=loaded.path)
+            return LoadedCheckpoint(
+                loaded.step,
+                loaded.epoch,
+                loaded.world_size,
+                loaded.state,
+                loaded.manifest,
+                loaded.path,
+                tuple(skipped),
+            )
+        return loaded
+    if skipped:
+        _log().error("checkpoint_none_usable", skipped=skipped, path=storage.describe())
+    return None
+
+
+def prune(storage: CheckpointStorage, keep_last: int | None) -> list[str]:
+    """Delete what is no longer needed; return the deleted checkpoint folder names.
+
+    Keeps the folder ``latest`` names and the newest ``keep_last`` complete checkpoints (those with a
+    manifest) at or below its step (``keep_last=None`` keeps all complete ones). Deletes older complete
+    checkpoints, folders without a manifest, folders above ``latest`` (an abandoned timeline, e.g. after
+    a resume fell back past a damaged checkpoint), temporary files and state files no manifest names.
+    Call only when no save is running on this storage.
+    """
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+    latest = storage.get_latest()
+    latest_step = parse_step(latest) if latest else None
+    found = list_checkpoints(storage)
+    complete = [
+        (s, n) for s, n in found if (latest_step is None or s <= latest_step) and storage.exists(f"{n}/{MANIFEST}")
+    ]
+    newest = complete[::-1] if keep_last is None else complete[::-1][:keep_last]
+    keep = {n for _, n in newest} | ({latest} if latest else set())
+    deleted = []
+    for _, name in found:
+        if name not in keep:
+            storage.delete(name)
+            deleted.append(name)
+    for entry in storage.list_dir(""):
+        if TEMP_MARKER in entry and entry != LATEST:
+            storage.delete(entry)
+    for name in keep:
+        try:
+            listed = set(read_manifest(storage, name)["files"])
+        except CheckpointDamaged:
+            continue  # leave a damaged folder as it is: a human may want to look at it
+        for entry in storage.list_dir(name):
+            if entry != MANIFEST and entry not in listed:
+                with contextlib.suppress(FileNotFoundError):
+                    storage.delete(f"{name}/{entry}")
+    return deleted

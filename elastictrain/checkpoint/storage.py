@@ -1,0 +1,193 @@
+"""Where checkpoint files live: a small storage interface and its local/shared-filesystem implementation.
+
+Paths given to a storage are relative, ``/``-separated keys such as ``step-00000100/state.pt``; the
+storage maps them onto its own namespace (a folder, a bucket prefix). The checkpoint format
+(:mod:`elastictrain.checkpoint.format`) needs only these operations, and relies on exactly one
+atomicity property: a file written through :meth:`CheckpointStorage.open_write` is either absent or
+complete and durable under its final name, never partial.
+
+Writing a new backend (an object store, say) means subclassing :class:`CheckpointStorage` and providing:
+
+- ``open_write(path)``: a context manager yielding a binary writable file; on clean exit the object
+  appears atomically and durably under ``path`` (object stores: buffer to a local temp file, then one
+  PUT or a completed multipart upload, which is atomic per object); on an exception nothing appears.
+- ``open_read(path)``: a binary readable file; ``FileNotFoundError`` when absent.
+- ``size(path)``, ``exists(path)``, ``list_dir(prefix)`` (immediate child names, files and "folders",
+  i.e. common prefixes), ``delete(path)`` (a file, or everything under a prefix; absent is fine).
+- ``describe(path)``: a human-readable location for logs and events (``s3://bucket/key``).
+
+``set_latest``/``get_latest`` are built on ``write_bytes``/``read_bytes`` of the ``latest`` key, so
+they inherit the atomic write. ``local_path`` may stay ``None`` for remote backends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+LATEST = "latest"
+"""Key of the pointer file naming the newest complete, verified checkpoint folder."""
+
+TEMP_MARKER = ".tmp-"
+"""Temporary files carry this in their name; anything with it is garbage once no save is running."""
+
+
+class CheckpointStorage(ABC):
+    """Files of the checkpoint format, addressed by relative ``/``-separated keys.
+
+    Instances must be picklable: the background writer process receives the storage it writes to.
+    """
+
+    @abstractmethod
+    def open_write(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]:
+        """Write ``path`` atomically: visible, complete and durable only after the block exits cleanly."""
+
+    @abstractmethod
+    def open_read(self, path: str) -> BinaryIO:
+        """Open ``path`` for reading; raise ``FileNotFoundError`` when it does not exist."""
+
+    @abstractmethod
+    def size(self, path: str) -> int:
+        """Size of the file ``path`` in bytes; ``FileNotFoundError`` when it does not exist."""
+
+    @abstractmethod
+    def exists(self, path: str) -> bool:
+        """Whether a file or folder ``path`` exists."""
+
+    @abstractmethod
+    def list_dir(self, prefix: str = "") -> list[str]:
+        """Sorted names (not full keys) directly under ``prefix``; empty when ``prefix`` does not exist."""
+
+    @abstractmethod
+    def delete(self, path: str) -> None:
+        """Remove the file ``path`` or everything under the folder ``path``; absent is not an error."""
+
+    @abstractmethod
+    def describe(self, path: str = "") -> str:
+        """Where ``path`` lives, for humans (logs, events)."""
+
+    def local_path(self, path: str) -> Path | None:
+        """A local filesystem path for ``path`` when the backend has one (lets loads avoid a copy)."""
+        return None
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        with self.open_write(path) as f:
+            f.write(data)
+
+    def read_bytes(self, path: str) -> bytes:
+        with self.open_read(path) as f:
+            return f.read()
+
+    def set_latest(self, name: str) -> None:
+        """Atomically point ``latest`` at checkpoint folder ``name``. Call only once that folder is durable."""
+        self.write_bytes(LATEST, (name + "\n").encode())
+
+    def get_latest(self) -> str | None:
+        """The folder name ``latest`` points at, or ``None`` when there is no (readable) pointer."""
+        try:
+            name = self.read_bytes(LATEST).decode().strip()
+        except (FileNotFoundError, UnicodeDecodeError):
+            return None
+        return name or None
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _makedirs_durable(path: Path) -> None:
+    """Create ``path`` and missing parents, fsyncing each new entry's parent so the folders survive a crash."""
+    missing: list[Path] = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            d.mkdir()
+        _fsync_dir(d.parent)
+
+
+class LocalStorage(CheckpointStorage):
+    """Checkpoint files under a folder on a local or shared (NFS, Lustre) filesystem.
+
+    Atomic write: a temporary file in the same folder, ``fsync``, ``os.replace`` onto the final name,
+    ``fsync`` of the folder. ``root`` is created on first write.
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root).absolute()
+
+    @classmethod
+    def for_run_dir(cls, run_dir: str | os.PathLike[str]) -> LocalStorage:
+        """The storage of a job's ``run_dir``: checkpoints live in ``<run_dir>/checkpoints``."""
+        return cls(Path(run_dir) / "checkpoints")
+
+    def __repr__(self) -> str:
+        return f"LocalStorage({str(self.root)!r})"
+
+    def _path(self, path: str) -> Path:
+        parts = [p for p in path.split("/") if p]
+        if any(p in (".", "..") for p in parts):
+            raise ValueError(f"storage key {path!r} must not contain '.' or '..' components")
+        return self.root.joinpath(*parts)
+
+    @contextlib.contextmanager
+    def open_write(self, path: str) -> Iterator[BinaryIO]:
+        final = self._path(path)
+        _makedirs_durable(final.parent)
+        tmp = final.with_name(f".{final.name}{TEMP_MARKER}{os.getpid()}-{secrets.token_hex(4)}")
+        f = open(tmp, "xb")  # noqa: SIM115 - closed below on every path
+        try:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+            os.replace(tmp, final)
+            _fsync_dir(final.parent)
+        except BaseException:
+            f.close()
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            raise
+
+    def open_read(self, path: str) -> BinaryIO:
+        return open(self._path(path), "rb")
+
+    def size(self, path: str) -> int:
+        return self._path(path).stat().st_size
+
+    def exists(self, path: str) -> bool:
+        return self._path(path).exists()
+
+    def list_dir(self, prefix: str = "") -> list[str]:
+        try:
+            return sorted(os.listdir(self._path(prefix)))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def delete(self, path: str) -> None:
+        p = self._path(path)
+        if p == self.root:
+            raise ValueError("refusing to delete the storage root")
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+
+    def describe(self, path: str = "") -> str:
+        return str(self._path(path))
+
+    def local_path(self, path: str) -> Path | None:
+        return self._path(path)

@@ -1,0 +1,137 @@
+"""The checkpoint writer process: round trip, restart after death, and SIGKILL at random instants."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+
+from elastictrain.checkpoint import Checkpointer, LocalStorage, list_checkpoints, load_latest, verify_checkpoint
+from tests.fixtures.procs import wait_until
+
+pytestmark = pytest.mark.integration
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict]] = []
+
+    def __call__(self, name: str, fields: dict) -> None:
+        self.events.append((name, fields))
+
+
+def _kill(pid: int | None) -> None:
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_process_writer_saves_without_pickling_tensors_and_close_stops_it(tmp_path):
+    storage = LocalStorage(tmp_path / "checkpoints")
+    rec = Recorder()
+    state = {"w": torch.randn(512, 512), "b": torch.arange(10), "n": 3, "nested": [(torch.ones(2), "x")]}
+    ckpt = Checkpointer(storage, keep_last=2, writer="process", on_event=rec)
+    try:
+        ckpt.save(state, step=1, epoch=0, world_size=1, config_hash="h")
+        pid = ckpt.writer_pid
+        assert ckpt.wait(30)
+        ckpt.save(state, step=2, epoch=0, world_size=1, config_hash="h")
+        assert ckpt.wait(30) and ckpt.writer_pid == pid  # one writer, reused
+    finally:
+        ckpt.close()
+    assert [n for n, _ in rec.events] == ["checkpoint", "checkpoint"]
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    loaded = load_latest(storage)
+    assert loaded.step == 2 and torch.equal(loaded.state["w"], state["w"])
+    assert loaded.state["nested"][0][1] == "x" and loaded.state["n"] == 3
+
+
+def test_writer_killed_while_idle_is_noticed_counted_and_restarted_by_the_next_save(tmp_path):
+    storage = LocalStorage(tmp_path / "checkpoints")
+    rec = Recorder()
+    with Checkpointer(storage, writer="process", on_event=rec) as ckpt:
+        ckpt.save({"w": torch.ones(8)}, step=1, epoch=0, world_size=1, config_hash="h")
+        assert ckpt.wait(30)
+        old = ckpt.writer_pid
+        _kill(old)
+        wait_until(lambda: _gone(old), timeout=10, interval=0.005, what="the writer to be reaped")
+        ckpt.save({"w": torch.ones(8) * 2}, step=2, epoch=0, world_size=1, config_hash="h")
+        assert ckpt.wait(30)
+        assert ckpt.writer_pid != old
+        stats = ckpt.stats
+    assert stats.failures == 1 and stats.writer_restarts == 1 and stats.succeeded == 2
+    assert [n for n, _ in rec.events] == ["checkpoint", "checkpoint_failed", "checkpoint"]
+    assert "had died (exit code -9)" in rec.events[1][1]["error"]
+    assert load_latest(storage).step == 2
+
+
+def test_writer_sigkilled_at_random_instants_of_a_save_never_breaks_latest(tmp_path):
+    rng = random.Random(20251129)
+    storage = LocalStorage(tmp_path / "checkpoints")
+    rec = Recorder()
+    base = torch.randn(512, 512)  # 1 MiB: a save takes a few ms, mostly fsyncs
+    state = {"w": base.clone(), "step": 0, "rng": torch.get_rng_state()}
+    ckpt = Checkpointer(storage, keep_last=2, writer="process", on_event=rec)
+    try:
+        durations = []
+        for step in range(4):  # un-killed saves: a baseline checkpoint, and how long a save takes here
+            state["w"].copy_(base + step)
+            state["step"] = step
+            if step > 0:  # like every save in the loop below, this one starts a fresh writer
+                pid = ckpt.writer_pid
+                _kill(pid)
+                wait_until(lambda pid=pid: _gone(pid), timeout=10, interval=0.005, what="the writer to be reaped")
+            t0 = time.perf_counter()
+            ckpt.save(state, step=step, epoch=0, world_size=1, config_hash="h")
+            assert ckpt.wait(30)
+            durations.append(time.perf_counter() - t0)
+        typical = sorted(durations[1:])[1]
+        kills, step = 0, 4
+        deadline = time.monotonic() + 90
+        while kills < 60 and time.monotonic() < deadline:
+            state["w"].copy_(base + step)
+            state["step"] = step
+            ckpt.save(state, step=step, epoch=0, world_size=1, config_hash="h")
+            pid = ckpt.writer_pid
+            wait_until(lambda: ckpt.in_flight, timeout=10, interval=0.0005, what="a save in flight")
+            instant = time.perf_counter() + rng.uniform(0.0, 1.3 * typical)
+            while time.perf_counter() < instant:  # spin to the drawn instant (a sleep is far too coarse)
+                pass
+            _kill(pid)
+            kills += 1
+            assert ckpt.wait(30), "the checkpointer must notice the dead writer"
+            wait_until(lambda pid=pid: _gone(pid), timeout=10, interval=0.005, what="the writer to be reaped")
+
+            latest = storage.get_latest()
+            assert latest is not None
+            manifest = verify_checkpoint(storage, latest)  # latest itself is complete and verified
+            loaded = load_latest(storage)
+            assert loaded is not None and loaded.skipped == () and loaded.step == manifest["step"]
+            assert loaded.state["step"] == loaded.step
+            assert torch.equal(loaded.state["w"], base + loaded.step)
+            name, fields = rec.events[-1]
+            if name == "checkpoint" and fields["step"] == step:  # the kill came after the save committed
+                assert len(list_checkpoints(storage)) <= 2, "a committed save prunes to keep_last"
+            step += 1
+        saves = step
+        stats = ckpt.stats
+    finally:
+        ckpt.close()
+    assert kills >= 50
+    per_save = [f for n, f in rec.events if n in ("checkpoint", "checkpoint_failed") and f["step"] is not None]
+    assert len(per_save) == saves, "every save is reported exactly once, as written or as failed"
+    killed_mid_save = sum(1 for n, f in rec.events if n == "checkpoint_failed" and f["step"] is not None)
+    assert killed_mid_save >= 5 and stats.succeeded >= 4
+    assert stats.failures == sum(1 for n, _ in rec.events if n == "checkpoint_failed")
