@@ -90,6 +90,12 @@ class Checkpointer:
     ``checkpoint_skipped``; with the process and thread writers it is called from the checkpointer's
     background thread, so it must be quick and thread-safe. An exception in it is logged and ignored.
     Use from one thread (the training loop); ``close`` it (or use it as a context manager).
+
+    ``pin_memory``: page-lock the buffers when the state has CUDA tensors (``None``: yes when CUDA
+    allows). ``copy_threads``: threads for the CPU snapshot memcpy (default ``min(4, cpu_count)``;
+    they only run during ``save``). ``writer_nice``: niceness of the writer process, so that on a
+    small machine the training loop wins the CPU. Building a process-mode checkpointer starts the
+    fork server once (~1-2 s, torch is imported there).
     """
 
     def __init__(
@@ -100,6 +106,7 @@ class Checkpointer:
         writer: WriterKind = "process",
         on_event: EventCallback | None = None,
         pin_memory: bool | None = None,
+        copy_threads: int | None = None,
         writer_nice: int = 10,
     ) -> None:
         if keep_last is not None and keep_last < 1:
@@ -110,7 +117,7 @@ class Checkpointer:
         self.keep_last = keep_last
         self.mode: WriterKind = writer
         self._on_event = on_event
-        self._buffers = SnapshotBuffers(pin_memory=pin_memory)
+        self._buffers = SnapshotBuffers(pin_memory=pin_memory, copy_threads=copy_threads)
         self._writer: ProcessWriter | InlineWriter = (
             ProcessWriter(storage, nice=writer_nice) if writer == "process" else InlineWriter(storage)
         )

@@ -16,10 +16,12 @@ tensors the pool is page-locked with ``cudaHostRegister`` so device-to-host copi
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
 import pickle
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import reduction
 from typing import Any
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 
 _ALIGN = 64
+_COPY_CHUNK = 8 << 20
 
 
 class _Slot:
@@ -210,6 +213,58 @@ def materialize(snapshot: Snapshot, pool: SharedPool) -> Any:
     return _unflatten(pickle.loads(snapshot.skeleton), tensors)
 
 
+class _ParallelCopier:
+    """memcpy of CPU tensors into the pool, split over a few threads.
+
+    One thread does not saturate memory bandwidth: measured on a 2-core VM, 256 MiB took 15 ms with
+    ``Tensor.copy_`` or one ``memmove`` and 8 ms with two threads. ``ctypes.memmove`` releases the
+    GIL and is independent of ``torch.set_num_threads`` (a trainer often runs at 1 thread).
+    """
+
+    def __init__(self, threads: int) -> None:
+        self.threads = max(1, threads)
+        self._pool = (
+            ThreadPoolExecutor(self.threads - 1, thread_name_prefix="elastictrain-snapshot")
+            if self.threads > 1
+            else None
+        )
+
+    def copy(self, moves: list[tuple[int, int, int]]) -> None:
+        """Perform ``(dst_ptr, src_ptr, nbytes)`` copies; returns when all are done."""
+        chunks = [
+            (dst + off, src + off, min(_COPY_CHUNK, n - off))
+            for dst, src, n in moves
+            for off in range(0, n, _COPY_CHUNK)
+        ]
+        total = sum(c[2] for c in chunks)
+        if self._pool is None or total < 2 * _COPY_CHUNK:
+            _memmove_all(chunks)
+            return
+        share, acc = total / self.threads, 0
+        parts: list[list[tuple[int, int, int]]] = []
+        part: list[tuple[int, int, int]] = []
+        for c in chunks:  # contiguous runs of about equal bytes: neighbours stay on one thread
+            part.append(c)
+            acc += c[2]
+            if acc >= share * (len(parts) + 1) and len(parts) < self.threads - 1:
+                parts.append(part)
+                part = []
+        parts.append(part)
+        futures = [self._pool.submit(_memmove_all, p) for p in parts[1:]]
+        _memmove_all(parts[0])
+        for f in futures:
+            f.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+
+def _memmove_all(chunks: list[tuple[int, int, int]]) -> None:
+    for dst, src, n in chunks:
+        ctypes.memmove(dst, src, n)
+
+
 class SnapshotBuffers:
     """The reusable snapshot buffers of one checkpointer. Used from the training thread only.
 
@@ -219,8 +274,9 @@ class SnapshotBuffers:
     when a writer process must be handed the new one.
     """
 
-    def __init__(self, *, pin_memory: bool | None = None) -> None:
+    def __init__(self, *, pin_memory: bool | None = None, copy_threads: int | None = None) -> None:
         self._pin_memory = pin_memory
+        self._copier = _ParallelCopier(copy_threads if copy_threads is not None else min(4, os.cpu_count() or 1))
         self.pool: SharedPool | None = None
         self.generation = 0
         self._key: tuple[tuple[str, tuple[int, ...]], ...] | None = None
@@ -241,8 +297,13 @@ class SnapshotBuffers:
         assert self.pool is not None
         has_cuda = any(t.is_cuda for t in tensors)
         pinned = has_cuda and self._pin_memory is not False and self.pool.pin()
+        moves = []
         for dst, src in zip(self._dests, tensors, strict=True):
-            dst.copy_(src.detach(), non_blocking=pinned and src.is_cuda)
+            if src.is_cuda or not src.is_contiguous() or src.is_conj() or src.is_neg() or src.numel() == 0:
+                dst.copy_(src.detach(), non_blocking=pinned and src.is_cuda)
+            else:
+                moves.append((dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size()))
+        self._copier.copy(moves)
         events = []
         if has_cuda:
             for dev in {t.device for t in tensors if t.is_cuda}:
@@ -265,6 +326,7 @@ class SnapshotBuffers:
 
     def close(self) -> None:
         self._dests = []
+        self._copier.close()
         if self.pool is not None:
             self.pool.close()
             self.pool = None

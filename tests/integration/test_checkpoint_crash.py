@@ -135,3 +135,13 @@ def test_writer_sigkilled_at_random_instants_of_a_save_never_breaks_latest(tmp_p
     killed_mid_save = sum(1 for n, f in rec.events if n == "checkpoint_failed" and f["step"] is not None)
     assert killed_mid_save >= 5 and stats.succeeded >= 4
     assert stats.failures == sum(1 for n, _ in rec.events if n == "checkpoint_failed")
+
+
+def test_bench_runs_small_and_reports_medians_and_ratios(tmp_path):
+    from elastictrain.checkpoint.bench import bench_checkpoint_stall
+
+    result = bench_checkpoint_stall(state_mb=8, repeats=1, tmp_root=str(tmp_path), steady_steps=5)
+    assert result["failures"] == 0 and result["skipped"] == 0
+    assert result["async_stall_s"] > 0 and result["sync_save_s"] > 0 and result["step_steady_s"] > 0
+    assert result["stall_ratio"] == pytest.approx(result["async_stall_s"] / result["sync_save_s"])
+    assert os.listdir(tmp_path) == []

@@ -219,3 +219,30 @@ def test_bad_arguments_are_rejected_with_a_message_naming_them(tmp_path):
     ckpt.close()
     with pytest.raises(RuntimeError, match="after close"):
         ckpt.save({}, step=1, epoch=0, world_size=1, config_hash="h")
+
+
+def test_odd_tensors_round_trip_through_the_snapshot_buffers(tmp_path):
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    big = torch.randn(5_000_000)  # 20 MB: split into chunks over the copy threads
+    state = {
+        "transposed": base.t(),  # not contiguous
+        "sliced": base[:, ::2],
+        "conj": torch.complex(base, -base).conj(),
+        "bf16": base.to(torch.bfloat16),
+        "bool": base > 10,
+        "scalar": torch.tensor(3, dtype=torch.int64),
+        "empty": torch.empty(0, 5),
+        "big": big,
+        "tied": [big, big],  # one tensor twice: one slot
+        "sparse": torch.eye(3).to_sparse(),  # not poolable: pickled with the skeleton
+        "tuple": (1, "two", None, 3.5),
+    }
+    with Checkpointer(LocalStorage(tmp_path), writer="sync", copy_threads=2) as ckpt:
+        ckpt.save(state, step=1, epoch=0, world_size=1, config_hash="h")
+        assert ckpt.stats.succeeded == 1
+    loaded = load_latest(LocalStorage(tmp_path)).state
+    for key in ("transposed", "sliced", "bf16", "bool", "scalar", "empty", "big"):
+        _assert_same(state[key].contiguous(), loaded[key], key)
+    assert torch.equal(loaded["conj"], state["conj"].resolve_conj())
+    assert torch.equal(loaded["tied"][1], big) and torch.equal(loaded["sparse"].to_dense(), torch.eye(3))
+    assert loaded["tuple"] == (1, "two", None, 3.5)
