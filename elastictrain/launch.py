@@ -1,0 +1,960 @@
+"""``elastictrain launch``: run a job with one command, and supervise it across full preemptions.
+
+Usage::
+
+    elastictrain launch --config X [--set k=v ...] [--min-np N] [--max-np M] [--etcd URL] [--job J]
+                        [--hosts H1,H2,...] [-- extra horovodrun flags]
+
+Without ``--etcd`` (the *embedded* mode) the launcher starts an etcd of its own (data dir
+``run_dir/etcd``, free loopback ports) and one agent per logical host of this machine. Logical hosts
+are names that horovodrun runs locally but blacklists separately: ``localhost``, ``127.0.0.1``, the
+hostname and the primary address, those of them that resolve to this machine (``--hosts`` picks
+them). With ``--etcd`` it uses the cluster's etcd and starts no agents: every node runs its own
+``elastictrain agent`` (docs/multinode.md).
+
+It prints the ``horovodrun`` command (with the environment it sets) so that users can run it
+themselves, runs it, and supervises it:
+
+- horovodrun exits 0 and ``events.jsonl`` ends with ``done``: the job is complete, exit 0.
+- horovodrun exits non-zero after hosts were lost (their keys expired or their agents registered
+  anew, e.g. a full preemption) or while fewer than ``--min-np`` slots are ready: wait up to
+  ``--wait-hosts-seconds`` for ``--min-np`` ready slots and relaunch, at most ``--max-relaunches``
+  times. The worker resumes from the latest checkpoint in the same MLflow run; ``ELASTICTRAIN_ATTEMPT``
+  tells it the relaunch count.
+- SIGTERM or SIGINT to the launcher: SIGTERM to every worker (rank 0 checkpoints the last commit and
+  they exit 143), a deadline of ``--stop-timeout`` seconds, then SIGKILL of what is left; agents and the
+  embedded etcd are stopped. Every process the launcher started is tracked by pid (with its
+  descendants, through psutil; the launcher is also their child subreaper), so none remains.
+
+Exit codes:
+    0    training completed
+    1    horovodrun failed and no host was lost (a crash, not a preemption); not relaunched
+    2    bad flags, config or environment (one line; nothing was started), or the embedded etcd or
+         agents failed to start
+    3    hosts lost and fewer than --min-np slots came back within --wait-hosts-seconds
+    4    hosts lost again after --max-relaunches relaunches
+    130  stopped by SIGINT
+    143  stopped by SIGTERM (a stopped job is not a completed one; rerun to resume)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import enum
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any, NoReturn
+
+import psutil
+
+from discovery.record import READY
+from discovery.registry import EtcdRegistry, RegistryError, parse_endpoints
+from elastictrain.config import ConfigError, JobConfig, load_config
+
+PROG = "elastictrain launch"
+REPO = Path(__file__).resolve().parents[1]
+DISCOVER_SCRIPT = REPO / "discovery" / "discover.sh"
+STATE_FILE = "launch.json"
+"""``run_dir/launch.json``: pids, etcd endpoint and hosts of the running launcher (for operators and the demo)."""
+LAUNCH_ID_ENV = "ELASTICTRAIN_LAUNCH_ID"
+"""Set in every process the launcher starts, so that a process of this job can be recognised by its environment."""
+
+EXIT_COMPLETED = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_HOSTS_TIMEOUT = 3
+EXIT_RELAUNCH_LIMIT = 4
+EXIT_INTERRUPTED = 130
+EXIT_STOPPED = 143
+
+POLL_SECONDS = 0.2
+REGISTRY_POLL_SECONDS = 1.0
+
+
+class LaunchError(Exception):
+    """A user error found before anything was started (exit 2); the message is one line."""
+
+
+# --------------------------------------------------------------------------------------------------
+# options and the horovodrun command (pure)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class LaunchOptions:
+    """What ``elastictrain launch`` was asked to do, validated."""
+
+    config: Path
+    """The job's YAML config (passed to every worker as an absolute path)."""
+    overrides: tuple[str, ...] = ()
+    """``--set`` assignments, applied here and passed to every worker."""
+    min_np: int = 1
+    max_np: int = 1
+    etcd: str | None = None
+    """The cluster's etcd endpoints; None means an embedded etcd and local agents."""
+    hosts: tuple[str, ...] = ()
+    """Logical hosts to run agents for in the embedded mode."""
+    extra: tuple[str, ...] = ()
+    """horovodrun flags given after ``--``."""
+    gloo_timeout_seconds: int = 20
+    """Gloo timeout: survivors of a SIGKILLed worker wait this long; must cover a new worker's start-up."""
+    blacklist_cooldown: tuple[int, int] = (5, 60)
+    """horovodrun ``--blacklist-cooldown-range``: a failed host returns after this many seconds (backing off)."""
+    reset_limit: int = 100
+    """horovodrun ``--reset-limit``: most resets within one horovodrun."""
+    elastic_timeout_seconds: int = 600
+    """horovodrun ``--elastic-timeout``: how long it waits for ``--min-np`` slots before failing."""
+    wait_hosts_seconds: float = 300.0
+    """After a preemption: how long to wait for ``--min-np`` ready slots before giving up (exit 3)."""
+    max_relaunches: int = 5
+    stop_timeout_seconds: float = 60.0
+    """After SIGTERM to the workers: how long they may take (rank 0 checkpoints) before SIGKILL."""
+    drain_grace_seconds: float = 10.0
+    """Of the embedded agents: seconds between SIGTERM (draining) and revoking the lease."""
+
+    def __post_init__(self) -> None:
+        if self.min_np < 1:
+            raise LaunchError(f"--min-np must be >= 1, got {self.min_np}")
+        if self.max_np < self.min_np:
+            raise LaunchError(f"--max-np ({self.max_np}) must be >= --min-np ({self.min_np})")
+        lo, hi = self.blacklist_cooldown
+        if not 1 <= lo <= hi:
+            raise LaunchError(f"--blacklist-cooldown-range must satisfy 1 <= MIN <= MAX, got {lo} {hi}")
+        if self.gloo_timeout_seconds < 1:
+            raise LaunchError(f"--gloo-timeout-seconds must be >= 1, got {self.gloo_timeout_seconds}")
+        if self.max_relaunches < 0:
+            raise LaunchError(f"--max-relaunches must be >= 0, got {self.max_relaunches}")
+        if self.wait_hosts_seconds < 0 or self.stop_timeout_seconds < 0:
+            raise LaunchError("--wait-hosts-seconds and --stop-timeout must be >= 0")
+
+    @property
+    def embedded(self) -> bool:
+        return self.etcd is None
+
+
+def worker_command(opts: LaunchOptions, python: str = sys.executable) -> list[str]:
+    """The command horovodrun starts on every slot: ``elastictrain train --config X [--set ...]``."""
+    script = Path(python).parent / "elastictrain"
+    entry = [str(script)] if script.exists() else [python, "-m", "elastictrain.cli"]
+    cmd = [*entry, "train", "--config", str(opts.config.resolve())]
+    for assignment in opts.overrides:
+        cmd += ["--set", assignment]
+    return cmd
+
+
+def horovodrun_command(opts: LaunchOptions, horovodrun: str, python: str = sys.executable) -> list[str]:
+    """The full horovodrun command line for ``opts``."""
+    lo, hi = opts.blacklist_cooldown
+    cmd = [
+        horovodrun,
+        "-np", str(opts.min_np),
+        "--min-np", str(opts.min_np),
+        "--max-np", str(opts.max_np),
+        "--host-discovery-script", str(DISCOVER_SCRIPT),
+    ]  # fmt: skip
+    if opts.embedded:
+        cmd += ["--network-interfaces", "lo"]
+    cmd += [
+        "--gloo",
+        "--gloo-timeout-seconds", str(opts.gloo_timeout_seconds),
+        "--blacklist-cooldown-range", str(lo), str(hi),
+        "--reset-limit", str(opts.reset_limit),
+        "--elastic-timeout", str(opts.elastic_timeout_seconds),
+        *opts.extra,
+    ]  # fmt: skip
+    return cmd + worker_command(opts, python)
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def launch_env(
+    opts: LaunchOptions,
+    *,
+    etcd: str,
+    job: str,
+    attempt: int,
+    run_dir: Path,
+    prefix: str | None = None,
+    launch_id: str = "",
+    cores: int | None = None,
+) -> dict[str, str]:
+    """The variables the launcher sets for horovodrun (and so for discover.sh and every worker)."""
+    env = {
+        "ELASTICTRAIN_ETCD": etcd,
+        "ELASTICTRAIN_JOB": job,
+        "ELASTICTRAIN_ATTEMPT": str(attempt),
+        "ELASTICTRAIN_DISCOVER_CACHE": str(run_dir / "discover-cache.json"),
+    }
+    if prefix and prefix != "/elastictrain":
+        env["ELASTICTRAIN_ETCD_PREFIX"] = prefix
+    if opts.embedded:
+        # Logical hosts share this machine's cores; Horovod's local_size is 1 on each, so say it here.
+        env["OMP_NUM_THREADS"] = str(max(1, (cores or usable_cores()) // opts.max_np))
+    if launch_id:
+        env[LAUNCH_ID_ENV] = launch_id
+    return env
+
+
+def format_command(env: Mapping[str, str], cmd: Sequence[str]) -> str:
+    """``VAR=value ... horovodrun ...`` as a shell line a user can paste."""
+    return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(cmd)])
+
+
+# --------------------------------------------------------------------------------------------------
+# logical hosts of this machine
+
+
+def local_addresses() -> set[str]:
+    """IPv4 addresses of this machine's interfaces (what horovodrun compares with to run a host locally)."""
+    return {a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET}
+
+
+def resolve(name: str) -> str | None:
+    try:
+        return socket.gethostbyname(name)
+    except OSError:
+        return None
+
+
+def primary_address() -> str | None:
+    """The first IPv4 address of an interface that is up and not loopback (no packet is sent)."""
+    stats = psutil.net_if_stats()
+    for name, addrs in psutil.net_if_addrs().items():
+        if name in stats and not stats[name].isup:
+            continue
+        for a in addrs:
+            if a.family == socket.AF_INET and not a.address.startswith("127."):
+                return str(a.address)
+    return None
+
+
+def local_logical_hosts() -> list[str]:
+    """``localhost``, ``127.0.0.1``, the hostname and the primary address: those that resolve to this machine."""
+    local = local_addresses()
+    out: list[str] = []
+    for name in ("localhost", "127.0.0.1", socket.gethostname(), primary_address()):
+        if name and name not in out and resolve(name) in local:
+            out.append(name)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# decisions (pure)
+
+
+class Outcome(enum.Enum):
+    COMPLETED = "completed"
+    RELAUNCH = "relaunch"
+    FAILED = "failed"
+    RELAUNCH_LIMIT = "relaunch_limit"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What the launcher decided after horovodrun ended, as an outcome and the sentence it prints."""
+
+    outcome: Outcome
+    reason: str
+    exit_code: int | None = None
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+def decide_after_exit(
+    *,
+    returncode: int,
+    completed: bool,
+    hosts_lost: Sequence[str],
+    min_ready_slots: int,
+    min_np: int,
+    relaunches: int,
+    max_relaunches: int,
+    stop_signal: int | None = None,
+) -> Decision:
+    """Decide what follows one horovodrun: pure, from its exit code, events.jsonl and what the registry showed."""
+    if stop_signal is not None:
+        code = EXIT_INTERRUPTED if stop_signal == signal.SIGINT else EXIT_STOPPED
+        return Decision(Outcome.STOPPED, f"stopped by {signal.Signals(stop_signal).name}", code)
+    if returncode == 0 and completed:
+        return Decision(Outcome.COMPLETED, "training completed", EXIT_COMPLETED)
+    if returncode == 0:
+        return Decision(Outcome.FAILED, "horovodrun exited 0 but events.jsonl does not end with 'done'", EXIT_FAILED)
+    why = []
+    if hosts_lost:
+        why.append(f"hosts lost: {', '.join(hosts_lost)}")
+    if min_ready_slots < min_np:
+        why.append(f"ready slots fell to {min_ready_slots} < --min-np {min_np}")
+    if not why:
+        return Decision(
+            Outcome.FAILED,
+            f"horovodrun exited {returncode} while every host stayed registered (a failure, not a preemption)",
+            EXIT_FAILED,
+        )
+    if relaunches >= max_relaunches:
+        return Decision(
+            Outcome.RELAUNCH_LIMIT,
+            f"horovodrun exited {returncode} ({'; '.join(why)}) after {relaunches} relaunches "
+            f"(--max-relaunches {max_relaunches}); giving up",
+            EXIT_RELAUNCH_LIMIT,
+        )
+    return Decision(
+        Outcome.RELAUNCH,
+        f"horovodrun exited {returncode} ({'; '.join(why)}); relaunch {relaunches + 1} when hosts return",
+    )
+
+
+def training_completed(events_path: Path) -> bool:
+    """Whether the last ``start``/``done``/``stopped`` event of ``events.jsonl`` is ``done``."""
+    last = None
+    try:
+        with events_path.open("rb") as f:
+            for raw in f:
+                try:
+                    event = json.loads(raw).get("event")
+                except (ValueError, AttributeError):
+                    continue
+                if event in ("start", "done", "stopped"):
+                    last = event
+    except OSError:
+        return False
+    return last == "done"
+
+
+@dataclass(slots=True)
+class HostWatch:
+    """What the registry showed during one attempt: hosts lost (vanished or registered anew, not drained)."""
+
+    baseline: dict[str, tuple[int, float]] = field(default_factory=dict)
+    """host -> (agent pid, registered_at) of the ready hosts when the attempt started."""
+    drained: set[str] = field(default_factory=set)
+    lost: set[str] = field(default_factory=set)
+    min_ready_slots: int | None = None
+    ready_slots: int = 0
+
+    def observe(self, entries: Iterable[Any]) -> None:
+        """Feed one listing (``Listing.entries``)."""
+        now: dict[str, tuple[int, float]] = {}
+        ready = 0
+        for e in entries:
+            r = e.record
+            if r.state == READY:
+                ready += r.slots
+            else:
+                self.drained.add(r.host)
+            now[r.host] = (r.pid, r.registered_at)
+        if not self.baseline and self.min_ready_slots is None:
+            self.baseline = {h: ident for h, ident in now.items() if h not in self.drained}
+        for host, ident in self.baseline.items():
+            if host not in self.drained and now.get(host) != ident:
+                self.lost.add(host)
+        self.ready_slots = ready
+        self.min_ready_slots = ready if self.min_ready_slots is None else min(self.min_ready_slots, ready)
+
+
+# --------------------------------------------------------------------------------------------------
+# processes
+
+
+def _set_child_subreaper() -> None:
+    """Orphaned descendants (e.g. a worker whose horovodrun middleman died) re-parent to us, so we find them."""
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+
+
+def is_worker(proc: psutil.Process) -> bool:
+    """An ``elastictrain train`` process (not the shell around it)."""
+    try:
+        cmd = proc.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+    for i, arg in enumerate(cmd[:-1]):
+        if (arg.endswith("/elastictrain") or arg in ("elastictrain", "elastictrain.cli")) and cmd[i + 1] == "train":
+            return True
+    return False
+
+
+class ProcessTracker:
+    """Every process the launcher started, and every descendant of them it has seen (identified by pid
+    and create time, so a reused pid is never signalled)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, psutil.Process] = {}
+        self.popens: dict[int, subprocess.Popen[bytes]] = {}
+
+    def add(self, popen: subprocess.Popen[bytes]) -> None:
+        self.popens[popen.pid] = popen
+        with contextlib.suppress(psutil.NoSuchProcess):
+            self.seen[popen.pid] = psutil.Process(popen.pid)
+
+    def refresh(self) -> None:
+        """Record the current descendants of this process; reap orphans that re-parented to it."""
+        try:
+            children = psutil.Process().children(recursive=True)
+        except psutil.NoSuchProcess:
+            children = []
+        for p in children:
+            self.seen.setdefault(p.pid, p)
+        for p in psutil.Process().children():
+            if p.pid not in self.popens:
+                with contextlib.suppress(OSError, psutil.Error):
+                    if p.status() == psutil.STATUS_ZOMBIE:
+                        os.waitpid(p.pid, os.WNOHANG)
+        for pid, p in list(self.seen.items()):
+            if not _alive(p):
+                del self.seen[pid]
+
+    def alive(self) -> list[psutil.Process]:
+        self.refresh()
+        return [p for p in self.seen.values() if _alive(p)]
+
+    def descendants(self, pid: int) -> list[psutil.Process]:
+        try:
+            return psutil.Process(pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def tree(self, pid: int) -> list[psutil.Process]:
+        """``pid`` and its descendants."""
+        try:
+            root = psutil.Process(pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def kill_all(self, procs: Iterable[psutil.Process] | None = None) -> None:
+        targets = list(self.alive() if procs is None else procs)
+        for p in targets:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(targets, timeout=5)
+        for popen in self.popens.values():
+            with contextlib.suppress(Exception):
+                popen.wait(timeout=1)
+        self.refresh()
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _terminate(popen: subprocess.Popen[bytes] | None, sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
+    if popen is None or popen.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        popen.send_signal(sig)
+    try:
+        popen.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            popen.kill()
+        popen.wait(timeout=5)
+
+
+def etcd_healthy(endpoint: str, timeout: float = 0.5) -> bool:
+    try:
+        with urllib.request.urlopen(f"{endpoint}/health", timeout=timeout) as resp:
+            return bool(json.loads(resp.read()).get("health") == "true")
+    except (OSError, ValueError):
+        return False
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# --------------------------------------------------------------------------------------------------
+# the launcher
+
+
+class Launcher:
+    """Starts etcd and agents (embedded mode), runs horovodrun, relaunches after preemptions, cleans up.
+
+    Signal handlers only record the signal; :meth:`run` polls and stops gracefully in ``finally``.
+    """
+
+    def __init__(
+        self,
+        opts: LaunchOptions,
+        cfg: JobConfig,
+        *,
+        horovodrun: str,
+        etcd_binary: str | None = None,
+        out: Callable[[str], None] | None = None,
+    ) -> None:
+        self.opts = opts
+        self.cfg = cfg
+        self.horovodrun = horovodrun
+        self.etcd_binary = etcd_binary
+        self.out = out or (lambda line: print(f"{PROG}: {line}", flush=True))
+        self.run_dir = cfg.run_path.resolve()
+        self.tracker = ProcessTracker()
+        self.launch_id = uuid.uuid4().hex
+        self.stop_signal: int | None = None
+        self.etcd_endpoint = opts.etcd or ""
+        self.etcd_proc: subprocess.Popen[bytes] | None = None
+        self.agents: dict[str, subprocess.Popen[bytes]] = {}
+        self.hvd_proc: subprocess.Popen[bytes] | None = None
+        self.registry: EtcdRegistry | None = None
+        self.attempt = 0
+
+    # -- signals
+    def on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.stop_signal is None:
+            self.stop_signal = signum
+
+    @property
+    def stopping(self) -> bool:
+        return self.stop_signal is not None
+
+    # -- the whole life
+    def run(self) -> int:
+        _set_child_subreaper()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "logs").mkdir(exist_ok=True)
+        try:
+            return self._supervise()
+        finally:
+            self.shutdown()
+
+    def _supervise(self) -> int:
+        if self.opts.embedded:
+            try:
+                self._start_etcd()
+                self._start_agents()
+            except LaunchError as e:
+                self.out(f"error: {e}")
+                return EXIT_USAGE
+        self.registry = EtcdRegistry(self.etcd_endpoint, self.cfg.job, self.cfg.discovery.prefix, timeout_seconds=2.0)
+        relaunches = 0
+        while True:
+            if not self._wait_for_hosts():
+                if self.stopping:
+                    return self._stopped_code()
+                self.out(
+                    f"fewer than {self.opts.min_np} ready slots within {self.opts.wait_hosts_seconds:g}s; giving up"
+                )
+                return EXIT_HOSTS_TIMEOUT
+            self.attempt = relaunches
+            returncode, watch = self._run_attempt()
+            if returncode != 0 and not self.stopping:
+                self._settle(watch)
+            decision = decide_after_exit(
+                returncode=returncode,
+                completed=training_completed(self.run_dir / "events.jsonl"),
+                hosts_lost=sorted(watch.lost),
+                min_ready_slots=watch.min_ready_slots if watch.min_ready_slots is not None else 0,
+                min_np=self.opts.min_np,
+                relaunches=relaunches,
+                max_relaunches=self.opts.max_relaunches,
+                stop_signal=self.stop_signal,
+            )
+            self.out(str(decision))
+            if decision.exit_code is not None:
+                return decision.exit_code
+            relaunches += 1
+
+    def _stopped_code(self) -> int:
+        return EXIT_INTERRUPTED if self.stop_signal == signal.SIGINT else EXIT_STOPPED
+
+    # -- embedded etcd and agents
+    def _start_etcd(self) -> None:
+        binary = self.etcd_binary or shutil.which("etcd") or "/usr/bin/etcd"
+        if not os.access(binary, os.X_OK):
+            raise LaunchError(f"etcd binary not found ({binary}); install etcd-server or pass --etcd URL")
+        data_dir = self.run_dir / "etcd"
+        shutil.rmtree(data_dir, ignore_errors=True)  # membership is ephemeral; stale leases only delay agents
+        client, peer = free_port(), free_port()
+        self.etcd_endpoint = f"http://127.0.0.1:{client}"
+        peer_url = f"http://127.0.0.1:{peer}"
+        args = [
+            binary,
+            "--name", f"elastictrain-{self.cfg.job}",
+            "--data-dir", str(data_dir),
+            "--listen-client-urls", self.etcd_endpoint,
+            "--advertise-client-urls", self.etcd_endpoint,
+            "--listen-peer-urls", peer_url,
+            "--initial-advertise-peer-urls", peer_url,
+            "--initial-cluster", f"elastictrain-{self.cfg.job}={peer_url}",
+            "--initial-cluster-state", "new",
+            "--log-level", "warn",
+        ]  # fmt: skip
+        self.etcd_proc = self._spawn(args, self.run_dir / "logs" / "etcd.log")
+        deadline = time.monotonic() + 30
+        while not etcd_healthy(self.etcd_endpoint):
+            if self.etcd_proc.poll() is not None:
+                raise LaunchError(
+                    f"embedded etcd exited with {self.etcd_proc.returncode}; see {self.run_dir}/logs/etcd.log"
+                )
+            if time.monotonic() > deadline or self.stopping:
+                raise LaunchError(f"embedded etcd not healthy within 30s; see {self.run_dir}/logs/etcd.log")
+            time.sleep(0.05)
+        self.out(f"embedded etcd at {self.etcd_endpoint} (pid {self.etcd_proc.pid}, data {data_dir})")
+        self._write_state()
+
+    def agent_command(self, host: str) -> list[str]:
+        d = self.cfg.discovery
+        ttl = max(2, round(d.ttl_seconds))
+        return [
+            *_elastictrain(),
+            "agent",
+            "--etcd", self.etcd_endpoint,
+            "--job", self.cfg.job,
+            "--host", host,
+            "--slots", "1",
+            "--ttl", str(ttl),
+            "--heartbeat", f"{min(d.heartbeat_seconds, ttl / 3):g}",
+            "--request-timeout", f"{min(2.0, ttl / 6):g}",
+            "--drain-grace", f"{self.opts.drain_grace_seconds:g}",
+            "--prefix", d.prefix,
+        ]  # fmt: skip
+
+    def start_agent(self, host: str) -> subprocess.Popen[bytes]:
+        proc = self._spawn(self.agent_command(host), self.run_dir / "logs" / f"agent-{host}.log")
+        self.agents[host] = proc
+        self._write_state()
+        return proc
+
+    def _start_agents(self) -> None:
+        for host in self.opts.hosts:
+            self.start_agent(host)
+        self.out(f"agents for {', '.join(self.opts.hosts)} (1 slot each)")
+
+    def _spawn(self, args: list[str], log_path: Path, env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
+        full_env = {**os.environ, **(env or {}), LAUNCH_ID_ENV: self.launch_id}
+        with log_path.open("ab") as log:
+            # A new session: Ctrl-C in a terminal reaches only the launcher, which stops the rest in order.
+            proc = subprocess.Popen(
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=full_env,
+                start_new_session=True,
+            )
+        self.tracker.add(proc)
+        return proc
+
+    def _write_state(self) -> None:
+        state = {
+            "pid": os.getpid(),
+            "launch_id": self.launch_id,
+            "job": self.cfg.job,
+            "etcd": self.etcd_endpoint,
+            "embedded": self.opts.embedded,
+            "etcd_pid": self.etcd_proc.pid if self.etcd_proc else None,
+            "agents": {h: p.pid for h, p in self.agents.items() if p.poll() is None},
+            "horovodrun_pid": self.hvd_proc.pid if self.hvd_proc and self.hvd_proc.poll() is None else None,
+            "attempt": self.attempt,
+            "hosts": list(self.opts.hosts),
+        }
+        tmp = self.run_dir / f".{STATE_FILE}.tmp"
+        tmp.write_text(json.dumps(state, indent=2) + "\n")
+        os.replace(tmp, self.run_dir / STATE_FILE)
+
+    # -- hosts
+    def _listing(self) -> list[Any] | None:
+        assert self.registry is not None
+        try:
+            return list(self.registry.list_hosts().entries)
+        except RegistryError:
+            return None
+
+    def _wait_for_hosts(self) -> bool:
+        """Poll until ``--min-np`` slots are ready; False after ``--wait-hosts-seconds`` or a stop signal."""
+        deadline = time.monotonic() + self.opts.wait_hosts_seconds
+        said = False
+        while not self.stopping:
+            entries = self._listing()
+            ready = sum(e.record.slots for e in entries or [] if e.record.state == READY)
+            if ready >= self.opts.min_np:
+                return True
+            if not said:
+                self.out(
+                    f"waiting up to {self.opts.wait_hosts_seconds:g}s for {self.opts.min_np} ready slots ({ready} now)"
+                )
+                said = True
+            if time.monotonic() > deadline:
+                return False
+            self._sleep(REGISTRY_POLL_SECONDS)
+        return False
+
+    def _settle(self, watch: HostWatch) -> None:
+        """After a failed horovodrun, watch the registry for one lease TTL: a preempted host's key expires then."""
+        if watch.lost or (watch.min_ready_slots or 0) < self.opts.min_np:
+            return
+        deadline = time.monotonic() + self.cfg.discovery.ttl_seconds + 2
+        while time.monotonic() < deadline and not self.stopping:
+            entries = self._listing()
+            if entries is not None:
+                watch.observe(entries)
+            if watch.lost or (watch.min_ready_slots or 0) < self.opts.min_np:
+                return
+            self._sleep(REGISTRY_POLL_SECONDS)
+
+    def _sleep(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not self.stopping and (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(POLL_SECONDS, left))
+
+    # -- one horovodrun
+    def _run_attempt(self) -> tuple[int, HostWatch]:
+        env = launch_env(
+            self.opts,
+            etcd=self.etcd_endpoint,
+            job=self.cfg.job,
+            attempt=self.attempt,
+            run_dir=self.run_dir,
+            prefix=self.cfg.discovery.prefix,
+        )
+        cmd = horovodrun_command(self.opts, self.horovodrun)
+        self.out(f"attempt {self.attempt}: {format_command(env, cmd)}")
+        self.hvd_proc = subprocess.Popen(
+            cmd,
+            env={**os.environ, **env, LAUNCH_ID_ENV: self.launch_id},
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        self.tracker.add(self.hvd_proc)
+        self._write_state()
+        watch = HostWatch()
+        next_poll = 0.0
+        while self.hvd_proc.poll() is None:
+            if self.stopping:
+                self._stop_workers()
+                break
+            if time.monotonic() >= next_poll:
+                entries = self._listing()
+                if entries is not None:
+                    watch.observe(entries)
+                self.tracker.refresh()
+                next_poll = time.monotonic() + REGISTRY_POLL_SECONDS
+            time.sleep(POLL_SECONDS)
+        rc = self.hvd_proc.wait() if self.hvd_proc.poll() is not None else -1
+        # Nothing of this attempt may outlive it (a worker stuck in a rendezvous, a checkpoint writer).
+        leftovers = [p for p in self.tracker.alive() if p.pid not in self._service_pids()]
+        if leftovers and not self.stopping:
+            self.tracker.kill_all(leftovers)
+        self._write_state()
+        return rc, watch
+
+    def _service_pids(self) -> set[int]:
+        pids = {p.pid for p in self.agents.values()}
+        if self.etcd_proc is not None:
+            pids.add(self.etcd_proc.pid)
+        return pids
+
+    def _stop_workers(self) -> None:
+        """SIGTERM every worker; wait for them (rank 0 checkpoints the last commit) and for horovodrun."""
+        hvd = self.hvd_proc
+        assert hvd is not None
+        signalled: set[int] = set()
+        deadline = time.monotonic() + self.opts.stop_timeout_seconds
+        self.out(f"stopping: SIGTERM to the workers, waiting up to {self.opts.stop_timeout_seconds:g}s")
+        while hvd.poll() is None and time.monotonic() < deadline:
+            # Keep signalling new workers: horovodrun may start one while the others stop.
+            for p in self.tracker.descendants(hvd.pid):
+                if p.pid not in signalled and is_worker(p):
+                    with contextlib.suppress(psutil.Error):
+                        p.send_signal(signal.SIGTERM)
+                    signalled.add(p.pid)
+            self.tracker.refresh()
+            if signalled and not any(is_worker(p) and _alive(p) for p in self.tracker.descendants(hvd.pid)):
+                # Workers are gone; horovodrun ends once it has collected them.
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    hvd.wait(timeout=max(0.0, min(10.0, deadline - time.monotonic())))
+                break
+            time.sleep(POLL_SECONDS)
+        if hvd.poll() is None:
+            self.out("workers or horovodrun did not stop in time; killing them")
+            self.tracker.refresh()
+            self.tracker.kill_all(self.tracker.tree(hvd.pid))
+
+    # -- cleanup
+    def shutdown(self) -> None:
+        """Stop horovodrun (if still running), the agents and the embedded etcd; kill anything left."""
+        if self.hvd_proc is not None and self.hvd_proc.poll() is None:
+            self.tracker.refresh()
+            self.tracker.kill_all(self.tracker.tree(self.hvd_proc.pid))
+        for proc in self.agents.values():  # a second SIGTERM skips the drain grace: revoke the lease, exit
+            with contextlib.suppress(ProcessLookupError):
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+                    time.sleep(0.05)
+                    proc.send_signal(signal.SIGTERM)
+        for proc in self.agents.values():
+            _terminate(proc, signal.SIGTERM, timeout=10)
+        if self.registry is not None:
+            with contextlib.suppress(Exception):
+                self.registry.close()
+        _terminate(self.etcd_proc, signal.SIGTERM, timeout=10)
+        self.tracker.kill_all()
+        with contextlib.suppress(OSError):
+            (self.run_dir / STATE_FILE).unlink()
+
+
+def _elastictrain() -> list[str]:
+    script = Path(sys.executable).parent / "elastictrain"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "elastictrain.cli"]
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog=PROG,
+        description="Run a job: embedded etcd and agents (unless --etcd), horovodrun, relaunch after preemption.",
+        epilog="Flags after `--` go to horovodrun unchanged.",
+    )
+    p.add_argument("--config", required=True, help="YAML job config")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a field")
+    p.add_argument("--min-np", type=int, default=None, help="fewest workers (default elastic.min_np)")
+    p.add_argument("--max-np", type=int, default=None, help="most workers (default elastic.max_np)")
+    p.add_argument("--etcd", default=None, metavar="URL", help="the cluster's etcd; none: start an embedded one")
+    p.add_argument("--job", default=None, help="job name (default: the config's job)")
+    p.add_argument("--hosts", default=None, help="embedded mode: logical hosts to run agents for (default: all)")
+    p.add_argument("--gloo-timeout-seconds", type=int, default=20, metavar="S", help="horovodrun Gloo timeout (20)")
+    p.add_argument(
+        "--blacklist-cooldown-range", type=int, nargs=2, default=[5, 60], metavar=("MIN", "MAX"), help="(5 60)"
+    )
+    p.add_argument("--reset-limit", type=int, default=100, help="horovodrun --reset-limit (100)")
+    p.add_argument("--elastic-timeout", type=int, default=600, metavar="S", help="horovodrun --elastic-timeout (600)")
+    p.add_argument("--wait-hosts-seconds", type=float, default=300.0, metavar="S", help="after a preemption (300)")
+    p.add_argument("--max-relaunches", type=int, default=5, help="relaunches after preemptions (5)")
+    p.add_argument("--stop-timeout", type=float, default=60.0, metavar="S", help="SIGTERM to SIGKILL of workers (60)")
+    p.add_argument("--drain-grace", type=float, default=10.0, metavar="S", help="embedded agents' drain grace (10)")
+    return p
+
+
+def find_horovodrun() -> str | None:
+    local = Path(sys.executable).parent / "horovodrun"
+    return str(local) if local.exists() else shutil.which("horovodrun")
+
+
+def parse(argv: Sequence[str]) -> tuple[LaunchOptions, JobConfig]:
+    """Flags and config -> options; raises :class:`LaunchError` or :class:`ConfigError` (nothing is started)."""
+    argv = list(argv)
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1 :]
+    args = build_parser().parse_args(argv)
+    overrides = list(args.overrides)
+    if args.job is not None:
+        overrides.append(f"job={args.job}")
+    cfg = load_config(args.config, overrides)
+    min_np = args.min_np if args.min_np is not None else cfg.elastic.min_np
+    max_np = args.max_np if args.max_np is not None else cfg.elastic.max_np
+    if args.max_np is None and max_np < min_np:
+        max_np = min_np  # --min-np above the config's max_np raises the default max
+    hosts: tuple[str, ...] = ()
+    if args.etcd is not None:
+        if args.hosts is not None:
+            raise LaunchError("--hosts applies to the embedded mode only (with --etcd every node runs its agent)")
+        try:
+            parse_endpoints(args.etcd)
+        except ValueError as e:
+            raise LaunchError(f"--etcd: {e}") from None
+    else:
+        local = local_addresses()
+        if args.hosts is not None:
+            hosts = tuple(h.strip() for h in args.hosts.split(",") if h.strip())
+            for h in hosts:
+                if resolve(h) not in local:
+                    raise LaunchError(f"--hosts: {h!r} does not resolve to this machine (the embedded mode is local)")
+            if len(set(hosts)) != len(hosts):
+                raise LaunchError(f"--hosts: duplicate names in {args.hosts!r}")
+        else:
+            hosts = tuple(local_logical_hosts()[: max(max_np, 1)])
+    opts = LaunchOptions(
+        config=Path(args.config),
+        overrides=tuple(overrides),
+        min_np=min_np,
+        max_np=max_np,
+        etcd=args.etcd,
+        hosts=hosts,
+        extra=tuple(extra),
+        gloo_timeout_seconds=args.gloo_timeout_seconds,
+        blacklist_cooldown=(args.blacklist_cooldown_range[0], args.blacklist_cooldown_range[1]),
+        reset_limit=args.reset_limit,
+        elastic_timeout_seconds=args.elastic_timeout,
+        wait_hosts_seconds=args.wait_hosts_seconds,
+        max_relaunches=args.max_relaunches,
+        stop_timeout_seconds=args.stop_timeout,
+        drain_grace_seconds=args.drain_grace,
+    )
+    if opts.embedded and len(hosts) < opts.min_np:
+        raise LaunchError(
+            f"--min-np {opts.min_np} needs {opts.min_np} logical hosts but this machine has {len(hosts)} "
+            f"({', '.join(hosts) or 'none'}); lower --min-np or pass --etcd for a cluster"
+        )
+    return opts, cfg
+
+
+def check_etcd(endpoints: str, job: str, prefix: str, timeout_seconds: float = 3.0) -> None:
+    """Raise :class:`LaunchError` unless the cluster's etcd answers a range request."""
+    registry = EtcdRegistry(endpoints, job, prefix, timeout_seconds=timeout_seconds)
+    try:
+        registry.list_hosts()
+    except RegistryError as e:
+        raise LaunchError(
+            f"--etcd {endpoints}: unreachable ({str(e).splitlines()[0] if str(e) else 'no answer'})"
+        ) from None
+    finally:
+        with contextlib.suppress(Exception):
+            registry.close()
+
+
+def main(argv: list[str]) -> int:
+    try:
+        opts, cfg = parse(argv)
+        horovodrun = find_horovodrun()
+        if horovodrun is None:
+            raise LaunchError("horovodrun not found next to this Python or on PATH (run `make setup`)")
+        if opts.etcd is not None:
+            check_etcd(opts.etcd, cfg.job, cfg.discovery.prefix)
+    except ConfigError as e:
+        print(f"{PROG}: config error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except LaunchError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    launcher = Launcher(opts, cfg, horovodrun=horovodrun)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, launcher.on_signal)
+    code = launcher.run()
+    print(f"{PROG}: exit {code}", flush=True)
+    return code
