@@ -185,6 +185,9 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from discovery.logconf import configure_logging
+
+    configure_logging()  # log lines go to stderr, the JSON result alone to stdout
     args = sys.argv[1:] if argv is None else argv
     result = bench_checkpoint_stall(*(int(a) for a in args[:2]))
     sys.stdout.write(json.dumps(result, indent=1) + "\n")

@@ -114,7 +114,7 @@ class _HashingWriter:
     def write(self, data: Any) -> int:
         self.sha256.update(data)
         n = self._f.write(data)
-        self.bytes += len(memoryview(data).cast("B"))
+        self.bytes += memoryview(data).nbytes
         return n
 
     def flush(self) -> None:

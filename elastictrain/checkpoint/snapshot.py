@@ -65,8 +65,8 @@ def flatten_state(state: Any) -> tuple[Any, list[torch.Tensor]]:
 
     def walk(obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
-            if not _poolable(obj):
-                return obj
+            if not _poolable(obj):  # pickled by value; never let a writer process touch a GPU
+                return obj.detach().cpu() if obj.device.type != "cpu" else obj
             idx = seen.get(id(obj))
             if idx is None:
                 idx = seen[id(obj)] = len(tensors)
