@@ -1,0 +1,204 @@
+"""``elastictrain launch``: the horovodrun command, its environment, flag validation and the decision after an exit.
+
+No process is started here: parsing, command building and :func:`decide_after_exit` are pure.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from discovery.record import DRAINING, READY
+from elastictrain import launch
+from elastictrain.launch import (
+    EXIT_COMPLETED,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_RELAUNCH_LIMIT,
+    EXIT_STOPPED,
+    HostWatch,
+    LaunchError,
+    LaunchOptions,
+    Outcome,
+    decide_after_exit,
+    format_command,
+    horovodrun_command,
+    launch_env,
+    training_completed,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = REPO / "configs" / "demo.yaml"
+
+
+def flag(cmd: list[str], name: str, n: int = 1) -> list[str]:
+    i = cmd.index(name)
+    return cmd[i + 1 : i + 1 + n]
+
+
+def test_embedded_command_has_discovery_bounds_local_interface_and_the_worker_after_extra_flags() -> None:
+    opts = LaunchOptions(config=DEMO, overrides=("training.epochs=1",), min_np=2, max_np=3, extra=("--verbose",))
+    cmd = horovodrun_command(opts, "/venv/bin/horovodrun", python="/venv/bin/python")
+    assert cmd[0] == "/venv/bin/horovodrun"
+    assert flag(cmd, "-np") == ["2"]
+    assert flag(cmd, "--min-np") == ["2"]
+    assert flag(cmd, "--max-np") == ["3"]
+    assert flag(cmd, "--host-discovery-script") == [str(REPO / "discovery" / "discover.sh")]
+    assert flag(cmd, "--network-interfaces") == ["lo"]
+    assert "--gloo" in cmd
+    assert flag(cmd, "--gloo-timeout-seconds") == ["20"]
+    assert flag(cmd, "--blacklist-cooldown-range", 2) == ["5", "60"]
+    assert flag(cmd, "--reset-limit") == ["100"]
+    train = cmd.index("train")
+    assert cmd.index("--verbose") < train, "extra horovodrun flags go before the worker command"
+    assert cmd[train:] == ["train", "--config", str(DEMO.resolve()), "--set", "training.epochs=1"]
+
+
+def test_cluster_command_does_not_pin_the_loopback_interface() -> None:
+    opts = LaunchOptions(config=DEMO, min_np=4, max_np=8, etcd="http://etcd-0:2379")
+    cmd = horovodrun_command(opts, "horovodrun")
+    assert "--network-interfaces" not in cmd
+    assert flag(cmd, "-np") == ["4"]
+
+
+def test_env_names_etcd_job_attempt_and_shares_cores_between_local_logical_hosts(tmp_path: Path) -> None:
+    opts = LaunchOptions(config=DEMO, min_np=2, max_np=3)
+    env = launch_env(opts, etcd="http://127.0.0.1:1", job="j", attempt=2, run_dir=tmp_path, cores=8)
+    assert env["ELASTICTRAIN_ETCD"] == "http://127.0.0.1:1"
+    assert env["ELASTICTRAIN_JOB"] == "j"
+    assert env["ELASTICTRAIN_ATTEMPT"] == "2"
+    assert env["OMP_NUM_THREADS"] == "2"
+    assert env["ELASTICTRAIN_DISCOVER_CACHE"] == str(tmp_path / "discover-cache.json")
+    assert launch_env(opts, etcd="e", job="j", attempt=0, run_dir=tmp_path, cores=2)["OMP_NUM_THREADS"] == "1"
+    cluster = LaunchOptions(config=DEMO, min_np=2, max_np=3, etcd="http://e:2379")
+    assert "OMP_NUM_THREADS" not in launch_env(cluster, etcd="http://e:2379", job="j", attempt=0, run_dir=tmp_path)
+
+
+def test_printed_command_can_be_pasted_into_a_shell() -> None:
+    line = format_command({"A": "x y"}, ["horovodrun", "--set", "a=b c"])
+    assert line == "A='x y' horovodrun --set 'a=b c'"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--min-np", "3", "--max-np", "2"], "--max-np (2) must be >= --min-np (3)"),
+        (["--min-np", "0"], "--min-np must be >= 1"),
+        (["--blacklist-cooldown-range", "0", "5"], "--blacklist-cooldown-range"),
+        (["--etcd", "ftp://x:1"], "--etcd"),
+        (["--etcd", "http://e:2379", "--hosts", "localhost"], "--hosts applies to the embedded mode only"),
+        (["--hosts", "localhost,localhost"], "duplicate"),
+    ],
+)
+def test_bad_flags_are_one_clear_error(argv: list[str], message: str) -> None:
+    with pytest.raises(LaunchError, match=None) as e:
+        launch.parse(["--config", str(DEMO), *argv])
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_a_host_that_is_not_this_machine_is_refused_in_the_embedded_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launch, "resolve", lambda name: "10.9.9.9" if name == "far" else "127.0.0.1")
+    with pytest.raises(LaunchError, match="'far' does not resolve to this machine"):
+        launch.parse(["--config", str(DEMO), "--hosts", "localhost,far"])
+
+
+def test_more_min_np_than_local_logical_hosts_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launch, "local_logical_hosts", lambda: ["localhost", "127.0.0.1"])
+    with pytest.raises(LaunchError, match="needs 3 logical hosts but this machine has 2"):
+        launch.parse(["--config", str(DEMO), "--min-np", "3"])
+
+
+def test_defaults_come_from_the_config_and_flags_after_double_dash_pass_through(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(launch, "local_logical_hosts", lambda: ["localhost", "127.0.0.1", "h", "10.0.0.1"])
+    opts, cfg = launch.parse(["--config", str(DEMO), "--job", "other", "--", "--verbose", "--start-timeout", "60"])
+    assert (opts.min_np, opts.max_np) == (cfg.elastic.min_np, cfg.elastic.max_np) == (2, 3)
+    assert cfg.job == "other" and "job=other" in opts.overrides
+    assert opts.hosts == ("localhost", "127.0.0.1", "h"), "agents for at most max_np logical hosts"
+    assert opts.extra == ("--verbose", "--start-timeout", "60")
+
+
+def test_min_np_above_the_configs_max_np_raises_the_default_max(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launch, "local_logical_hosts", lambda: ["a", "b", "c", "d"])
+    opts, _ = launch.parse(["--config", str(DEMO), "--min-np", "4"])
+    assert (opts.min_np, opts.max_np) == (4, 4)
+
+
+def test_missing_config_is_a_config_error(tmp_path: Path) -> None:
+    from elastictrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match="config file not found"):
+        launch.parse(["--config", str(tmp_path / "nope.yaml")])
+
+
+def test_local_logical_hosts_resolve_to_this_machine() -> None:
+    hosts = launch.local_logical_hosts()
+    assert hosts[:2] == ["localhost", "127.0.0.1"]
+    local = launch.local_addresses()
+    assert all(launch.resolve(h) in local for h in hosts)
+    if launch.resolve(socket.gethostname()) in local:
+        assert socket.gethostname() in hosts
+
+
+# ------------------------------------------------------------------------------------------ decisions
+def decide(**kw: object) -> launch.Decision:
+    args: dict = dict(
+        returncode=1, completed=False, hosts_lost=[], min_ready_slots=2, min_np=2, relaunches=0, max_relaunches=5
+    )
+    args.update(kw)
+    return decide_after_exit(**args)
+
+
+def test_completed_only_when_horovodrun_exits_0_and_the_events_end_with_done() -> None:
+    assert decide(returncode=0, completed=True).exit_code == EXIT_COMPLETED
+    assert decide(returncode=0, completed=False).exit_code == EXIT_FAILED
+
+
+def test_a_failure_with_every_host_still_registered_is_not_relaunched() -> None:
+    d = decide(returncode=1)
+    assert (d.outcome, d.exit_code) == (Outcome.FAILED, EXIT_FAILED)
+    assert "not a preemption" in d.reason
+
+
+def test_lost_hosts_or_too_few_ready_slots_relaunch_until_the_cap() -> None:
+    d = decide(hosts_lost=["localhost", "127.0.0.1"], min_ready_slots=0)
+    assert d.outcome is Outcome.RELAUNCH and d.exit_code is None
+    assert "hosts lost: localhost, 127.0.0.1" in d.reason and "relaunch 1" in d.reason
+    assert decide(min_ready_slots=1).outcome is Outcome.RELAUNCH
+    capped = decide(hosts_lost=["a"], relaunches=5)
+    assert (capped.outcome, capped.exit_code) == (Outcome.RELAUNCH_LIMIT, EXIT_RELAUNCH_LIMIT)
+
+
+def test_a_stop_signal_wins_over_everything() -> None:
+    assert decide(returncode=0, completed=True, stop_signal=signal.SIGTERM).exit_code == EXIT_STOPPED
+    assert decide(hosts_lost=["a"], stop_signal=signal.SIGINT).exit_code == EXIT_INTERRUPTED
+
+
+def entry(host: str, state: str = READY, pid: int = 1, at: float = 1.0) -> SimpleNamespace:
+    return SimpleNamespace(record=SimpleNamespace(host=host, slots=1, state=state, pid=pid, registered_at=at))
+
+
+def test_host_watch_counts_vanished_and_reregistered_hosts_as_lost_but_not_drained_ones() -> None:
+    w = HostWatch()
+    w.observe([entry("a"), entry("b"), entry("c")])
+    w.observe([entry("a"), entry("b", pid=2, at=5.0), entry("c", state=DRAINING)])
+    assert w.lost == {"b"} and w.min_ready_slots == 2
+    w.observe([entry("a")])  # the drained host's lease ends: not lost
+    assert w.lost == {"b"}
+    w.observe([])
+    assert w.lost == {"a", "b"} and w.min_ready_slots == 0 and w.ready_slots == 0
+
+
+def test_training_completed_reads_the_last_lifecycle_event(tmp_path: Path) -> None:
+    p = tmp_path / "events.jsonl"
+    assert not training_completed(p)
+    p.write_text('{"event": "start"}\n{"event": "done"}\n{"event": "checkpoint"}\n')
+    assert training_completed(p)
+    p.write_text('{"event": "done"}\n{"event": "start"}\n{"torn')
+    assert not training_completed(p)
