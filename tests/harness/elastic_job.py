@@ -7,6 +7,7 @@ test controls membership through a hosts file that a tiny discovery script print
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -58,10 +59,8 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         return []
     out = []
     for line in path.read_text().splitlines():
-        try:
+        with contextlib.suppress(json.JSONDecodeError):
             out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
     return out
 
 
@@ -211,10 +210,8 @@ class ElasticJob:
     def close(self) -> None:
         if self.proc is not None:
             kill_tree(self.proc.pid)
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
             self.proc.wait(timeout=10)
         if getattr(self, "log", None):
             self.log.close()
