@@ -21,6 +21,7 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,9 +94,10 @@ def sync_tensors_from(root: int, tensors: dict[str, torch.Tensor]) -> None:
 class ElasticTrainingState(State):
     """Horovod elastic state over :class:`CommittedState`: commit/rollback in place, sync from the best rank."""
 
-    def __init__(self, committed: CommittedState, seed: int) -> None:
+    def __init__(self, committed: CommittedState, seed: int, stop_requested: Callable[[], bool]) -> None:
         self.committed = committed
         self.seed = seed
+        self.stop_requested = stop_requested
         self.failure: tuple[str, float] | None = None
         """(reason, unix time) of the failure or host notice that caused the current reset."""
         self.last_commit_seconds = 0.0
@@ -107,7 +109,13 @@ class ElasticTrainingState(State):
         self.last_commit_seconds = time.perf_counter() - t0
 
     def restore(self) -> None:
-        """Called by ``hvd.elastic.run`` on HorovodInternalError: a worker failed mid-step."""
+        """Called by ``hvd.elastic.run`` on HorovodInternalError: a worker failed mid-step.
+
+        When this worker was told to stop, leave now: the reset that would follow blocks in a new
+        rendezvous, which may never complete when the whole job is being stopped.
+        """
+        if self.stop_requested():
+            raise StopRequested
         self.failure = self.failure or ("worker_failed", time.time())
         self.committed.restore()
 
@@ -115,6 +123,8 @@ class ElasticTrainingState(State):
         try:
             super().check_host_updates()
         except HostsUpdatedInterrupt as e:
+            if self.stop_requested():
+                raise StopRequested from None
             self.failure = ("hosts_removed" if e.skip_sync else "hosts_changed", time.time())
             raise
 
@@ -200,7 +210,7 @@ class ElasticTrainer:
         self.committed = CommittedState(
             self.model, self.optimizer, self.scheduler, self.scaler, self.sampler, self.counters, self.ramp
         )
-        self.state = ElasticTrainingState(self.committed, t.seed)
+        self.state = ElasticTrainingState(self.committed, t.seed, lambda: self.stop_requested)
         self.config_hash = cfg.digest()
         self.stop_requested = False
         # Rank-0 services, created when this process first holds rank 0.
@@ -273,7 +283,8 @@ class ElasticTrainer:
                 on_event=self._on_checkpoint_event,
             )
         if cfg.audit.sample_ledger:
-            self.ledger = SampleLedger(cfg.run_path / "ledger", f"attempt-{self.attempt:03d}-{os.getpid()}")
+            # Named by creation time: replay order is the order in which processes held rank 0.
+            self.ledger = SampleLedger(cfg.run_path / "ledger", f"{time.time_ns()}-{os.getpid()}")
         total = self._total_steps_estimate()
         self.progress = make_progress(
             rank=0, enabled=cfg.tracking.progress_bar, total_steps=total, initial_step=self.counters.step

@@ -126,8 +126,8 @@ class SampleLedger:
 def committed_samples(ledger_dir: str | Path) -> dict[int, list[int]]:
     """Replay a ledger folder: epoch -> sample ids of every committed step, in step order.
 
-    Files are read in name order (one per launch attempt, ``attempt-000.jsonl``, ...); a ``restore``
-    line drops the entries of later steps.
+    Files are read in name order (one per process that held rank 0, named ``<creation ns>-<pid>.jsonl``);
+    a ``restore`` line drops the entries of later steps.
     """
     steps: dict[int, tuple[int, list[int]]] = {}
     for path in sorted(Path(ledger_dir).glob("*.jsonl")):

@@ -1,0 +1,76 @@
+"""Preemption of the whole job and SIGTERM to the workers, with real horovodrun, checkpoints and MLflow."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from elastictrain.checkpoint import LocalStorage, load_latest
+from elastictrain.events import read_events
+from tests.fixtures.procs import kill_tree, wait_until
+from tests.harness.elastic_job import ElasticJob, job_config, logical_hosts
+from tests.integration.test_elastic_scenarios import assert_exactly_once
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+HOSTS = logical_hosts()
+
+
+@pytest.fixture
+def jobs():
+    started: list[ElasticJob] = []
+    yield started
+    for job in started:
+        job.close()
+
+
+def test_full_job_killed_mid_epoch_resumes_at_the_checkpoint_in_the_same_mlflow_run(jobs, tmp_path):
+    cfg = job_config(
+        tmp_path / "run", training__epochs=1, data__num_samples=1536, tracking__mlflow=True, checkpoint__every_steps=9
+    )
+    first = ElasticJob(tmp_path / "a", cfg, HOSTS[:2])
+    jobs.append(first.start())
+    wait_until(
+        lambda: (load_latest(LocalStorage.for_run_dir(first.run_dir)) or None) is not None and first.step() >= 14,
+        180,
+        what="a checkpoint and step 14",
+    )
+    kill_tree(first.proc.pid, signal.SIGKILL)  # every worker and horovodrun at once: a preemption
+    first.proc.wait(timeout=30)
+    killed_at = first.step()
+    ckpt = load_latest(LocalStorage.for_run_dir(first.run_dir))
+    assert ckpt is not None and 0 < ckpt.step <= killed_at
+
+    second = ElasticJob(tmp_path / "b", cfg, HOSTS[:2])
+    jobs.append(second.start())
+    assert second.wait() == 0, second.tail()
+
+    starts = [e for e in read_events(second.events_path) if e["event"] == "start"]
+    assert starts[-1]["resumed_from_step"] == ckpt.step  # the step counter continues from the checkpoint
+    assert_exactly_once(second, 1536, 1)  # across both runs, via the ledger's restore marker
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{second.run_dir / 'mlflow.db'}")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert len(runs) == 1, [r.info.run_id for r in runs]
+    history = client.get_metric_history(runs[0].info.run_id, "loss")
+    steps = [m.step for m in history]
+    assert len(steps) == len(set(steps)), "a (step, loss) point was logged twice"
+    assert max(steps) > killed_at  # points from after the resume are in the same run
+
+
+def test_sigterm_to_the_workers_checkpoints_the_last_commit_before_they_exit(jobs, tmp_path):
+    cfg = job_config(tmp_path / "run", training__epochs=3, checkpoint__every_steps=1000, checkpoint__every_epochs=None)
+    job = ElasticJob(tmp_path / "t", cfg, HOSTS[:2])
+    jobs.append(job.start())
+    job.wait_step(7)
+    for w in job.workers():
+        w.send_signal(signal.SIGTERM)
+    job.wait()
+    stopped = job.events("stopped")
+    assert stopped and stopped[-1]["checkpointed"] is True, job.tail()
+    last_commit = max(e["step"] for e in job.events("commit"))
+    ckpt = load_latest(LocalStorage.for_run_dir(job.run_dir))
+    assert ckpt is not None and ckpt.step == last_commit
