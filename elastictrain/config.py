@@ -162,8 +162,9 @@ class PrecisionConfig:
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class CompressionConfig:
-    gradients: Literal["none", "fp16", "bf16"] = "none"
-    """Compression of gradients on the wire (Horovod compressor)."""
+    gradients: Literal["none", "fp16"] = "none"
+    """Compression of gradients on the wire (Horovod compressor). Horovod 0.28.1's PyTorch ops reject
+    bfloat16 tensors ("Tensor type torch.BFloat16Tensor is not supported"), so there is no ``bf16``."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

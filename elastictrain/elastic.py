@@ -71,19 +71,6 @@ class DistContext:
         return self.rank == 0
 
 
-def _bf16_compressor() -> Any:
-    class BF16Compressor(hvd.Compression.none.__class__):
-        @staticmethod
-        def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
-            return (tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor), tensor.dtype
-
-        @staticmethod
-        def decompress(tensor: torch.Tensor, ctx: torch.dtype) -> torch.Tensor:
-            return tensor.to(ctx)
-
-    return BF16Compressor
-
-
 def sync_tensors_from(root: int, tensors: dict[str, torch.Tensor]) -> None:
     """Broadcast ``tensors`` in place from ``root`` (asynchronously, then wait for all)."""
     handles = [hvd.broadcast_async_(t, root, name=f"sync.{name}") for name, t in tensors.items()]
@@ -196,11 +183,11 @@ class ElasticTrainer:
         self.sampler = SamplerState()
         self.precision = Precision.resolve(cfg.precision.mode, self.device)
         base = self._base_optimizer()
-        compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}.get(cfg.compression.gradients)
+        compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[cfg.compression.gradients]
         self.optimizer = hvd.DistributedOptimizer(
             base,
             named_parameters=self.model.named_parameters(),
-            compression=compression or _bf16_compressor(),
+            compression=compression,
             op=hvd.Sum,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda=lambda _: self._schedule())
