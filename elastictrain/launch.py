@@ -383,16 +383,28 @@ def _set_child_subreaper() -> None:
         libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
 
 
-def is_worker(proc: psutil.Process) -> bool:
-    """An ``elastictrain train`` process (not the shell around it)."""
+def _runs_train(proc: psutil.Process) -> bool:
     try:
         cmd = proc.cmdline()
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+    except psutil.Error:
         return False
-    for i, arg in enumerate(cmd[:-1]):
-        if (arg.endswith("/elastictrain") or arg in ("elastictrain", "elastictrain.cli")) and cmd[i + 1] == "train":
+    # ``[python] .../elastictrain train ...`` or ``python -m elastictrain.cli train ...``; not horovodrun, whose
+    # command line contains the worker's further on.
+    for i, arg in enumerate(cmd[:3]):
+        if (arg == "elastictrain" or arg.endswith("/elastictrain")) and cmd[i + 1 : i + 2] == ["train"]:
             return True
-    return False
+    return cmd[1:4] == ["-m", "elastictrain.cli", "train"]
+
+
+def is_worker(proc: psutil.Process) -> bool:
+    """An ``elastictrain train`` process: not the shell around it, nor a forked helper of it (checkpoint writer)."""
+    if not _runs_train(proc):
+        return False
+    try:
+        parent = proc.parent()
+    except psutil.Error:
+        return True
+    return parent is None or not _runs_train(parent)
 
 
 class ProcessTracker:

@@ -1,0 +1,287 @@
+"""``elastictrain launch`` end to end: embedded etcd, local agents, real horovodrun and real workers.
+
+Scenarios: a short job runs to completion; a full preemption (every agent and worker SIGKILLed, the
+agents brought back) is relaunched and resumes from the checkpoint in the same MLflow run; SIGTERM
+to the launcher stops the job with exit 143, a checkpoint of the last commit and no process left;
+bad flags, a missing config and an unreachable etcd fail with one line and exit 2, starting nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from elastictrain.launch import EXIT_STOPPED, LAUNCH_ID_ENV, STATE_FILE, is_worker
+from tests.fixtures.procs import REPO, VENV_BIN, ProcessGroup, free_port, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+ELASTICTRAIN = VENV_BIN / "elastictrain"
+HOSTS = "localhost,127.0.0.1"
+needs_horovod = pytest.mark.skipif(not (VENV_BIN / "horovodrun").exists(), reason="horovodrun is not installed")
+
+
+def write_config(tmp_path: Path, job: str, *, max_steps: int, mlflow: bool = False) -> Path:
+    cfg = {
+        "job": job,
+        "run_dir": str(tmp_path / "run"),
+        "device": "cpu",
+        "model": {"name": "small_cnn", "num_classes": 10},
+        "data": {
+            "kind": "synthetic",
+            "image_size": 16,
+            "batch_size": 16,
+            "num_samples": 8192,
+            "num_val_samples": 64,
+            "augment": False,
+        },
+        "training": {"epochs": 1, "max_steps": max_steps, "base_lr": 0.05, "log_every_steps": 5},
+        "elastic": {"commit_every_steps": 5, "min_np": 2, "max_np": 2, "base_world_size": 2},
+        "checkpoint": {"every_steps": 10, "every_epochs": None, "keep_last": 2},
+        "tracking": {"mlflow": mlflow, "experiment": "launch-test", "progress_bar": False},
+        "discovery": {"ttl_seconds": 3, "heartbeat_seconds": 0.5},
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out
+
+
+def launch_state(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((run_dir / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class Launch:
+    """A launcher process plus every descendant pid it ever had (sampled every 0.1 s by psutil)."""
+
+    def __init__(self, procs: ProcessGroup, config: Path, tmp_path: Path, *flags: str) -> None:
+        self.run_dir = tmp_path / "run"
+        self.log_path = tmp_path / "launch.log"
+        env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}", "ELASTICTRAIN_LOG_LEVEL": "warning"}
+        env.pop("ELASTICTRAIN_ETCD", None)
+        with self.log_path.open("ab") as log:
+            self.proc = procs.start(
+                [str(ELASTICTRAIN), "launch", "--config", str(config), "--hosts", HOSTS,
+                 "--gloo-timeout-seconds", "15", "--blacklist-cooldown-range", "1", "2", "--drain-grace", "2", *flags],
+                env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+            )  # fmt: skip
+        self.seen: dict[int, psutil.Process] = {self.proc.pid: psutil.Process(self.proc.pid)}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        root = self.seen[self.proc.pid]
+        while not self._stop.is_set():
+            with contextlib.suppress(psutil.Error):
+                for p in root.children(recursive=True):
+                    self.seen.setdefault(p.pid, p)
+            self._stop.wait(0.1)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self._stop.set()
+            self._thread.join(5)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def left_behind(self) -> list[str]:
+        """Processes of this job still alive: any descendant ever seen, or any carrying its launch id."""
+        alive = []
+        for p in self.seen.values():
+            with contextlib.suppress(psutil.Error):
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(f"{p.pid} {' '.join(p.cmdline())[:120]}")
+        return alive
+
+
+def job_processes(launch_id: str) -> list[psutil.Process]:
+    """Processes started for this launch, found by the environment variable the launcher sets."""
+    out = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if p.environ().get(LAUNCH_ID_ENV) == launch_id:
+                out.append(p)
+    return out
+
+
+@pytest.fixture
+def no_leftovers() -> Iterator[list[Launch]]:
+    launches: list[Launch] = []
+    yield launches
+    for launch in launches:
+        if launch.proc.poll() is None:
+            continue  # the test failed early; the procs fixture kills the launcher's tree
+        assert not launch.left_behind(), f"processes left behind: {launch.left_behind()}"
+
+
+# -------------------------------------------------------------------------------------------- scenarios
+@needs_horovod
+def test_launch_with_embedded_etcd_runs_a_short_job_to_completion(
+    procs: ProcessGroup, tmp_path: Path, no_leftovers: list[Launch]
+) -> None:
+    config = write_config(tmp_path, "launch-ok", max_steps=10)
+    launch = Launch(procs, config, tmp_path)
+    no_leftovers.append(launch)
+    assert launch.wait(timeout=120) == 0, launch.log()
+    evs = events(launch.run_dir)
+    assert [e["step"] for e in evs if e["event"] == "done"] == [10]
+    assert {e["world_size"] for e in evs if e["event"] == "start"} == {2}
+    out = launch.log()
+    assert "horovodrun -np 2 --min-np 2 --max-np 2 --host-discovery-script" in out, "the command is printed"
+    assert "ELASTICTRAIN_ATTEMPT=0" in out and "training completed" in out
+    assert not (launch.run_dir / STATE_FILE).exists()
+
+
+@needs_horovod
+def test_full_preemption_relaunches_and_resumes_from_the_checkpoint_in_the_same_mlflow_run(
+    procs: ProcessGroup, tmp_path: Path, no_leftovers: list[Launch]
+) -> None:
+    config = write_config(tmp_path, "launch-preempt", max_steps=150, mlflow=True)
+    launch = Launch(procs, config, tmp_path, "--wait-hosts-seconds", "60")
+    no_leftovers.append(launch)
+    run_dir = launch.run_dir
+
+    def checkpointed_step() -> int | None:
+        steps = [e["step"] for e in events(run_dir) if e["event"] == "checkpoint"]
+        return max(steps) if steps else None
+
+    wait_until(checkpointed_step, 120, interval=0.1, what=f"a first checkpoint; launcher log: {launch.log()}")
+    wait_until((run_dir / "mlflow_run_id").exists, 60, interval=0.1, what="the MLflow run of the first attempt")
+    first_run_id = (run_dir / "mlflow_run_id").read_text().strip()
+    state = launch_state(run_dir)
+    assert state is not None
+    assert not any(e["event"] == "done" for e in events(run_dir)), "the job finished before the preemption"
+
+    # Full preemption: every machine goes away, agents and workers at once.
+    victims = [psutil.Process(pid) for pid in state["agents"].values()]
+    victims += [p for p in job_processes(state["launch_id"]) if is_worker(p)]
+    assert len(victims) == 4, [v.cmdline() for v in victims]
+    for v in victims:
+        v.kill()
+    step_at_preemption = max(e["step"] for e in events(run_dir))
+    wait_until(lambda: "relaunch 1 when hosts return" in launch.log(), 60, interval=0.2, what="the relaunch decision")
+
+    # The machines come back: new agents under the same host names (the launcher starts no agents again).
+    env = {**os.environ, "ELASTICTRAIN_LOG_LEVEL": "warning"}
+    with (tmp_path / "agents.log").open("ab") as log:
+        for host in HOSTS.split(","):
+            procs.start(
+                [str(ELASTICTRAIN), "agent", "--etcd", state["etcd"], "--job", state["job"], "--host", host,
+                 "--slots", "1", "--ttl", "3", "--heartbeat", "0.5", "--request-timeout", "0.5", "--drain-grace", "1"],
+                env=env, stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+    assert launch.wait(timeout=150) == 0, launch.log()
+
+    evs = events(run_dir)
+    starts = [e for e in evs if e["event"] == "start"]
+    assert [s["attempt"] for s in starts] == [0, 1], starts
+    resumed = starts[1]["resumed_from_step"]
+    assert isinstance(resumed, int) and 10 <= resumed <= step_at_preemption, (resumed, step_at_preemption)
+    assert starts[1]["step"] == resumed, "the relaunch continued from the checkpoint's step"
+    assert [e["step"] for e in evs if e["event"] == "done"] == [150]
+    assert (run_dir / "mlflow_run_id").read_text().strip() == first_run_id
+    with contextlib.closing(sqlite3.connect(run_dir / "mlflow.db")) as db:
+        assert db.execute("select run_uuid from runs").fetchall() == [(first_run_id,)], "one MLflow run for the job"
+        (last_step,) = db.execute("select max(step) from metrics where key = 'loss'").fetchone()
+    assert last_step == 150, "the relaunched attempt logs into the first attempt's run"
+
+
+@needs_horovod
+def test_sigterm_to_the_launcher_checkpoints_the_last_commit_exits_143_and_leaves_no_process(
+    procs: ProcessGroup, tmp_path: Path, no_leftovers: list[Launch]
+) -> None:
+    config = write_config(tmp_path, "launch-stop", max_steps=100_000)
+    launch = Launch(procs, config, tmp_path, "--stop-timeout", "45")
+    no_leftovers.append(launch)
+    run_dir = launch.run_dir
+
+    def commits() -> list[int]:
+        return [e["step"] for e in events(run_dir) if e["event"] == "commit"]
+
+    wait_until(lambda: any(s >= 15 for s in commits()), 120, interval=0.1, what=f"commits; log: {launch.log()}")
+    state = launch_state(run_dir)
+    assert state is not None
+    launch.proc.send_signal(signal.SIGTERM)
+    assert launch.wait(timeout=90) == EXIT_STOPPED, launch.log()
+    assert "stopped by SIGTERM" in launch.log()
+
+    evs = events(run_dir)
+    stopped = [e for e in evs if e["event"] == "stopped"]
+    assert stopped and stopped[-1]["checkpointed"] is True, stopped
+    last_commit = max(commits())
+    from elastictrain.checkpoint import LocalStorage, load_latest
+
+    loaded = load_latest(LocalStorage.for_run_dir(run_dir), map_location="cpu")
+    assert loaded is not None, "no verified checkpoint"
+    # The state inside (not the manifest's label, see the report on elastic.py) is the last commit's.
+    assert loaded.state["counters"]["step"] == last_commit, (loaded.path, loaded.state["counters"], last_commit)
+    assert not job_processes(state["launch_id"]), "a process of the job remains"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--min-np", "3", "--max-np", "2"], "--max-np (2) must be >= --min-np (3)"),
+        (["--config-missing"], "config file not found"),
+        (["--etcd", "http://127.0.0.1:{port}"], "unreachable"),
+    ],
+)
+def test_bad_flags_missing_config_or_unreachable_etcd_fail_with_one_line_and_start_nothing(
+    tmp_path: Path, flags: list[str], message: str
+) -> None:
+    config = write_config(tmp_path, "launch-bad", max_steps=1)
+    if flags == ["--config-missing"]:
+        config, flags = tmp_path / "missing.yaml", []
+    flags = [f.format(port=free_port()) for f in flags]
+    t0 = time.monotonic()
+    out = subprocess.run(
+        [str(ELASTICTRAIN), "launch", "--config", str(config), *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert out.returncode == 2, out
+    assert out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], out.stderr
+    assert lines[0].startswith("elastictrain launch: ")
+    assert not (tmp_path / "run").exists(), "nothing is started (no run_dir, no etcd)"
+    assert time.monotonic() - t0 < 30
+
+
+def test_launch_is_a_subcommand_and_its_help_names_the_exit_codes() -> None:
+    out = subprocess.run(
+        [str(ELASTICTRAIN), "launch", "--help"], capture_output=True, text=True, timeout=60, check=False, cwd=REPO
+    )
+    assert out.returncode == 0 and "--wait-hosts-seconds" in out.stdout and "--max-relaunches" in out.stdout
