@@ -78,6 +78,24 @@ def sync_tensors_from(root: int, tensors: dict[str, torch.Tensor]) -> None:
         hvd.synchronize(h)
 
 
+def discard_pending_allreduces(optimizer: Any) -> None:
+    """Forget the gradient allreduces of the step that failed, as Horovod's ``load_state_dict`` does.
+
+    The rollback restores tensors in place, so without this the DistributedOptimizer keeps the failed
+    step's handles and the retried step's ``zero_grad()`` raises "called after loss.backward() but before
+    optimizer.step()". Gradients are dropped too (the step is redone from the commit).
+    """
+    if hasattr(optimizer, "_handles"):
+        optimizer._handles = {}
+        optimizer._synchronized = False
+        optimizer._should_synchronize = True
+        for p in optimizer._allreduce_delay:
+            optimizer._allreduce_delay[p] = optimizer.backward_passes_per_step
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = None
+
+
 class ElasticTrainingState(State):
     """Horovod elastic state over :class:`CommittedState`: commit/rollback in place, sync from the best rank."""
 
@@ -105,6 +123,7 @@ class ElasticTrainingState(State):
             raise StopRequested
         self.failure = self.failure or ("worker_failed", time.time())
         self.committed.restore()
+        discard_pending_allreduces(self.committed.optimizer)
 
     def check_host_updates(self) -> None:
         try:
