@@ -32,5 +32,9 @@ format: $(STAMP)
 	.venv/bin/ruff format .
 	.venv/bin/ruff check --fix .
 
+# A real elastic job on this machine with faults (elastictrain/demo.py): a few minutes, then a summary.
+demo: $(STAMP)
+	$(PY) -m elastictrain.demo
+
 clean:
 	rm -rf .pytest_cache .mypy_cache .ruff_cache runs
