@@ -202,3 +202,63 @@ def test_training_completed_reads_the_last_lifecycle_event(tmp_path: Path) -> No
     assert training_completed(p)
     p.write_text('{"event": "done"}\n{"event": "start"}\n{"torn')
     assert not training_completed(p)
+
+
+# ------------------------------------------------------------------------------------------ deploy/k8s
+K8S = REPO / "deploy" / "k8s"
+
+
+def k8s_documents() -> list[dict]:
+    import yaml
+
+    docs = []
+    for path in sorted(K8S.glob("*.yaml")):
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def containers(doc: dict) -> list[dict]:
+    spec = doc.get("spec", {})
+    pod = spec.get("template", {}).get("spec", {}) if "template" in spec else spec
+    return list(pod.get("containers", []))
+
+
+def test_k8s_manifests_parse_and_hold_the_agent_daemonset_launcher_job_and_etcd() -> None:
+    docs = k8s_documents()
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert ("DaemonSet", "elastictrain-agent") in kinds
+    assert ("Job", "elastictrain-resnet50") in kinds
+    assert ("StatefulSet", "etcd") in kinds and ("Service", "etcd") in kinds
+    assert {d["apiVersion"] for d in docs} <= {"v1", "apps/v1", "batch/v1"}
+    assert all(d["metadata"].get("namespace") == "elastictrain" for d in docs if d["kind"] != "Namespace")
+    import yaml
+
+    from elastictrain.config import config_from_dict
+
+    (job_config,) = [d["data"]["job.yaml"] for d in docs if d["kind"] == "ConfigMap"]
+    cfg = config_from_dict(yaml.safe_load(job_config), env={})
+    assert cfg.job == "resnet50" and cfg.device == "cuda"
+
+
+def test_k8s_command_lines_name_real_subcommands_with_flags_their_parsers_accept() -> None:
+    from discovery import agent
+    from elastictrain.cli import SUBCOMMANDS
+
+    seen = set()
+    env_values = {"$(NODE_NAME)": "gpu-node-1", "$(GPUS_PER_NODE)": "8"}
+    for doc in k8s_documents():
+        for c in containers(doc):
+            if c.get("command") != ["elastictrain"]:
+                continue
+            args = [env_values.get(a, a) for a in c["args"]]
+            assert args[0] in SUBCOMMANDS, args[0]
+            seen.add(args[0])
+            if args[0] == "agent":
+                agent.config_from_args(agent.build_parser().parse_args(args[1:]))  # raises on a bad flag or timing
+            elif args[0] == "launch":
+                rest = args[1:]
+                own = rest[: rest.index("--")] if "--" in rest else rest
+                ns = launch.build_parser().parse_args(own)
+                assert ns.etcd and ns.hosts is None, "on a cluster the launcher uses its etcd and starts no agents"
+                assert ns.config.startswith("/etc/elastictrain/")
+    assert seen == {"agent", "launch"}
