@@ -42,6 +42,7 @@ from elastictrain.sampler import ExactlyOncePlanner, SampleLedger, SamplerState,
 from elastictrain.state import CommittedState, Counters, reseed
 from elastictrain.step import Precision, eval_batches, train_step
 from elastictrain.tracking import NullTracker, Tracker, make_tracker
+from elastictrain.watchdog import CollectiveWatchdog, FailureMarker
 
 log = get_logger("elastictrain.worker")
 
@@ -96,6 +97,19 @@ def discard_pending_allreduces(optimizer: Any) -> None:
             p.grad = None
 
 
+def _control_ports() -> tuple[set[int], set[int]]:
+    """Ports of Horovod's control plane in this worker (notification service, rendezvous server): never aborted."""
+    from horovod.common.elastic import notification_manager
+
+    local: set[int] = set()
+    service = getattr(notification_manager, "_service", None)
+    if service is not None:
+        for addrs in service.addresses().values():
+            local.update(int(port) for _ip, port in addrs)
+    port = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT")
+    return local, ({int(port)} if port else set())
+
+
 class ElasticTrainingState(State):
     """Horovod elastic state over :class:`CommittedState`: commit/rollback in place, sync from the best rank."""
 
@@ -105,7 +119,14 @@ class ElasticTrainingState(State):
         self.stop_requested = stop_requested
         self.failure: tuple[str, float] | None = None
         """(reason, unix time) of the failure or host notice that caused the current reset."""
+        self.lost_steps = 0
         self.last_commit_seconds = 0.0
+        self.last_progress_ts = time.time()
+        """End of the last completed step: a failure is timed from here (the failed step's start)."""
+        self.on_failure: Callable[[], None] = lambda: None
+        """Called first on a failed collective (records the failure marker; the watchdog stands down)."""
+        self.on_failure_notice: Callable[[], None] = lambda: None
+        """Called on a host-change interrupt (the watchdog stands down before the rendezvous)."""
         super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank)
 
     def save(self) -> None:
@@ -121,8 +142,11 @@ class ElasticTrainingState(State):
         """
         if self.stop_requested():
             raise StopRequested
-        self.failure = self.failure or ("worker_failed", time.time())
+        self.on_failure()
+        self.failure = self.failure or ("worker_failed", self.last_progress_ts)
+        failed_at = self.committed.counters.step
         self.committed.restore()
+        self.lost_steps = max(0, failed_at - self.committed.counters.step)
         discard_pending_allreduces(self.committed.optimizer)
 
     def check_host_updates(self) -> None:
@@ -131,7 +155,9 @@ class ElasticTrainingState(State):
         except HostsUpdatedInterrupt as e:
             if self.stop_requested():
                 raise StopRequested from None
+            self.on_failure_notice()
             self.failure = ("hosts_removed" if e.skip_sync else "hosts_changed", time.time())
+            self.lost_steps = 0
             raise
 
     def sync(self) -> None:
@@ -231,6 +257,17 @@ class ElasticTrainer:
         self._last_log = (time.perf_counter(), 0)
         self.resumed_from: int | None = None
         self._checkpointed_step = -1
+        marker = FailureMarker(cfg.run_path / ".elastic" / "collective-failure")
+
+        def on_failure() -> None:
+            self.watchdog.idle()
+            marker.record(self.ctx.host)
+
+        self.state.on_failure = on_failure
+        self.state.on_failure_notice = lambda: self.watchdog.idle()
+        self.watchdog = CollectiveWatchdog(
+            marker, notified=lambda: not self.state._host_messages.empty(), excluded_ports=_control_ports
+        ).start()
         self.attempt = int(os.environ.get("ELASTICTRAIN_ATTEMPT", "0"))
 
     # ------------------------------------------------------------------------------------ building
@@ -373,8 +410,9 @@ class ElasticTrainer:
             reason, ts = self.state.failure
             self._pending_reset = {"old_size": new_size, "new_size": new_size, "reason": reason, "failure_ts": ts}
         if self._pending_reset is not None:
-            self._pending_reset["lost_steps"] = max(0, self._pending_reset.get("at_step", c.step) - c.step)
+            self._pending_reset["lost_steps"] = self.state.lost_steps
         self.state.failure = None
+        self.state.lost_steps = 0
         self._pending_ledger.clear()
         if self.ledger is not None:
             self.ledger.restore(c.step)
@@ -402,6 +440,8 @@ class ElasticTrainer:
 
     def train(self, state: ElasticTrainingState) -> None:
         """The function ``hvd.elastic.run`` calls (again after every reset)."""
+        self.watchdog.idle()
+        state.last_progress_ts = time.time()
         self._after_sync()
         cfg, c, t = self.cfg, self.counters, self.cfg.training
         while True:
@@ -438,6 +478,7 @@ class ElasticTrainer:
             if self.stop_requested or (t.max_steps is not None and c.step >= t.max_steps):
                 return
             t0 = time.perf_counter()
+            self.watchdog.step_started()  # the whole iteration: step, metrics, commit all hold collectives
             micro = self._micro_batches(plan, next(loaded) if plan.local_ids else None)
             stats = train_step(
                 self.model,
@@ -449,6 +490,7 @@ class ElasticTrainer:
                 grad_clip_norm=t.grad_clip_norm,
                 label_smoothing=t.label_smoothing,
             )
+            state.last_progress_ts = time.time()
             c.step += 1
             c.samples += plan.global_count
             self.sampler.cursor += plan.global_count
@@ -474,6 +516,7 @@ class ElasticTrainer:
             )
             if c.step % cfg.elastic.commit_every_steps == 0 or ckpt_due:
                 self._commit(state, checkpoint=ckpt_due)
+            self.watchdog.step_finished()
 
     def _micro_batches(self, plan: StepPlan, batch: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if batch is None:
@@ -493,7 +536,6 @@ class ElasticTrainer:
         r, self._pending_reset = self._pending_reset, None
         assert r is not None
         recovery = max(0.0, time.time() - r.pop("failure_ts"))
-        r.pop("at_step", None)
         self.counters.resets += 1
         hosts = sorted(set(hvd.allgather_object(self.ctx.host)))
         self.events.emit(
@@ -561,23 +603,32 @@ class ElasticTrainer:
         state.check_host_updates()
 
     def _checkpoint(self, wait: bool = False) -> None:
-        c = self.counters
-        if self.checkpointer is None or self._checkpointed_step == c.step:
+        """Checkpoint the *committed* state, labelled with the committed step (not the live one)."""
+        committed = self.committed.committed_small()
+        step, sampler = committed["counters"]["step"], committed["sampler"]
+        if self.checkpointer is None or self._checkpointed_step == step:
             return
-        self._checkpointed_step = c.step
+        self._checkpointed_step = step
         self.checkpointer.save(
             self.committed.full_state(),
-            step=c.step,
-            epoch=self.sampler.epoch,
+            step=step,
+            epoch=sampler["epoch"],
             world_size=self.ctx.size,
             config_hash=self.config_hash,
-            meta={"run_id": self.tracker.run_id, "cursor": self.sampler.cursor, "config": self.cfg.to_dict()},
+            meta={"run_id": self.tracker.run_id, "cursor": sampler["cursor"], "config": self.cfg.to_dict()},
             if_busy="wait" if wait else "skip",
         )
         if wait:
             self.checkpointer.wait()
 
     def _end_epoch(self, state: ElasticTrainingState) -> None:
+        self.watchdog.step_started()
+        try:
+            self._end_epoch_inner(state)
+        finally:
+            self.watchdog.idle()
+
+    def _end_epoch_inner(self, state: ElasticTrainingState) -> None:
         cfg, t0 = self.cfg, time.perf_counter()
         val_loss = val_acc = None
         if self.val_set is not None and len(self.val_set):  # type: ignore[arg-type]
@@ -637,6 +688,7 @@ class ElasticTrainer:
         return self.checkpointer.stats.failures == 0
 
     def close(self, status: str) -> None:
+        self.watchdog.stop()
         self.progress.close()
         if self.checkpointer is not None:
             self.checkpointer.close()

@@ -208,6 +208,10 @@ class CommittedState:
         for callback in self.on_restore:
             callback()
 
+    def committed_small(self) -> dict[str, Any]:
+        """The small part of the last commit (counters, sampler, ...), as saved."""
+        return self._small
+
     def full_state(self) -> dict[str, Any]:
         """The committed state as one structure of tensors and small values (for checkpoints)."""
         return {

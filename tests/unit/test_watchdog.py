@@ -1,0 +1,70 @@
+"""The collective watchdog's decision, with chosen times, and the socket abort on a real connection."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+from elastictrain.watchdog import FailureMarker, WatchdogPolicy, abort_connections, should_abort
+
+P = WatchdogPolicy()
+
+
+def decide(now, started, typical=0.1, failure=None, notified=False):
+    return should_abort(
+        now=now, step_started=started, typical_step=typical, failure_ts=failure, notified=notified, policy=P
+    )
+
+
+def test_no_abort_between_steps_or_for_a_healthy_step():
+    assert decide(100.0, None, failure=99.0) is None
+    assert decide(100.0, 99.9, failure=99.95) is None  # a failure, but the step is young
+    assert decide(100.0, 90.0) is None  # a slow step with no failure and no notice is left alone
+
+
+def test_abort_when_a_peer_failed_during_this_step_and_it_is_stuck():
+    reason = decide(100.0, 99.0, failure=99.2)
+    assert reason is not None and "peer failed" in reason
+
+
+def test_a_failure_before_this_step_started_is_history():
+    assert decide(100.0, 95.0, failure=94.0) is None
+
+
+def test_slow_steps_raise_the_threshold():
+    assert decide(100.0, 98.0, typical=1.0, failure=98.5) is None  # 2 s < 3 x 1 s
+    assert decide(100.0, 96.0, typical=1.0, failure=98.5) is not None
+
+
+def test_a_host_notice_alone_needs_a_much_longer_stall():
+    assert decide(100.0, 99.0, notified=True) is None  # scale-up notices arrive during healthy steps
+    assert decide(100.0, 97.5, notified=True) is not None
+
+
+def test_failure_marker_round_trip(tmp_path):
+    m = FailureMarker(tmp_path / ".elastic" / "collective-failure")
+    assert m.last() is None
+    m.record("hostA")
+    assert m.last() is not None
+
+
+def test_abort_connections_ends_a_blocked_receive_and_spares_excluded_ports():
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    peer, _ = server.accept()
+    spared_srv = socket.create_server(("127.0.0.1", 0))
+    spared_port = spared_srv.getsockname()[1]
+    spared = socket.create_connection(("127.0.0.1", spared_port))
+    spared_peer, _ = spared_srv.accept()
+    got: list[bytes] = []
+    t = threading.Thread(target=lambda: got.append(client.recv(10)))
+    t.start()
+    n = abort_connections(exclude_local_ports={spared_port}, exclude_remote_ports={spared_port})
+    t.join(timeout=5)
+    assert not t.is_alive() and got == [b""]  # the blocked receive returned: connection ended
+    assert n >= 1
+    spared.sendall(b"x")
+    assert spared_peer.recv(1) == b"x"  # the excluded connection still works
+    for s in (client, peer, server, spared, spared_peer, spared_srv):
+        s.close()
