@@ -59,14 +59,15 @@ def final_params(job: ElasticJob) -> torch.Tensor:
 
 @needs3
 def test_scale_up_2_to_3_keeps_every_sample_exactly_once(jobs, tmp_path):
-    job = run_job(jobs, tmp_path, "up", HOSTS[:2])
+    # Long enough (2 x 96 steps) that a third worker can start (import torch, rendezvous) on a busy machine.
+    job = run_job(jobs, tmp_path, "up", HOSTS[:2], data__num_samples=3072)
     job.wait_step(8)
     job.set_hosts(HOSTS[:3])
     assert job.wait() == 0, job.tail()
     resets = job.events("reset")
     assert any(r["old_size"] == 2 and r["new_size"] == 3 for r in resets), resets
     assert job.events("done")
-    assert_exactly_once(job, 768, 2)
+    assert_exactly_once(job, 3072, 2)
     assert_loss_falls(job)
 
 
