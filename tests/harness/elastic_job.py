@@ -24,7 +24,7 @@ def job_config(run_dir: Path, **overrides: Any) -> dict[str, Any]:
             "kind": "synthetic",
             "image_size": 16,
             "batch_size": 16,
-            "num_samples": 768,
+            "num_samples": 3072,
             "num_val_samples": 96,
             "augment": False,
         },

@@ -60,7 +60,7 @@ def final_params(job: ElasticJob) -> torch.Tensor:
 @needs3
 def test_scale_up_2_to_3_keeps_every_sample_exactly_once(jobs, tmp_path):
     # Long enough (2 x 96 steps) that a third worker can start (import torch, rendezvous) on a busy machine.
-    job = run_job(jobs, tmp_path, "up", HOSTS[:2], data__num_samples=3072)
+    job = run_job(jobs, tmp_path, "up", HOSTS[:2])
     job.wait_step(8)
     job.set_hosts(HOSTS[:3])
     assert job.wait() == 0, job.tail()
@@ -80,7 +80,7 @@ def test_graceful_removal_3_to_2_loses_no_step(jobs, tmp_path):
     resets = job.events("reset")
     shrink = [r for r in resets if r["old_size"] == 3 and r["new_size"] == 2]
     assert shrink, resets
-    assert_exactly_once(job, 768, 2)
+    assert_exactly_once(job, 3072, 2)
     assert_loss_falls(job)
 
 
@@ -93,7 +93,7 @@ def test_worker_killed_mid_epoch_rolls_back_and_keeps_every_sample_exactly_once(
     assert job.wait() == 0, job.tail()
     resets = job.events("reset")
     assert any(r["new_size"] == 2 for r in resets), resets
-    assert_exactly_once(job, 768, 2)
+    assert_exactly_once(job, 3072, 2)
     assert_loss_falls(job)
 
 
