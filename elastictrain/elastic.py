@@ -257,6 +257,7 @@ class ElasticTrainer:
         self._last_log = (time.perf_counter(), 0)
         self.resumed_from: int | None = None
         self._checkpointed_step = -1
+        self._start_emitted = False
         marker = FailureMarker(cfg.run_path / ".elastic" / "collective-failure")
 
         def on_failure() -> None:
@@ -419,17 +420,20 @@ class ElasticTrainer:
         self._apply_lr()
         self._metrics = self._zero_metrics()
         self._last_log = (time.perf_counter(), c.step)
-        self.events.emit(
-            "start",
-            step=c.step,
-            epoch=self.sampler.epoch,
-            world_size=new_size,
-            hosts=sorted(set(hvd.allgather_object(self.ctx.host))),
-            resumed_from_step=self.resumed_from,
-            config_hash=self.config_hash,
-            run_id=self.tracker.run_id,
-            attempt=self.attempt,
-        )
+        hosts = sorted(set(hvd.allgather_object(self.ctx.host)))  # a collective: every rank, every time
+        if not self._start_emitted:  # once per rank-0 process; later resets are `reset` events
+            self._start_emitted = self.ctx.is_rank0
+            self.events.emit(
+                "start",
+                step=c.step,
+                epoch=self.sampler.epoch,
+                world_size=new_size,
+                hosts=hosts,
+                resumed_from_step=self.resumed_from,
+                config_hash=self.config_hash,
+                run_id=self.tracker.run_id,
+                attempt=self.attempt,
+            )
         log.info(
             "training",
             step=c.step,

@@ -100,6 +100,7 @@ def summarize(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
     max_step = -1
     last_metrics: dict[str, Any] | None = None
     starts = 0
+    last_attempt: Any = None
     for ev in events:
         kind, ts = ev.get("event"), float(ev["ts"])
         t = ts - t0
@@ -109,7 +110,11 @@ def summarize(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
         if kind == "start":
             starts += 1
             resumed = ev.get("resumed_from_step")
-            if starts > 1:
+            attempt = ev.get("attempt")
+            # A relaunch is a new launcher attempt; a new rank-0 process within one attempt is not.
+            new_attempt = attempt != last_attempt if attempt is not None else isinstance(resumed, int)
+            last_attempt = attempt
+            if starts > 1 and new_attempt:
                 lost = max(0, max_step - resumed) if isinstance(resumed, int) else max(0, max_step)
                 relaunches.append({"t": t, "resumed_from_step": resumed, "lost_steps": lost})
         elif kind == "failure":
