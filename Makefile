@@ -36,5 +36,13 @@ format: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m elastictrain.demo
 
+# Every performance goal measured side by side (elastictrain/bench/): results to bench/results/<date>-<host>.json/.md.
+bench: $(STAMP)
+	$(PY) -m elastictrain.cli bench
+
+# The same in under 5 minutes: fewer repeats, a 2-minute goodput run.
+bench-quick: $(STAMP)
+	$(PY) -m elastictrain.cli bench --quick
+
 clean:
 	rm -rf .pytest_cache .mypy_cache .ruff_cache runs

@@ -1,0 +1,131 @@
+"""``elastictrain bench [--quick] [--only NAME[,NAME]] [--out DIR]``: every performance goal, measured side by side.
+
+Each measurement is one module of this package with ``run(ctx) -> Result``; contenders run
+alternating (A B A B ...) in the same run, and the result holds medians and the ratio to each goal.
+Progress goes to stderr, the table to stdout, and ``<out>/<date>-<host>[-quick].json`` / ``.md`` are
+written (machine, load average before and after, every number). Exit 0 when every measurement ran
+(a missed goal is a result, not an error), 1 when one failed, 2 for bad flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+from elastictrain.bench.core import (
+    BenchContext,
+    Progress,
+    Result,
+    build_report,
+    describe_machine,
+    load_average,
+    markdown_table,
+    result_stem,
+    write_results,
+)
+
+# name -> what it measures, in run order (``commit`` and ``scaling`` reuse the runs of ``elastic_overhead``).
+MEASUREMENTS: dict[str, str] = {
+    "discovery": "discover.sh wall time against a live etcd with 32 hosts",
+    "elastic_overhead": "samples/s of elastictrain train vs a plain Horovod loop, 2 workers",
+    "commit": "commit cost as % of step time; CommittedState.save() vs stock TorchState.save()",
+    "scaling": "samples/s at world size 1 and 2 (report only)",
+    "checkpoint_stall": "async checkpoint stall vs synchronous torch.save (256 MiB); step time during a write",
+    "recovery": "SIGKILL and drain to the first step at the new size, vs stock Horovod elastic",
+    "goodput": "productive step time / wall time under a seeded SIGKILL every 60 s (quick: 30 s, 2 min)",
+}
+
+__all__ = ["MEASUREMENTS", "main", "parse_only"]
+
+
+def parse_only(value: str | None) -> list[str]:
+    """The measurements named by ``--only`` (comma-separated), in run order; all when None.
+
+    Raises ``ValueError`` with one line naming an unknown name and the valid ones.
+    """
+    if value is None:
+        return list(MEASUREMENTS)
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    unknown = [n for n in names if n not in MEASUREMENTS]
+    if unknown or not names:
+        raise ValueError(
+            f"--only: unknown measurement {', '.join(unknown) or repr(value)} (choose from {', '.join(MEASUREMENTS)})"
+        )
+    return [n for n in MEASUREMENTS if n in names]
+
+
+def run_measurement(name: str, ctx: BenchContext) -> Result:
+    """Run one measurement module; an exception becomes an ``error`` result (the run goes on)."""
+    t0 = time.monotonic()
+    try:
+        module = importlib.import_module(f"elastictrain.bench.{name}")
+        result: Result = module.run(ctx)
+    except Exception as e:  # a failed measurement must not lose the others' results
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        ctx.progress(f"failed: {type(e).__name__}: {first}")
+        result = Result(
+            name, status="error", error=f"{type(e).__name__}: {first}", detail={"traceback": traceback.format_exc()}
+        )
+    result.seconds = time.monotonic() - t0
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="elastictrain bench",
+        description="Measure the performance goals side by side; results to DIR/<date>-<host>.json and .md.",
+        epilog="measurements: " + "; ".join(f"{k}: {v}" for k, v in MEASUREMENTS.items()),
+    )
+    p.add_argument("--quick", action="store_true", help="fewer repeats, 2-minute goodput: under 5 minutes")
+    p.add_argument("--only", metavar="NAME[,NAME]", help="run only these measurements")
+    p.add_argument("--out", metavar="DIR", default="bench/results", help="where results go (bench/results)")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        names = parse_only(args.only)
+    except ValueError as e:
+        print(f"elastictrain bench: {e}", file=sys.stderr)
+        return 2
+    from discovery.logconf import configure_logging
+
+    configure_logging()  # library log lines go to stderr
+    progress = Progress()
+    started = time.time()
+    load_before = load_average()
+    machine = describe_machine()
+    progress(
+        f"{'quick' if args.quick else 'full'} run of {', '.join(names)} on {machine['hostname']} "
+        f"({machine['usable_cores']} cores, load {load_before[0] if load_before else '?'})"
+    )
+    workdir = Path(tempfile.mkdtemp(prefix="elastictrain-bench-"))
+    ctx = BenchContext(quick=args.quick, workdir=workdir, progress=progress)
+    results = []
+    try:
+        for name in names:
+            progress.scope = ""
+            progress(f"{name}: {MEASUREMENTS[name]}")
+            progress.scope = name
+            results.append(run_measurement(name, ctx))
+            progress(f"done in {results[-1].seconds:.0f} s")
+    finally:
+        progress.scope = ""
+        shutil.rmtree(workdir, ignore_errors=True)
+    report = build_report(
+        results,
+        machine=machine,
+        quick=args.quick,
+        argv=["elastictrain", "bench", *(sys.argv[1:] if argv is None else argv)],
+        started=started,
+        finished=time.time(),
+        load_before=load_before,
+        load_after=load_average(),
+    )
+    json_path, md_path = write_results(report, Path(args.out), result_stem(started, machine["hostname"], args.quick))
+    sys.stdout.write(markdown_table(report))
+    progress(f"wrote {json_path} and {md_path}")
+    return 1 if any(r.status != "ok" for r in results) else 0

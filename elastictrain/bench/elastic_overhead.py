@@ -1,0 +1,68 @@
+"""``elastic_overhead``: steady-state samples/s of ``elastictrain train`` vs a plain non-elastic Horovod loop.
+
+Both run under real horovodrun with 2 workers on the logical hosts ``localhost`` and ``127.0.0.1``, the
+same small CNN, synthetic data, batch and world size. elastictrain runs as a user gets it by default
+(elastic mode with a discovery script, commit every 10 steps, async checkpoint every 100 steps,
+events, MLflow in run_dir); the baseline is ``hvd.DistributedOptimizer`` in a plain loop
+(:mod:`elastictrain.bench.baseline_worker`). Runs alternate A B A B; start-up is excluded (samples/s
+from the ``metrics`` events after step 20). Goal: ratio >= 0.97.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from elastictrain.bench.core import BenchContext, Goal, Metric, Result, alternate, summary
+from elastictrain.bench.runs import WARMUP_STEPS, run_elastictrain, run_plain_horovod
+
+NAME = "elastic_overhead"
+GOAL = Goal(">=", 0.97)
+WORLD_SIZE = 2
+
+
+def plan(quick: bool) -> tuple[int, int]:
+    """(pairs of runs, steps per run)."""
+    return (1, 120) if quick else (3, 300)
+
+
+def elastictrain_runs(ctx: BenchContext, repeats: int, steps: int) -> list[dict[str, Any]]:
+    """Cached world-size-2 elastictrain runs (``commit`` and ``scaling`` reuse them)."""
+    return ctx.cache.setdefault("elastictrain_ws2", [])
+
+
+def run(ctx: BenchContext) -> Result:
+    pairs, steps = plan(ctx.quick)
+    et_runs = elastictrain_runs(ctx, pairs, steps)
+
+    def elastictrain(_r: int) -> dict[str, Any]:
+        out = run_elastictrain(ctx.scratch("elastictrain"), world_size=WORLD_SIZE, max_steps=steps)
+        et_runs.append(out)
+        ctx.progress(f"elastictrain: {out['samples_per_sec']:.0f} samples/s")
+        return out
+
+    def plain(_r: int) -> dict[str, Any]:
+        out = run_plain_horovod(ctx.scratch("plain"), world_size=WORLD_SIZE, max_steps=steps)
+        ctx.progress(f"plain horovod: {out['samples_per_sec']:.0f} samples/s")
+        return out
+
+    runs = alternate([("elastictrain", elastictrain), ("plain_horovod", plain)], pairs, ctx.progress)
+    et = summary([r["samples_per_sec"] for r in runs["elastictrain"]], "samples/s")
+    base = summary([r["samples_per_sec"] for r in runs["plain_horovod"]], "samples/s")
+    ratio = et["median"] / base["median"]
+    ratios = [a["samples_per_sec"] / b["samples_per_sec"] for a, b in zip(*runs.values(), strict=True)]
+    return Result(
+        NAME,
+        metrics=[
+            Metric("samples/s ratio elastictrain ÷ plain Horovod", ratio, "", GOAL, note=f"{WORLD_SIZE} workers"),
+        ],
+        contenders={"elastictrain": et, "plain_horovod": base},
+        detail={
+            "steps_per_run": steps,
+            "warmup_steps": WARMUP_STEPS,
+            "pair_ratios": ratios,
+            "step_seconds_median": {k: [r["step_seconds_median"] for r in v] for k, v in runs.items()},
+            "interval_median_samples_per_sec": {
+                k: [r["interval_median_samples_per_sec"] for r in v] for k, v in runs.items()
+            },
+        },
+    )

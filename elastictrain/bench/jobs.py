@@ -1,0 +1,240 @@
+"""Run a real ``horovodrun`` job on logical local hosts, and act on it (kill a worker, change the hosts).
+
+horovodrun runs ``localhost``, ``127.0.0.1``, this machine's hostname and its primary address locally,
+but treats them as distinct hosts, so killing the workers of one host does not blacklist the rest.
+Membership is controlled through a hosts file that a tiny discovery script prints. The integration
+tests use the same harness (``tests/harness/elastic_job.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import psutil
+import yaml
+
+from elastictrain.bench.procs import BIN_DIR, BenchError, kill_tree, wait_until
+
+
+def logical_hosts() -> list[str]:
+    """Names this machine answers to that horovodrun treats as separate local hosts (2 to 4 of them)."""
+    names = ["localhost", "127.0.0.1"]
+    hostname = socket.gethostname()
+    for candidate in (hostname, _primary_address()):
+        if candidate and candidate not in names and _is_local(candidate):
+            names.append(candidate)
+    return names
+
+
+def _primary_address() -> str | None:
+    try:
+        out = subprocess.run(["hostname", "-I"], capture_output=True, text=True, timeout=5).stdout.split()
+        return next((a for a in out if "." in a), None)
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _is_local(name: str) -> bool:
+    from horovod.runner.util.network import get_local_host_addresses
+
+    try:
+        addr = socket.gethostbyname(name)
+    except OSError:
+        return False
+    return addr in get_local_host_addresses() or addr.startswith("127.")
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every complete JSON line of ``path`` (a torn or missing file gives what can be read)."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            out.append(json.loads(line))
+    return out
+
+
+def train_command(cfg_path: Path) -> list[str]:
+    """The worker command a user runs under horovodrun: ``elastictrain train --config X``."""
+    return [sys.executable, "-m", "elastictrain.cli", "train", "--config", str(cfg_path)]
+
+
+@dataclass
+class ElasticJob:
+    """One elastic horovodrun job over a hosts file; every process it started is killed by pid in :meth:`close`.
+
+    ``command`` builds the worker command from the config path (default: ``elastictrain train``);
+    the benchmark's stock-Horovod baseline passes its own worker.
+    """
+
+    workdir: Path
+    config: dict[str, Any]
+    hosts: list[str]
+    min_np: int = 2
+    max_np: int = 3
+    gloo_timeout: int = 10
+    cooldown: tuple[int, int] = (1, 2)
+    """horovodrun ``--blacklist-cooldown-range``."""
+    threads: int = 1
+    """OMP_NUM_THREADS of every worker."""
+    command: Callable[[Path], list[str]] = train_command
+    proc: subprocess.Popen | None = None
+    started: float = 0.0
+    extra_env: dict[str, str] = field(default_factory=dict)
+    log: IO[str] | None = None
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.config["run_dir"])
+
+    @property
+    def events_path(self) -> Path:
+        return self.run_dir / "events.jsonl"
+
+    def set_hosts(self, hosts: list[str]) -> None:
+        """Replace the hosts that discovery lists (atomically); horovodrun notices within about a second."""
+        tmp = self.workdir / "hosts.txt.tmp"
+        tmp.write_text("".join(f"{h}:1\n" for h in hosts))
+        os.replace(tmp, self.workdir / "hosts.txt")
+        self.hosts = list(hosts)
+
+    def start(self) -> ElasticJob:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        cfg_path = self.workdir / "job.yaml"
+        cfg_path.write_text(yaml.safe_dump(self.config))
+        self.set_hosts(self.hosts)
+        script = self.workdir / "discover.sh"
+        script.write_text(f"#!/bin/sh\ncat {self.workdir / 'hosts.txt'}\n")
+        script.chmod(0o755)
+        env = {
+            **os.environ,
+            "PATH": f"{BIN_DIR}:{os.environ.get('PATH', '')}",
+            "OMP_NUM_THREADS": str(self.threads),
+            "ELASTICTRAIN_LOG_FORMAT": "json",
+            "PYTHONUNBUFFERED": "1",
+            **self.extra_env,
+        }
+        cmd = [
+            str(BIN_DIR / "horovodrun"),
+            "-np", str(min(len(self.hosts), self.max_np)),
+            "--min-np", str(self.min_np),
+            "--max-np", str(self.max_np),
+            "--host-discovery-script", str(script),
+            "--network-interfaces", "lo",
+            "--gloo",
+            "--gloo-timeout-seconds", str(self.gloo_timeout),
+            "--blacklist-cooldown-range", str(self.cooldown[0]), str(self.cooldown[1]),
+            *self.command(cfg_path),
+        ]  # fmt: skip
+        self.log = open(self.workdir / "horovodrun.log", "w")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=self.workdir, start_new_session=True
+        )
+        self.started = time.time()
+        return self
+
+    def _running(self) -> subprocess.Popen:
+        if self.proc is None:
+            raise BenchError("the job was not started")
+        return self.proc
+
+    def events(self, name: str | None = None) -> list[dict[str, Any]]:
+        evs = read_jsonl(self.events_path)
+        return [e for e in evs if name is None or e["event"] == name]
+
+    def step(self) -> int:
+        return max((e["step"] for e in self.events()), default=0)
+
+    def wait_step(self, step: int, timeout: float = 120) -> None:
+        proc = self._running()
+        wait_until(
+            lambda: self.step() >= step or proc.poll() is not None,
+            timeout,
+            what=f"step {step} in {self.events_path}",
+        )
+        if proc.poll() is not None:
+            raise BenchError(f"job ended early (exit {proc.returncode}):\n{self.tail()}")
+
+    def wait_event(self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 120, what: str = "") -> dict:
+        proc = self._running()
+
+        def find() -> dict | None:
+            return next((e for e in self.events() if predicate(e)), None)
+
+        found = wait_until(lambda: find() or proc.poll() is not None, timeout, what=what or "an event")
+        if not isinstance(found, dict):
+            raise BenchError(f"job ended before {what or 'the event'} (exit {proc.returncode}):\n{self.tail()}")
+        return found
+
+    def workers(self) -> list[psutil.Process]:
+        """Worker processes of this job: descendants of horovodrun that Horovod gave a rank."""
+        proc = self._running()
+        found: dict[int, psutil.Process] = {}
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for p in psutil.Process(proc.pid).children(recursive=True):
+                try:
+                    cmd = p.cmdline()
+                    if "HOROVOD_RANK" in p.environ() and len(cmd) > 2 and cmd[1] == "-m":
+                        found[p.pid] = p
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    continue
+        # A forked helper (checkpoint writer) inherits the command line and environment: keep the parents.
+        out = []
+        for p in found.values():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if p.ppid() not in found:
+                    out.append(p)
+        return out
+
+    def worker(self, *, rank: int | None = None, host: str | None = None) -> psutil.Process:
+        for p in self.workers():
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                env = p.environ()
+                if (rank is None or env.get("HOROVOD_RANK") == str(rank)) and (
+                    host is None or env.get("HOROVOD_HOSTNAME") == host
+                ):
+                    return p
+        raise BenchError(f"no worker with rank={rank} host={host}")
+
+    def kill_worker(self, *, rank: int, sig: int = signal.SIGKILL) -> tuple[str, float]:
+        """Send ``sig`` to the worker of ``rank``; returns its host and the unix time of the kill."""
+        p = self.worker(rank=rank)
+        host = p.environ()["HOROVOD_HOSTNAME"]
+        t = time.time()
+        p.send_signal(sig)
+        return host, t
+
+    def wait(self, timeout: float = 240) -> int:
+        proc = self._running()
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise BenchError(f"job did not finish in {timeout}s:\n{self.tail()}") from None
+
+    def tail(self, n: int = 60) -> str:
+        path = self.workdir / "horovodrun.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else ""
+
+    def close(self) -> None:
+        """Kill horovodrun and every process under it (by pid), and close the log."""
+        if self.proc is not None:
+            kill_tree(self.proc.pid)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=10)
+        if self.log is not None:
+            self.log.close()
+            self.log = None

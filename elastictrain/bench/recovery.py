@@ -1,0 +1,159 @@
+"""``recovery``: from a fault to the first completed step at the new size, elastictrain vs stock Horovod elastic.
+
+Each trial is one job on 3 logical hosts (min 1, max 3 workers), run twice side by side: the
+``elastictrain train`` worker, and the stock Horovod elastic loop (``hvd.elastic.TorchState`` +
+``ElasticSampler``, same model and config, :mod:`elastictrain.bench.baseline_worker`). Both use
+horovodrun's Gloo timeout of 30 s (its default) and ``elastictrain launch``'s blacklist cooldown.
+
+1. SIGKILL: after step 15 and a seeded delay, the rank-2 worker is SIGKILLed and its host leaves the
+   discovery list (the machine is gone). Timed from the kill to the ``reset`` event that rank 0 writes
+   at the first completed step at 2 workers.
+2. Drain: 10 steps later the rank-1 worker's host leaves the discovery list (a graceful removal, as an
+   agent does on a spot notice). Timed from the list change to the first completed step at 1 worker.
+
+Reported: median / p95 seconds and steps rolled back per failure. Goals: SIGKILL median <= 5 s;
+drain median <= 2 s with 0 steps lost.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from elastictrain.bench.core import BenchContext, Goal, Metric, Result, alternate, summary, threads_per_worker
+from elastictrain.bench.jobs import ElasticJob, logical_hosts, train_command
+
+NAME = "recovery"
+GOAL_KILL = Goal("<=", 5.0)
+GOAL_DRAIN = Goal("<=", 2.0)
+GOAL_DRAIN_LOST = Goal("<=", 0.0)
+GLOO_TIMEOUT_SECONDS = 30  # horovodrun's default
+COOLDOWN = (5, 60)  # elastictrain launch's default --blacklist-cooldown-range
+KILL_AFTER_STEP = 15
+
+
+def job_config(run_dir: Path) -> dict[str, Any]:
+    """The default small-CNN job, one long epoch (no epoch end inside a trial)."""
+    return {
+        "job": "bench-recovery",
+        "run_dir": str(run_dir),
+        "device": "cpu",
+        "data": {"kind": "synthetic", "num_samples": 200_000},
+        "elastic": {"min_np": 1, "max_np": 3},
+    }
+
+
+def stock_command(cfg_path: Path) -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "elastictrain.bench.baseline_worker", "stock-elastic", "--config", str(cfg_path)]
+
+
+def _reset_after(job: ElasticJob, ts: float, new_size: int, timeout: float) -> dict[str, Any]:
+    return job.wait_event(
+        lambda e: e["event"] == "reset" and e["ts"] >= ts and e.get("new_size") == new_size,
+        timeout,
+        what=f"the first step at {new_size} workers",
+    )
+
+
+def trial(
+    workdir: Path,
+    command: Callable[[Path], list[str]],
+    hosts: list[str],
+    rng: random.Random,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """One job: SIGKILL 3 -> 2, then drain 2 -> 1. Returns seconds and lost steps of each."""
+    job = ElasticJob(
+        workdir,
+        job_config(workdir / "run"),
+        hosts[:3],
+        min_np=1,
+        max_np=3,
+        gloo_timeout=GLOO_TIMEOUT_SECONDS,
+        cooldown=COOLDOWN,
+        threads=threads_per_worker(3),
+        command=command,
+    )
+    try:
+        job.start()
+        job.wait_step(KILL_AFTER_STEP, timeout=240)
+        time.sleep(rng.uniform(0.0, 1.0))  # land anywhere between two commits
+        host, t_kill = job.kill_worker(rank=2, sig=signal.SIGKILL)
+        job.set_hosts([h for h in job.hosts if h != host])
+        reset = _reset_after(job, t_kill, 2, timeout=4 * GLOO_TIMEOUT_SECONDS)
+        kill = {"seconds": reset["ts"] - t_kill, "lost_steps": reset.get("lost_steps"), "step": reset["step"]}
+        log(f"SIGKILL: {kill['seconds']:.2f} s to the first step at 2 workers, {kill['lost_steps']} steps rolled back")
+        job.wait_step(reset["step"] + 10, timeout=120)
+        drained = job.worker(rank=1).environ()["HOROVOD_HOSTNAME"]
+        t_drain = time.time()
+        job.set_hosts([h for h in job.hosts if h != drained])
+        reset = _reset_after(job, t_drain, 1, timeout=4 * GLOO_TIMEOUT_SECONDS)
+        drain = {"seconds": reset["ts"] - t_drain, "lost_steps": reset.get("lost_steps"), "step": reset["step"]}
+        log(f"drain: {drain['seconds']:.2f} s to the first step at 1 worker, {drain['lost_steps']} steps rolled back")
+        return {"sigkill": kill, "drain": drain}
+    finally:
+        job.close()
+
+
+def run(ctx: BenchContext) -> Result:
+    hosts = logical_hosts()
+    if len(hosts) < 3:
+        raise RuntimeError(f"needs 3 logical hosts, this machine has {hosts}")
+    trials = 1 if ctx.quick else 3
+    rng = random.Random(9)
+    delays = [random.Random(rng.random()) for _ in range(trials)]  # the same delay for both contenders
+
+    def contender(command: Callable[[Path], list[str]], name: str) -> Callable[[int], dict[str, Any]]:
+        return lambda r: trial(
+            ctx.scratch(name), command, hosts, random.Random(delays[r].random()), lambda m: ctx.progress(f"{name}: {m}")
+        )
+
+    runs = alternate(
+        [
+            ("elastictrain", contender(train_command, "elastictrain")),
+            ("stock_horovod", contender(stock_command, "stock")),
+        ],
+        trials,
+        ctx.progress,
+    )
+    stats: dict[str, dict[str, Any]] = {}
+    for name, rs in runs.items():
+        for kind in ("sigkill", "drain"):
+            stats[f"{name} {kind}"] = summary([r[kind]["seconds"] for r in rs], "s")
+            stats[f"{name} {kind}"]["lost_steps"] = [r[kind]["lost_steps"] for r in rs]
+    et_kill, et_drain = stats["elastictrain sigkill"], stats["elastictrain drain"]
+    drain_lost = max(x or 0 for x in et_drain["lost_steps"])
+    return Result(
+        NAME,
+        metrics=[
+            Metric(
+                "SIGKILL → first step at new size, median",
+                et_kill["median"],
+                "s",
+                GOAL_KILL,
+                note=f"p95 {et_kill['p95']:.2f} s; stock {stats['stock_horovod sigkill']['median']:.1f} s",
+            ),
+            Metric(
+                "drain → first step at new size, median",
+                et_drain["median"],
+                "s",
+                GOAL_DRAIN,
+                note=f"p95 {et_drain['p95']:.2f} s; stock {stats['stock_horovod drain']['median']:.1f} s",
+            ),
+            Metric("steps rolled back per drain (max)", float(drain_lost), "steps", GOAL_DRAIN_LOST),
+            Metric(
+                "steps rolled back per SIGKILL, median",
+                float(sorted(x or 0 for x in et_kill["lost_steps"])[len(et_kill["lost_steps"]) // 2]),
+                "steps",
+                note="commit every 10 steps",
+            ),
+        ],
+        contenders={k: v for k, v in stats.items()},
+        detail={"trials": trials, "gloo_timeout_seconds": GLOO_TIMEOUT_SECONDS, "runs": runs},
+    )

@@ -1,0 +1,133 @@
+"""Short training runs under real horovodrun, shared by ``elastic_overhead``, ``commit`` and ``scaling``.
+
+:func:`run_elastictrain` runs ``elastictrain train`` as a user does (elastic: a host discovery script,
+commits every ``elastic.commit_every_steps``, async checkpoints, events, MLflow in ``run_dir``);
+:func:`run_plain_horovod` runs the plain non-elastic loop of :mod:`elastictrain.bench.baseline_worker`
+with ``horovodrun -np N -H ...`` on the same config. Both report steady-state samples/s from the
+``metrics`` events after a warm-up.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from elastictrain.bench.core import threads_per_worker
+from elastictrain.bench.jobs import ElasticJob, logical_hosts, read_jsonl
+from elastictrain.bench.procs import BIN_DIR, BenchError, kill_tree
+
+WARMUP_STEPS = 20
+"""Steps excluded from throughput: process start, first allocations, MLflow run creation."""
+
+
+def throughput_config(run_dir: Path, *, max_steps: int, world_size: int) -> dict[str, Any]:
+    """The default job (small CNN, 32x32 synthetic images, 32 per worker, commit every 10, checkpoints every
+    100 steps, MLflow on) with only the length set: one epoch long enough for ``max_steps``."""
+    batch = 32
+    return {
+        "job": "bench",
+        "run_dir": str(run_dir),
+        "device": "cpu",
+        "data": {"kind": "synthetic", "num_samples": batch * world_size * (max_steps + 10)},
+        "training": {"max_steps": max_steps},
+    }
+
+
+def steady_throughput(events: list[dict[str, Any]], *, batch: int, warmup_steps: int = WARMUP_STEPS) -> dict[str, Any]:
+    """Samples/s from the ``metrics`` events after ``warmup_steps``: samples between the first and the last
+    such event over the time between them (commits and checkpoints inside the window count), plus the
+    median of the per-interval ``samples_per_sec``."""
+    metrics = [e for e in events if e.get("event") == "metrics" and e["step"] > warmup_steps]
+    if len(metrics) < 2:
+        raise BenchError(f"fewer than 2 metrics events after step {warmup_steps}: the run was too short")
+    first, last = metrics[0], metrics[-1]
+    ws = last["world_size"]
+    samples = (last["step"] - first["step"]) * batch * ws
+    seconds = last["ts"] - first["ts"]
+    return {
+        "samples_per_sec": samples / seconds,
+        "interval_median_samples_per_sec": statistics.median(e["samples_per_sec"] for e in metrics[1:]),
+        "step_seconds_median": statistics.median(e["step_seconds"] for e in metrics[1:]),
+        "steps_measured": last["step"] - first["step"],
+        "seconds_measured": seconds,
+        "world_size": ws,
+    }
+
+
+def run_elastictrain(workdir: Path, *, world_size: int, max_steps: int, timeout: float = 300) -> dict[str, Any]:
+    """One ``elastictrain train`` job on ``world_size`` logical hosts; returns throughput and commit events."""
+    hosts = logical_hosts()[:world_size]
+    if len(hosts) < world_size:
+        raise BenchError(f"this machine has {len(hosts)} logical hosts, {world_size} needed")
+    cfg = throughput_config(workdir / "run", max_steps=max_steps, world_size=world_size)
+    job = ElasticJob(
+        workdir,
+        cfg,
+        hosts,
+        min_np=world_size,
+        max_np=world_size,
+        gloo_timeout=30,
+        cooldown=(5, 60),
+        threads=threads_per_worker(world_size),
+    )
+    t0 = time.monotonic()
+    try:
+        job.start()
+        rc = job.wait(timeout)
+        if rc != 0:
+            raise BenchError(f"elastictrain train exited {rc}:\n{job.tail(20)}")
+        events = job.events()
+    finally:
+        job.close()
+    out = steady_throughput(events, batch=32)
+    out["commit_seconds"] = [e["commit_seconds"] for e in events if e["event"] == "commit" and e["step"] > 0]
+    out["checkpoint_stall_seconds"] = [e["stall_seconds"] for e in events if e["event"] == "checkpoint"]
+    out["wall_seconds"] = time.monotonic() - t0
+    return out
+
+
+def run_plain_horovod(workdir: Path, *, world_size: int, max_steps: int, timeout: float = 300) -> dict[str, Any]:
+    """The plain non-elastic Horovod loop with ``horovodrun -np world_size`` on the same config."""
+    hosts = logical_hosts()[:world_size]
+    workdir.mkdir(parents=True, exist_ok=True)
+    cfg_path = workdir / "job.yaml"
+    cfg = throughput_config(workdir / "run", max_steps=max_steps, world_size=world_size)
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    env = {
+        **os.environ,
+        "PATH": f"{BIN_DIR}:{os.environ.get('PATH', '')}",
+        "OMP_NUM_THREADS": str(threads_per_worker(world_size)),
+        "PYTHONUNBUFFERED": "1",
+    }
+    cmd = [
+        str(BIN_DIR / "horovodrun"),
+        "-np", str(world_size),
+        "-H", ",".join(f"{h}:1" for h in hosts),
+        "--network-interfaces", "lo",
+        "--gloo",
+        "--gloo-timeout-seconds", "30",
+        sys.executable, "-m", "elastictrain.bench.baseline_worker", "plain", "--config", str(cfg_path),
+    ]  # fmt: skip
+    t0 = time.monotonic()
+    with open(workdir / "horovodrun.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            kill_tree(proc.pid)
+            proc.wait(timeout=10)
+    if rc != 0:
+        tail = "\n".join((workdir / "horovodrun.log").read_text(errors="replace").splitlines()[-20:])
+        raise BenchError(f"plain Horovod loop {'timed out' if rc is None else f'exited {rc}'}:\n{tail}")
+    out = steady_throughput(read_jsonl(workdir / "run" / "events.jsonl"), batch=32)
+    out["wall_seconds"] = time.monotonic() - t0
+    return out

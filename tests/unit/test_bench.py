@@ -1,0 +1,242 @@
+"""The bench harness with fakes: alternation, goals and ratios, statistics, the JSON schema, the machine
+description, result files, and the bookkeeping of steady throughput, commit share and goodput. Nothing
+here times anything or starts a process."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from elastictrain import bench
+from elastictrain.bench import commit, goodput, runs
+from elastictrain.bench.core import (
+    SCHEMA,
+    BenchContext,
+    Goal,
+    Metric,
+    Progress,
+    Result,
+    alternate,
+    build_report,
+    cpu_model,
+    describe_machine,
+    markdown_table,
+    percentile,
+    result_stem,
+    summary,
+    threads_per_worker,
+    write_results,
+)
+from elastictrain.bench.procs import BenchError
+
+
+def test_contenders_run_interleaved_a_b_a_b_and_each_gets_its_repeat_index() -> None:
+    calls: list[tuple[str, int]] = []
+    lines: list[str] = []
+    out = alternate(
+        [("a", lambda r: calls.append(("a", r)) or 10 + r), ("b", lambda r: calls.append(("b", r)) or 20 + r)],
+        3,
+        lines.append,
+    )
+    assert calls == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 2), ("b", 2)]
+    assert out == {"a": [10, 11, 12], "b": [20, 21, 22]}
+    assert lines == ["a 1/3", "b 1/3", "a 2/3", "b 2/3", "a 3/3", "b 3/3"]
+
+
+def test_alternation_rejects_no_repeats_and_duplicate_names() -> None:
+    with pytest.raises(ValueError, match="repeats"):
+        alternate([("a", lambda r: r)], 0)
+    with pytest.raises(ValueError, match="distinct"):
+        alternate([("a", lambda r: r), ("a", lambda r: r)], 1)
+
+
+def test_goals_compare_in_their_direction_and_report_the_ratio_to_the_target() -> None:
+    at_least = Goal(">=", 0.97)
+    assert at_least.met(0.98) is True and at_least.met(0.96) is False and at_least.met(0.97) is True
+    assert at_least.ratio(0.485) == pytest.approx(0.5)
+    at_most = Goal("<=", 5.0)
+    assert at_most.met(0.9) is True and at_most.met(30.0) is False
+    assert at_most.ratio(30.0) == pytest.approx(6.0)
+    assert at_most.met(None) is None and at_most.met(math.nan) is None and at_most.ratio(None) is None
+    assert str(at_least) == ">= 0.97"
+
+
+def test_metric_dict_carries_goal_verdict_and_ratio_and_report_only_metrics_have_none() -> None:
+    d = Metric("ratio", 0.5, "", Goal(">=", 1.0)).to_dict()
+    assert d["met"] is False and d["ratio_to_goal"] == 0.5 and d["goal"] == ">= 1"
+    r = Metric("samples/s", 812.3, "samples/s").to_dict()
+    assert r["goal"] is None and r["met"] is None and r["ratio_to_goal"] is None
+
+
+def test_summary_gives_median_and_nearest_rank_p95() -> None:
+    s = summary([5.0, 1.0, 3.0, 2.0, 4.0], "s")
+    assert s["median"] == 3.0 and s["p95"] == 5.0 and s["min"] == 1.0 and s["max"] == 5.0 and s["n"] == 5
+    assert s["values"] == [5.0, 1.0, 3.0, 2.0, 4.0]  # measurement order kept
+    assert percentile(list(range(1, 101)), 95) == 95
+    assert summary([])["median"] is None
+    with pytest.raises(ValueError):
+        percentile([], 50)
+
+
+def fake_machine() -> dict:
+    return describe_machine(
+        cpuinfo=lambda: "processor\t: 0\nmodel name\t: Fake CPU @ 2.0GHz\n",
+        memory_bytes=lambda: 8 * 2**30,
+        versions=lambda: {"torch": "2.14.1", "horovod": "0.28.1", "mlflow": "3.1"},
+        gpus=lambda: [],
+    )
+
+
+def test_machine_description_names_cores_memory_cpu_versions_and_gpus() -> None:
+    m = fake_machine()
+    assert m["cpu_model"] == "Fake CPU @ 2.0GHz"
+    assert m["memory_gib"] == 8.0
+    assert m["torch"] == "2.14.1" and m["horovod"] == "0.28.1" and m["gpus"] == []
+    assert m["cpu_count"] >= 1 and m["usable_cores"] >= 1 and m["python"] and m["hostname"]
+    assert cpu_model("vendor_id: x\n") is None
+
+
+def test_threads_per_worker_shares_the_cores_like_launch() -> None:
+    assert threads_per_worker(2, cores=2) == 1
+    assert threads_per_worker(1, cores=2) == 2
+    assert threads_per_worker(3, cores=2) == 1
+
+
+def sample_report(tmp_path: Path) -> dict:
+    ok = Result(
+        "elastic_overhead",
+        metrics=[Metric("samples/s ratio", 0.95, "", Goal(">=", 0.97))],
+        contenders={"elastictrain": summary([950.0], "samples/s"), "plain_horovod": summary([1000.0], "samples/s")},
+        detail={"nan": math.nan, "pair": (1, 2)},
+        seconds=12.5,
+    )
+    failed = Result("discovery", status="error", error="EtcdError: etcd not healthy within 20s")
+    return build_report(
+        [ok, failed],
+        machine=fake_machine(),
+        quick=True,
+        argv=["elastictrain", "bench", "--quick"],
+        started=1_700_000_000.0,
+        finished=1_700_000_100.0,
+        load_before=[1.5, 1.0, 0.5],
+        load_after=[2.0, 1.2, 0.6],
+    )
+
+
+def test_report_json_schema_is_strict_json_with_machine_load_and_every_measurement(tmp_path: Path) -> None:
+    report = sample_report(tmp_path)
+    text = json.dumps(report, allow_nan=False)  # NaN was cleaned to null
+    back = json.loads(text)
+    assert back["schema"] == SCHEMA and back["mode"] == "quick" and back["wall_seconds"] == 100.0
+    assert back["load_average"] == {"before": [1.5, 1.0, 0.5], "after": [2.0, 1.2, 0.6]}
+    assert set(back["machine"]) >= {"cpu_model", "usable_cores", "memory_gib", "torch", "horovod", "python", "gpus"}
+    m = back["measurements"]["elastic_overhead"]
+    assert set(m) == {"name", "status", "error", "seconds", "metrics", "contenders", "detail"}
+    assert m["metrics"][0]["met"] is False and m["detail"] == {"nan": None, "pair": [1, 2]}
+    assert m["contenders"]["plain_horovod"]["median"] == 1000.0
+    assert back["measurements"]["discovery"]["status"] == "error"
+
+
+def test_markdown_table_shows_every_metric_its_goal_verdict_and_errors(tmp_path: Path) -> None:
+    md = markdown_table(sample_report(tmp_path))
+    assert "| measurement | metric | value | goal | met | contenders (median) |" in md
+    assert "| `elastic_overhead` | samples/s ratio | 0.95 | >= 0.97 | ❌ | elastictrain: 950 samples/s" in md
+    assert "| `discovery` | error | EtcdError: etcd not healthy within 20s |" in md
+    assert "Fake CPU" in md and "torch 2.14.1" in md
+
+
+def test_results_are_written_as_date_host_json_and_md(tmp_path: Path) -> None:
+    report = sample_report(tmp_path)
+    stem = result_stem(1_700_000_000.0, "my host/1", quick=False)
+    assert stem.endswith("-my_host_1") and stem[:4].isdigit()
+    assert result_stem(1_700_000_000.0, "h", quick=True).endswith("-h-quick")
+    j, md = write_results(report, tmp_path / "out", stem)
+    assert j.name == f"{stem}.json" and md.name == f"{stem}.md"
+    assert json.loads(j.read_text())["schema"] == SCHEMA and md.read_text().startswith("`elastictrain bench --quick`")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted([j.name, md.name])  # no temp files
+
+
+def test_only_selects_known_measurements_in_run_order_and_names_a_bad_one() -> None:
+    assert bench.parse_only(None) == list(bench.MEASUREMENTS)
+    assert bench.parse_only("goodput,discovery") == ["discovery", "goodput"]
+    with pytest.raises(ValueError, match=r"unknown measurement bogus \(choose from discovery, "):
+        bench.parse_only("discovery,bogus")
+
+
+def test_bad_only_flag_exits_2_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main(["--only", "nope"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown measurement nope" in err[0]
+
+
+def test_a_failing_measurement_becomes_an_error_result_and_the_run_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def boom(ctx: BenchContext) -> Result:
+        raise BenchError("job ended early (exit 1):\nlong log")
+
+    monkeypatch.setattr(goodput, "run", boom)
+    ctx = BenchContext(quick=True, workdir=tmp_path, progress=lambda _m: None)
+    r = bench.run_measurement("goodput", ctx)
+    assert r.status == "error" and r.error == "BenchError: job ended early (exit 1):"
+    assert "Traceback" in r.detail["traceback"]
+
+
+def test_progress_lines_go_to_the_stream_with_elapsed_time_and_scope() -> None:
+    stream, now = io.StringIO(), iter([100.0, 112.34])
+    p = Progress(stream, clock=lambda: next(now))
+    p.scope = "recovery"
+    p("stock 1/3")
+    assert stream.getvalue() == "[bench +  12.3s] recovery: stock 1/3\n"
+
+
+def metrics_event(step: int, ts: float, sps: float, world_size: int = 2, step_seconds: float = 0.1) -> dict:
+    return {
+        "event": "metrics",
+        "step": step,
+        "ts": ts,
+        "samples_per_sec": sps,
+        "world_size": world_size,
+        "step_seconds": step_seconds,
+        "steps": 10,
+    }
+
+
+def test_steady_throughput_skips_warm_up_and_counts_the_whole_window() -> None:
+    events = [metrics_event(10, 100.0, 50.0), metrics_event(20, 110.0, 64.0)]
+    events += [metrics_event(30, 111.0, 640.0), metrics_event(40, 112.0, 640.0), metrics_event(50, 114.0, 320.0)]
+    out = runs.steady_throughput(events, batch=32, warmup_steps=20)
+    # steps 30 -> 50: 20 steps x 32 x 2 workers over 3 s (the slow interval with a checkpoint counts)
+    assert out["samples_per_sec"] == pytest.approx(20 * 64 / 3.0)
+    assert out["interval_median_samples_per_sec"] == 480.0 and out["steps_measured"] == 20
+    with pytest.raises(BenchError, match="too short"):
+        runs.steady_throughput(events[:3], batch=32, warmup_steps=20)
+
+
+def test_commit_share_spreads_the_median_commit_over_the_default_interval() -> None:
+    share = commit.commit_share(
+        [
+            {"commit_seconds": [0.001, 0.002, 0.003], "step_seconds_median": 0.1},
+            {"commit_seconds": [0.002], "step_seconds_median": 0.3},
+        ]
+    )
+    assert share["commit_seconds_median"] == 0.002 and share["step_seconds_median"] == 0.2
+    assert share["percent_of_step_time"] == pytest.approx(100 * 0.002 / (10 * 0.2))
+    assert share["percent_of_one_step"] == pytest.approx(1.0)
+
+
+def test_own_goodput_subtracts_kill_downtime_scale_up_pauses_and_rolled_back_steps() -> None:
+    events = [
+        metrics_event(10, 5.0, 100.0, step_seconds=0.5),
+        {"event": "reset", "ts": 31.0, "lost_steps": 4, "recovery_seconds": 0.8, "step": 20},  # after the kill at 30
+        {"event": "reset", "ts": 50.0, "lost_steps": 0, "recovery_seconds": 6.0, "step": 40},  # a scale-up
+        metrics_event(50, 60.0, 100.0, step_seconds=0.5),
+    ]
+    own = goodput.own_goodput(events, kills=[30.0, 90.0], t0=0.0, t_end=100.0)
+    # downtime: 1 s (kill -> reset) + 6 s (scale-up) + 10 s (the kill at 90 never recovered); lost 4 x 0.5 s
+    assert own["downtime_seconds"] == pytest.approx(17.0) and own["lost_steps"] == 4
+    assert own["goodput"] == pytest.approx((100 - 17 - 2) / 100)
