@@ -44,5 +44,13 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(PY) -m elastictrain.cli bench --quick
 
+# Chaos: every scenario (the long ones too), then the soak (a SIGKILL every 60 s for 20 min plus one of each
+# other fault) with its invariant table, report.png and report.json in the run dir. Short scenarios also run
+# in `make test`. A shortened soak: make chaos CHAOS_ARGS=--quick
+CHAOS_ARGS ?=
+chaos: $(STAMP)
+	ELASTICTRAIN_CHAOS_LONG=1 $(PYTEST) -q -ra tests/chaos
+	$(PY) -m chaos run soak --run-dir runs/chaos/soak-$$(date +%Y%m%d-%H%M%S) $(CHAOS_ARGS)
+
 clean:
 	rm -rf .pytest_cache .mypy_cache .ruff_cache runs

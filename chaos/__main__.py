@@ -1,0 +1,177 @@
+"""``python -m chaos <action>``: fault primitives against one job, and ``run`` for scenarios.
+
+Every action acts only on processes of the named job (by pid and environment) and appends a
+timestamped JSON line to the chaos events file (``--events FILE``; default ``run_dir/chaos.jsonl``
+with ``--run-dir``). The job is ``--job NAME`` or the one whose launcher wrote ``run_dir/launch.json``.
+
+    python -m chaos kill-worker --run-dir D (--rank R | --random) [--signal KILL|TERM]
+    python -m chaos kill-host HOST --run-dir D        # agent + every worker on HOST, SIGKILL
+    python -m chaos kill-agent HOST --run-dir D       # the agent only: the host leaves at lease expiry
+    python -m chaos preempt-host HOST --run-dir D     # SIGTERM to its agent: drain
+    python -m chaos freeze-worker --rank R --seconds S --run-dir D
+    python -m chaos etcd-outage --seconds S --run-dir D [--etcd-pid PID]
+    python -m chaos kill-during-checkpoint --run-dir D
+    python -m chaos kill-during-commit --run-dir D
+    python -m chaos kill-job --run-dir D
+    python -m chaos partition-host HOST --seconds S --veth VETH --job J    # multi-node tier (chaos/netns.py)
+    python -m chaos loop --mtbf S --seed N --actions a,b,c [--duration S] --run-dir D
+    python -m chaos run SCENARIO [--run-dir D] [--quick]   # see `python -m chaos run --list`
+
+Exit codes: 0 done (``run``: every invariant holds), 1 an invariant broke or the fault found nothing to
+hit, 2 bad flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from chaos import faults
+from chaos.procs import JobNotFound, JobRef
+
+PROG = "python -m chaos"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description="Fault injection for elastictrain jobs, and chaos scenarios.")
+    sub = p.add_subparsers(dest="action", required=True, parser_class=_Parser)
+
+    def action(name: str, help_: str) -> argparse.ArgumentParser:
+        a = sub.add_parser(name, help=help_)
+        a.add_argument("--job", help="job name (default: from run_dir/launch.json)")
+        a.add_argument("--run-dir", help="the job's run dir (launch.json, checkpoints, ledger)")
+        a.add_argument("--events", help="chaos events file (default run_dir/chaos.jsonl)")
+        return a
+
+    a = action("kill-worker", "signal one worker")
+    g = a.add_mutually_exclusive_group(required=True)
+    g.add_argument("--rank", type=int, help="0 = the current rank 0; others: the rank the worker started with")
+    g.add_argument("--random", action="store_true")
+    a.add_argument("--signal", default="KILL", choices=["KILL", "TERM"])
+    a.add_argument("--seed", type=int, default=None, help="for --random")
+    for name, help_ in [
+        ("kill-host", "SIGKILL a host's agent and every worker on it"),
+        ("kill-agent", "SIGKILL a host's agent only"),
+        ("preempt-host", "SIGTERM a host's agent (drain)"),
+    ]:
+        action(name, help_).add_argument("host")
+    a = action("freeze-worker", "SIGSTOP a worker, SIGCONT after --seconds")
+    a.add_argument("--rank", type=int, required=True)
+    a.add_argument("--seconds", type=float, required=True)
+    a = action("etcd-outage", "suspend the job's etcd for --seconds")
+    a.add_argument("--seconds", type=float, required=True)
+    a.add_argument("--etcd-pid", type=int, default=None, help="etcd's pid (default: from run_dir/launch.json)")
+    a = action("kill-during-checkpoint", "SIGKILL rank 0 and its writer while a checkpoint is written")
+    a.add_argument("--timeout", type=float, default=120.0)
+    a = action("kill-during-commit", "SIGKILL a worker when rank 0 commits (needs the ledger)")
+    a.add_argument("--rank", type=int, default=0)
+    a.add_argument("--timeout", type=float, default=120.0)
+    action("kill-job", "SIGKILL the launcher and every process of the job")
+    a = action("partition-host", "multi-node tier: take HOST's veth down for --seconds")
+    a.add_argument("host")
+    a.add_argument("--seconds", type=float, required=True)
+    a.add_argument("--veth", required=True, help="the host's veth on the bridge (chaos/netns.py names them)")
+    a = action("loop", "a seeded random schedule of faults")
+    a.add_argument("--mtbf", type=float, required=True, help="mean seconds between faults")
+    a.add_argument("--seed", type=int, required=True)
+    a.add_argument("--actions", required=True, help=f"comma-separated, from {','.join(faults.LOOP_ACTIONS)}")
+    a.add_argument("--duration", type=float, default=600.0)
+    a.add_argument("--fixed", action="store_true", help="exactly every --mtbf seconds")
+
+    r = sub.add_parser("run", help="run a scenario and check the invariants")
+    r.add_argument("scenario", nargs="?")
+    r.add_argument("--run-dir", default=None)
+    r.add_argument("--quick", action="store_true", help="shortened soak")
+    r.add_argument("--list", action="store_true", help="list the scenarios")
+    r.add_argument("--report", action="store_true", help="also write the timeline PNG (elastictrain report)")
+    return p
+
+
+def _run(args: argparse.Namespace) -> int:
+    from chaos.scenarios import SCENARIOS, ScenarioError, run_scenario, write_report
+
+    if args.list or not args.scenario:
+        for s in SCENARIOS.values():
+            print(f"{s.name:<24} {'ci' if s.ci else 'long':<5} {s.description}")
+        return 0 if args.list else 2
+    if args.scenario not in SCENARIOS:
+        print(f"{PROG} run: error: unknown scenario {args.scenario!r} (choose from {', '.join(SCENARIOS)})")
+        return 2
+    try:
+        result = run_scenario(args.scenario, Path(args.run_dir) if args.run_dir else None, quick=args.quick)
+    except ScenarioError as e:
+        print(f"{PROG} run: error: {e}", file=sys.stderr)
+        return 2
+    if args.report or args.scenario == "soak":
+        write_report(result.run_dir)
+        print(f"report: {result.run_dir / 'report.png'}, {result.run_dir / 'report.json'}")
+    print(result.table)
+    return 0 if result.ok else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.action == "run":
+        return _run(args)
+    try:
+        job = JobRef.resolve(args.job, args.run_dir)
+    except JobNotFound as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    events = args.events or (job.run_dir / "chaos.jsonl" if job.run_dir else None)
+    log = faults.ChaosLog(events, echo=True)
+    try:
+        if args.action == "kill-worker":
+            rng = random.Random(args.seed)
+            faults.kill_worker(job, log, rank=None if args.random else args.rank, rng=rng, sig=args.signal)
+        elif args.action == "kill-host":
+            faults.kill_host(job, log, args.host)
+        elif args.action == "kill-agent":
+            faults.kill_agent(job, log, args.host)
+        elif args.action == "preempt-host":
+            faults.preempt_host(job, log, args.host)
+        elif args.action == "freeze-worker":
+            faults.freeze_worker(job, log, rank=args.rank, seconds=args.seconds)
+        elif args.action == "etcd-outage":
+            faults.etcd_outage(job, log, seconds=args.seconds, etcd_pid=args.etcd_pid)
+        elif args.action == "kill-during-checkpoint":
+            faults.kill_during_checkpoint(job, log, timeout=args.timeout)
+        elif args.action == "kill-during-commit":
+            faults.kill_during_commit(job, log, rank=args.rank, timeout=args.timeout)
+        elif args.action == "kill-job":
+            faults.kill_job(job, log)
+        elif args.action == "partition-host":
+            faults.partition_host(log, job, args.host, seconds=args.seconds, veth=args.veth)
+        elif args.action == "loop":
+            try:
+                plan = faults.LoopPlan(
+                    seed=args.seed,
+                    mtbf=args.mtbf,
+                    actions=tuple(a.strip() for a in args.actions.split(",") if a.strip()),
+                    duration=args.duration,
+                    fixed=args.fixed,
+                )
+            except ValueError as e:
+                print(f"{PROG} loop: error: {e}", file=sys.stderr)
+                return 2
+            faults.run_loop(plan, lambda a, rng: faults.default_action(job, log, a, rng), log, job=job)
+    except JobNotFound as e:
+        print(f"{PROG} {args.action}: {e}", file=sys.stderr)
+        return 1
+    except ValueError as e:
+        print(f"{PROG} {args.action}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,400 @@
+"""Fault primitives: each acts only on processes of one job and logs one JSON line per fault.
+
+Every function takes a :class:`~chaos.procs.JobRef` and a :class:`ChaosLog`, does one thing and
+returns the record it logged (``ts``, ``action``, ``job``, what was hit). Durational faults (freeze,
+etcd outage, partition) undo themselves in ``finally`` and log a second line with ``phase: "end"``.
+Waiting is polling against a deadline, never a sleep that stands in for an event.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import psutil
+
+from chaos.procs import JobNotFound, JobRef, Worker, alive, tree
+
+TEMP_MARKER = ".tmp-"
+"""Checkpoint temp files are ``.<name>.tmp-<writer pid>-<hex>`` (elastictrain/checkpoint/storage.py)."""
+
+
+class Chooser(Protocol):
+    """Picks a target (``random.Random`` does; scenarios pass one that avoids rank 0)."""
+
+    def choice(self, seq: Sequence[Any]) -> Any: ...
+
+
+class ChaosLog:
+    """Appends one JSON object per line (``ts`` first) to the chaos events file; thread-safe."""
+
+    def __init__(self, path: str | os.PathLike[str] | None, *, echo: bool = False) -> None:
+        self.path = Path(path) if path is not None else None
+        self.echo = echo
+        self._lock = threading.Lock()
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def log(self, action: str, **fields: Any) -> dict[str, Any]:
+        record = {"ts": round(time.time(), 6), "action": action, **fields}
+        line = json.dumps(record, separators=(",", ":"), default=str)
+        with self._lock:
+            if self.path is not None:
+                with self.path.open("a") as f:
+                    f.write(line + "\n")
+            if self.echo:
+                print(line, flush=True)
+        return record
+
+
+def read_chaos(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    out = []
+    with contextlib.suppress(OSError):
+        for line in Path(path).read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                obj = json.loads(line)
+                if isinstance(obj, dict):
+                    out.append(obj)
+    return out
+
+
+def _signal(procs: Sequence[psutil.Process], sig: int) -> list[int]:
+    hit = []
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(sig)
+            hit.append(p.pid)
+    return hit
+
+
+def _wait_gone(procs: Sequence[psutil.Process], timeout: float) -> None:
+    with contextlib.suppress(psutil.Error):
+        psutil.wait_procs(list(procs), timeout=timeout)
+
+
+def _signal_value(name: str) -> int:
+    try:
+        return int(signal.Signals[f"SIG{name.upper().removeprefix('SIG')}"])
+    except KeyError:
+        raise ValueError(f"unknown signal {name!r} (KILL or TERM)") from None
+
+
+# ---------------------------------------------------------------------------------------------- workers
+def kill_worker(
+    job: JobRef, log: ChaosLog, *, rank: int | None = None, rng: Chooser | None = None, sig: str = "KILL"
+) -> dict[str, Any]:
+    """Signal one worker: ``rank`` (0 = the current rank 0; others by the rank it started with) or a random one."""
+    workers = job.workers()
+    if not workers:
+        raise JobNotFound(f"job {job.job!r} has no live worker")
+    target = job.worker_by_rank(rank) if rank is not None else (rng or random.Random()).choice(workers)
+    signum = _signal_value(sig)
+    # SIGKILL takes the worker's helpers (fork server, checkpoint writer) with it, as a crash of the machine would.
+    procs = tree(target.proc) if signum == signal.SIGKILL else [target.proc]
+    record = log.log("kill-worker", job=job.job, signal=signal.Signals(signum).name, **target.describe())
+    _signal(procs, signum)
+    return record
+
+
+def kill_host(job: JobRef, log: ChaosLog, host: str) -> dict[str, Any]:
+    """A machine dies: SIGKILL its agent (its key expires with the lease) and every worker on it."""
+    workers = [w for w in job.workers() if w.host == host]
+    agent = None
+    with contextlib.suppress(JobNotFound):
+        agent = job.agent(host)
+    if agent is None and not workers:
+        raise JobNotFound(f"job {job.job!r} has neither an agent nor a worker on host {host!r}")
+    procs = [*([agent] if agent is not None else []), *(p for w in workers for p in tree(w.proc))]
+    record = log.log(
+        "kill-host",
+        job=job.job,
+        host=host,
+        agent_pid=agent.pid if agent is not None else None,
+        workers=[w.describe() for w in workers],
+    )
+    _signal(procs, signal.SIGKILL)
+    return record
+
+
+def kill_agent(job: JobRef, log: ChaosLog, host: str) -> dict[str, Any]:
+    """The agent dies but the machine runs on: SIGKILL the agent only; the host leaves when its lease expires."""
+    agent = job.agent(host)
+    record = log.log("kill-agent", job=job.job, host=host, agent_pid=agent.pid)
+    _signal([agent], signal.SIGKILL)
+    return record
+
+
+def preempt_host(job: JobRef, log: ChaosLog, host: str) -> dict[str, Any]:
+    """A spot notice: SIGTERM to the host's agent, which marks it draining (Horovod removes it gracefully)."""
+    agent = job.agent(host)
+    record = log.log("preempt-host", job=job.job, host=host, agent_pid=agent.pid)
+    _signal([agent], signal.SIGTERM)
+    return record
+
+
+def freeze_worker(
+    job: JobRef, log: ChaosLog, *, rank: int | None, seconds: float, rng: Chooser | None = None
+) -> dict[str, Any]:
+    """SIGSTOP one worker (and its helpers) for ``seconds``; SIGCONT in ``finally``."""
+    if rank is None:
+        candidates = [w for w in job.workers() if w != job.rank0()] or job.workers()
+        if not candidates:
+            raise JobNotFound(f"job {job.job!r} has no live worker")
+        target: Worker = (rng or random.Random()).choice(candidates)
+    else:
+        target = job.worker_by_rank(rank)
+    procs = tree(target.proc)
+    record = log.log("freeze-worker", job=job.job, seconds=seconds, **target.describe())
+    try:
+        _signal(procs, signal.SIGSTOP)
+        _hold(seconds)
+    finally:
+        _signal(procs, signal.SIGCONT)
+        log.log("freeze-worker", phase="end", job=job.job, pid=target.pid)
+    return record
+
+
+def _hold(seconds: float) -> None:
+    """The fault's duration is the point here: wait it out (interruptible by Ctrl-C)."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(0.2, left))
+
+
+# ---------------------------------------------------------------------------------------------- etcd
+def etcd_outage(job: JobRef, log: ChaosLog, *, seconds: float, etcd_pid: int | None = None) -> dict[str, Any]:
+    """SIGSTOP the job's etcd for ``seconds`` (clients time out as on a network outage); SIGCONT in ``finally``."""
+    etcd = job.etcd(etcd_pid)
+    record = log.log("etcd-outage", job=job.job, seconds=seconds, etcd_pid=etcd.pid)
+    try:
+        etcd.send_signal(signal.SIGSTOP)
+        _hold(seconds)
+    finally:
+        with contextlib.suppress(psutil.Error):
+            etcd.send_signal(signal.SIGCONT)
+        log.log("etcd-outage", phase="end", job=job.job, etcd_pid=etcd.pid)
+    return record
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+def checkpoint_temp_files(run_dir: Path) -> list[Path]:
+    """Temp files of a checkpoint being written (``checkpoints/step-*/.state.pt.tmp-<pid>-<hex>``)."""
+    root = run_dir / "checkpoints"
+    out: list[Path] = []
+    with contextlib.suppress(OSError):
+        for d in os.scandir(root):
+            if d.is_dir(follow_symlinks=False):
+                with contextlib.suppress(OSError):
+                    out.extend(Path(f.path) for f in os.scandir(d.path) if TEMP_MARKER in f.name)
+            elif TEMP_MARKER in d.name and not d.name.startswith(".latest"):
+                pass  # a `latest` pointer being replaced: too short to aim at
+    return out
+
+
+def writer_pid(temp: Path) -> int | None:
+    tail = temp.name.split(TEMP_MARKER, 1)[-1]
+    pid = tail.split("-", 1)[0]
+    return int(pid) if pid.isdigit() else None
+
+
+def kill_during_checkpoint(
+    job: JobRef, log: ChaosLog, *, timeout: float = 120.0, poll_seconds: float = 0.002
+) -> dict[str, Any]:
+    """Wait for a checkpoint temp file, then SIGKILL the writer and rank 0 (the worker above it) at once.
+
+    Records whether the temp file was still there just after the kill (``mid_write``): the save was
+    interrupted, not merely followed.
+    """
+    if job.run_dir is None:
+        raise JobNotFound("kill-during-checkpoint needs --run-dir")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for temp in checkpoint_temp_files(job.run_dir):
+            pid = writer_pid(temp)
+            if pid is None:
+                continue
+            worker = job.worker_of(pid)
+            if worker is None:
+                continue
+            writer = None
+            with contextlib.suppress(psutil.Error):
+                writer = psutil.Process(pid)
+            procs = [*([writer] if writer is not None and writer.pid != worker.pid else []), *tree(worker.proc)]
+            _signal(procs, signal.SIGKILL)
+            mid_write = temp.exists()
+            return log.log(
+                "kill-during-checkpoint",
+                job=job.job,
+                temp_file=str(temp.relative_to(job.run_dir)),
+                writer_pid=pid,
+                mid_write=mid_write,
+                **worker.describe(),
+            )
+        time.sleep(poll_seconds)
+    raise JobNotFound(f"no checkpoint write of job {job.job!r} seen within {timeout:g}s")
+
+
+def kill_during_commit(
+    job: JobRef, log: ChaosLog, *, rank: int | None = 0, timeout: float = 120.0, poll_seconds: float = 0.001
+) -> dict[str, Any]:
+    """SIGKILL a worker (default rank 0) the moment rank 0 writes a commit's ledger lines.
+
+    Rank 0 writes the ledger of the steps being committed *before* the in-memory commit, so a kill
+    then hits the commit (or lands within a millisecond after it); the ledger then holds steps that
+    the survivors roll back. Needs ``audit.sample_ledger: true``.
+    """
+    if job.run_dir is None:
+        raise JobNotFound("kill-during-commit needs --run-dir")
+    ledger_dir = job.run_dir / "ledger"
+    deadline = time.monotonic() + timeout
+
+    def newest() -> tuple[Path | None, int]:
+        files = sorted(ledger_dir.glob("*.jsonl"))
+        if not files:
+            return None, 0
+        with contextlib.suppress(OSError):
+            return files[-1], files[-1].stat().st_size
+        return None, 0
+
+    # Chosen before watching: finding processes takes tens of milliseconds, a commit less than one.
+    target = job.worker_by_rank(rank) if rank is not None else random.choice(job.workers())
+    procs = tree(target.proc)
+    path, size = newest()
+    while time.monotonic() < deadline:
+        now_path, now_size = newest()
+        if now_path is not None and now_path == path and now_size > size:
+            _signal(procs, signal.SIGKILL)
+            lines = now_path.read_text().splitlines()
+            last_step = next((json.loads(x).get("step") for x in reversed(lines) if '"step"' in x), None)
+            return log.log("kill-during-commit", job=job.job, ledger_step=last_step, **target.describe())
+        path, size = now_path, now_size
+        time.sleep(poll_seconds)
+    raise JobNotFound(f"no commit of job {job.job!r} seen in {ledger_dir} within {timeout:g}s")
+
+
+# ---------------------------------------------------------------------------------------------- the job
+def kill_job(job: JobRef, log: ChaosLog) -> dict[str, Any]:
+    """SIGKILL everything of the job: the launcher first (so it does not react), then every process by env."""
+    launcher = job.launcher()
+    if launcher is not None:
+        _signal([launcher], signal.SIGKILL)
+    procs = job.processes()
+    record = log.log(
+        "kill-job",
+        job=job.job,
+        launcher_pid=launcher.pid if launcher is not None else None,
+        pids=sorted(p.pid for p in procs),
+    )
+    _signal(procs, signal.SIGKILL)
+    _wait_gone([*procs, *([launcher] if launcher is not None else [])], timeout=10)
+    return record
+
+
+# ---------------------------------------------------------------------------------------------- network
+def partition_host(log: ChaosLog, job: JobRef, host: str, *, seconds: float, veth: str) -> dict[str, Any]:
+    """Multi-node tier: ``ip link set <veth> down`` (the host's bridge end) for ``seconds``; up in ``finally``."""
+    record = log.log("partition-host", job=job.job, host=host, veth=veth, seconds=seconds)
+    try:
+        subprocess.run(["ip", "link", "set", veth, "down"], check=True, capture_output=True, timeout=10)
+        _hold(seconds)
+    finally:
+        subprocess.run(["ip", "link", "set", veth, "up"], check=False, capture_output=True, timeout=10)
+        log.log("partition-host", phase="end", job=job.job, host=host, veth=veth)
+    return record
+
+
+# ---------------------------------------------------------------------------------------------- schedules
+LOOP_ACTIONS = ("kill-worker", "kill-host", "preempt-host", "freeze-worker", "etcd-outage", "kill-during-checkpoint")
+
+
+@dataclass(slots=True)
+class LoopPlan:
+    """A seeded schedule: (seconds from start, action) pairs. Pure, so tests check it without a job."""
+
+    seed: int
+    mtbf: float
+    actions: tuple[str, ...]
+    duration: float
+    fixed: bool = False
+    """Every ``mtbf`` seconds exactly instead of exponential gaps."""
+    schedule: list[tuple[float, str]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        unknown = [a for a in self.actions if a not in LOOP_ACTIONS]
+        if unknown or not self.actions:
+            raise ValueError(f"--actions: unknown {unknown or 'none given'} (choose from {', '.join(LOOP_ACTIONS)})")
+        if self.mtbf <= 0 or self.duration <= 0:
+            raise ValueError("--mtbf and --duration must be > 0")
+        rng = random.Random(self.seed)
+        t = 0.0
+        while True:
+            t += self.mtbf if self.fixed else rng.expovariate(1.0 / self.mtbf)
+            if t >= self.duration:
+                break
+            self.schedule.append((round(t, 3), rng.choice(self.actions)))
+
+
+def run_loop(
+    plan: LoopPlan,
+    act: Callable[[str, random.Random], dict[str, Any] | None],
+    log: ChaosLog,
+    *,
+    job: JobRef,
+    stop: Callable[[], bool] = lambda: False,
+) -> list[dict[str, Any]]:
+    """Run ``plan``: at each scheduled time call ``act(action, rng)``; a fault that finds nothing to hit is
+    logged as skipped. Stops early when ``stop()`` turns true (e.g. the job ended)."""
+    rng = random.Random(plan.seed + 1)
+    log.log("loop", phase="start", job=job.job, seed=plan.seed, mtbf=plan.mtbf, schedule=plan.schedule)
+    t0 = time.monotonic()
+    done: list[dict[str, Any]] = []
+    for at, action in plan.schedule:
+        while (left := t0 + at - time.monotonic()) > 0:
+            if stop():
+                log.log("loop", phase="end", job=job.job, reason="stopped", faults=len(done))
+                return done
+            time.sleep(min(0.2, left))
+        job.refresh()
+        try:
+            record = act(action, rng)
+        except JobNotFound as e:
+            log.log(action, job=job.job, skipped=str(e), scheduled_at=at)
+            continue
+        if record is not None:
+            done.append(record)
+    log.log("loop", phase="end", job=job.job, reason="schedule done", faults=len(done))
+    return done
+
+
+def default_action(job: JobRef, log: ChaosLog, action: str, rng: random.Random) -> dict[str, Any] | None:
+    """One loop action with default parameters, targets drawn from ``rng``."""
+    if action == "kill-worker":
+        return kill_worker(job, log, rng=rng)
+    if action == "kill-host":
+        return kill_host(job, log, rng.choice(_live_hosts(job)))
+    if action == "preempt-host":
+        return preempt_host(job, log, rng.choice(_live_hosts(job)))
+    if action == "freeze-worker":
+        return freeze_worker(job, log, rank=None, seconds=5.0, rng=rng)
+    if action == "etcd-outage":
+        return etcd_outage(job, log, seconds=10.0)
+    if action == "kill-during-checkpoint":
+        return kill_during_checkpoint(job, log, timeout=60.0)
+    raise ValueError(f"unknown action {action!r}")
+
+
+def _live_hosts(job: JobRef) -> list[str]:
+    hosts = sorted({w.host for w in job.workers() if alive(w.proc)})
+    if not hosts:
+        raise JobNotFound(f"job {job.job!r} has no live worker")
+    return hosts

@@ -1,0 +1,269 @@
+"""Invariant checks of a chaos run: pure functions of what the run left behind.
+
+Each check takes plain data (events, the replayed ledger, checkpoint verification results, MLflow run
+ids, pids) and returns a :class:`Check`: a name, whether it holds, and one line of detail. The scenario
+runner gathers the inputs from the run dir and prints the checks as one table; tests call these with
+fakes.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+LOSS_ABS_TOLERANCE = 0.1
+LOSS_REL_TOLERANCE = 0.1
+"""Final loss vs. the fault-free run with the same seed: ``|loss - ref| <= 0.1 + 0.1 * |ref|``.
+
+With ``elastic.policy: global`` the maths does not depend on membership, but a fault changes the
+order of floating-point sums (other shares per worker) and which steps the last ``metrics`` interval
+covers, so the final losses differ slightly; a lost or doubled stretch of training moves them more.
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    name: str
+    ok: bool | None
+    """True: holds; False: broken; None: not applicable / informational."""
+    detail: str
+    value: Any = None
+
+
+@dataclass(slots=True)
+class SampleAudit:
+    lost: int = 0
+    duplicated: int = 0
+    epochs_checked: int = 0
+    per_epoch: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """epoch -> (lost, duplicated)."""
+
+
+# ---------------------------------------------------------------------------------------------- completion
+def last_lifecycle_event(events: Sequence[Mapping[str, Any]]) -> str | None:
+    last = None
+    for e in events:
+        if e.get("event") in ("start", "done", "stopped"):
+            last = e.get("event")
+    return last
+
+
+def check_completed(launcher_exit: int | None, events: Sequence[Mapping[str, Any]]) -> Check:
+    ended = last_lifecycle_event(events)
+    ok = launcher_exit == 0 and ended == "done"
+    return Check("job completed", ok, f"launcher exit {launcher_exit}, last lifecycle event {ended!r}", launcher_exit)
+
+
+# ---------------------------------------------------------------------------------------------- samples
+def audit_samples(committed: Mapping[int, Sequence[int]], num_samples: int, epochs: int) -> SampleAudit:
+    """Each epoch ``< epochs`` must hold every id in ``range(num_samples)`` exactly once (``committed``: epoch ->
+    ids of its committed steps, as :func:`elastictrain.sampler.committed_samples` replays them)."""
+    audit = SampleAudit()
+    for epoch in range(epochs):
+        counts = Counter(committed.get(epoch, ()))
+        lost = sum(1 for i in range(num_samples) if counts[i] == 0)
+        dup = sum(c - 1 for c in counts.values() if c > 1) + sum(
+            c for i, c in counts.items() if not 0 <= i < num_samples
+        )
+        audit.per_epoch[epoch] = (lost, dup)
+        audit.lost += lost
+        audit.duplicated += dup
+        audit.epochs_checked += 1
+    for epoch in committed:
+        if epoch >= epochs or epoch < 0:  # training ran into an epoch it should never have started
+            audit.duplicated += len(committed[epoch])
+            audit.per_epoch[epoch] = (0, len(committed[epoch]))
+    return audit
+
+
+def check_exactly_once(audit: SampleAudit | None) -> Check:
+    if audit is None:
+        return Check("every sample exactly once per epoch", False, "no ledger (audit.sample_ledger is off?)")
+    ok = audit.lost == 0 and audit.duplicated == 0 and audit.epochs_checked > 0
+    bad = {e: v for e, v in audit.per_epoch.items() if v != (0, 0)}
+    detail = f"{audit.epochs_checked} epochs: {audit.lost} lost, {audit.duplicated} duplicated"
+    return Check("every sample exactly once per epoch", ok, detail + (f" (epoch: (lost, dup) {bad})" if bad else ""))
+
+
+# ---------------------------------------------------------------------------------------------- loss
+def final_loss(events: Sequence[Mapping[str, Any]]) -> tuple[int, float] | None:
+    """(step, loss) of the last ``metrics`` event (``done.final_loss`` is not filled by the worker)."""
+    for e in reversed(events):
+        if e.get("event") == "metrics" and isinstance(e.get("loss"), int | float) and isinstance(e.get("step"), int):
+            return int(e["step"]), float(e["loss"])
+    return None
+
+
+def check_final_loss(
+    run: tuple[int, float] | None,
+    reference: tuple[int, float] | None,
+    *,
+    abs_tol: float = LOSS_ABS_TOLERANCE,
+    rel_tol: float = LOSS_REL_TOLERANCE,
+) -> Check:
+    name = "final loss vs fault-free run"
+    if reference is None:
+        return Check(name, False, "no reference loss (the fault-free run did not finish)")
+    if run is None:
+        return Check(name, False, "no metrics event in this run")
+    (step, loss), (ref_step, ref) = run, reference
+    tol = abs_tol + rel_tol * abs(ref)
+    ok = step == ref_step and math.isfinite(loss) and abs(loss - ref) <= tol
+    return Check(
+        name,
+        ok,
+        f"{loss:.4f} at step {step} vs {ref:.4f} at step {ref_step} "
+        f"(tolerance {tol:.3f} = {abs_tol:g} + {rel_tol:g}*ref)",
+        loss - ref,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+def check_checkpoints(latest: str | None, loaded: str | None, verified: Mapping[str, str | None]) -> Check:
+    """``latest`` must name a checkpoint that loads and verifies; ``verified``: folder -> error or None.
+
+    Folders with a manifest that fail verification count as unloadable; folders without one are
+    abandoned saves (a crash before the commit point), which the format allows.
+    """
+    unloadable = {n: err for n, err in verified.items() if err is not None and "no manifest" not in err}
+    ok = latest is not None and loaded == latest and not unloadable
+    detail = f"latest={latest}, loaded={loaded}, {len(verified)} checkpoints, {len(unloadable)} unloadable"
+    if unloadable:
+        detail += f": {unloadable}"
+    return Check("latest checkpoint loadable and verified", ok, detail, len(unloadable))
+
+
+# ---------------------------------------------------------------------------------------------- mlflow
+def check_one_mlflow_run(run_ids: Sequence[str] | None, file_run_id: str | None) -> Check:
+    if run_ids is None:
+        return Check("one MLflow run", False, "no MLflow store in the run dir")
+    ok = len(run_ids) == 1 and (file_run_id is None or run_ids[0] == file_run_id)
+    return Check("one MLflow run", ok, f"{len(run_ids)} run(s) in mlflow.db; mlflow_run_id={file_run_id}")
+
+
+# ---------------------------------------------------------------------------------------------- processes
+def check_no_leftovers(leftovers: Sequence[str]) -> Check:
+    return Check(
+        "no process of the job left",
+        not leftovers,
+        "none" if not leftovers else f"{len(leftovers)} left: {'; '.join(leftovers[:4])}",
+        len(leftovers),
+    )
+
+
+# ---------------------------------------------------------------------------------------------- recovery
+FAULT_ACTIONS = frozenset(
+    {"kill-worker", "kill-host", "preempt-host", "freeze-worker", "etcd-outage", "kill-during-checkpoint",
+     "kill-during-commit", "kill-job", "partition-host", "kill-agent"}
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Recovery:
+    action: str
+    fault_ts: float
+    reset_reason: str | None
+    recovery_seconds: float | None
+    """The worker's measure: from the failure (or host notice) to the first step at the new size."""
+    seconds_to_reset: float | None
+    """From the fault to the ``reset`` (or the relaunch's ``start``) that followed it."""
+    lost_steps: int | None
+
+
+def recoveries(faults: Sequence[Mapping[str, Any]], events: Sequence[Mapping[str, Any]]) -> list[Recovery]:
+    """Match every fault with the first ``reset`` (or a relaunch ``start``) after it and before the next fault."""
+    hits = [f for f in faults if f.get("action") in FAULT_ACTIONS and "phase" not in f and "skipped" not in f]
+    hits.sort(key=lambda f: float(f["ts"]))
+    out = []
+    for i, f in enumerate(hits):
+        t = float(f["ts"])
+        t_next = float(hits[i + 1]["ts"]) if i + 1 < len(hits) else math.inf
+        window = [e for e in events if t <= float(e.get("ts", 0)) < t_next]
+        # A reset after the fault; else (the whole job went down) the relaunch's start from a checkpoint.
+        reset = next((e for e in window if e.get("event") == "reset"), None)
+        relaunch = next(
+            (e for e in window if e.get("event") == "start" and e.get("resumed_from_step") is not None), None
+        )
+        match = (relaunch or reset) if f.get("action") == "kill-job" else (reset or relaunch)
+        if match is None:
+            out.append(Recovery(str(f["action"]), t, None, None, None, None))
+            continue
+        rec = match.get("recovery_seconds")
+        reason: str | None = match.get("reason")
+        if match.get("event") == "start":
+            rec, reason = float(match["ts"]) - t, "relaunch"
+        out.append(
+            Recovery(
+                str(f["action"]),
+                t,
+                reason,
+                float(rec) if isinstance(rec, int | float) else None,
+                float(match["ts"]) - t,
+                match.get("lost_steps") if isinstance(match.get("lost_steps"), int) else None,
+            )
+        )
+    return out
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile (``q`` in 0..100); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    k = max(0, min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1))
+    return ordered[k]
+
+
+def recovery_stats(recs: Sequence[Recovery], actions: set[str]) -> dict[str, float | int | None]:
+    values = [r.recovery_seconds for r in recs if r.action in actions and r.recovery_seconds is not None]
+    return {
+        "count": len(values),
+        "p50": statistics.median(values) if values else None,
+        "p95": percentile(values, 95),
+    }
+
+
+def check_recovered(recs: Sequence[Recovery], *, expect_reset: bool = True) -> Check:
+    """Every fault was followed by a reset or a relaunch (when the scenario expects one)."""
+    missing = [r.action for r in recs if r.reset_reason is None]
+    if not recs:
+        return Check("recovery seconds per fault", None, "no fault injected")
+    parts = [
+        f"{r.action}: {r.recovery_seconds:.2f}s ({r.reset_reason}, lost {r.lost_steps})"
+        if r.recovery_seconds is not None
+        else f"{r.action}: no reset"
+        for r in recs
+    ]
+    ok = (not missing) if expect_reset else None
+    return Check("recovery seconds per fault", ok, "; ".join(parts), [r.recovery_seconds for r in recs])
+
+
+def check_no_step_lost(recs: Sequence[Recovery]) -> Check:
+    lost = {r.action: r.lost_steps for r in recs if r.lost_steps}
+    return Check("no step lost (graceful)", not lost, f"lost steps: {lost}" if lost else "0 steps rolled back")
+
+
+def check_goodput(goodput: float | None, minimum: float | None = None) -> Check:
+    if goodput is None:
+        return Check("goodput", False, "no goodput (no events?)")
+    ok = None if minimum is None else goodput >= minimum
+    return Check("goodput", ok, f"{goodput:.3f}" + (f" (minimum {minimum:g})" if minimum is not None else ""), goodput)
+
+
+# ---------------------------------------------------------------------------------------------- table
+def format_table(title: str, checks: Sequence[Check]) -> str:
+    width = max([len(c.name) for c in checks] + [9])
+    mark = {True: "ok", False: "FAIL", None: "-"}
+    lines = [title, f"{'invariant':<{width}}  {'result':<6}  detail", f"{'-' * width}  ------  {'-' * 40}"]
+    lines += [f"{c.name:<{width}}  {mark[c.ok]:<6}  {c.detail}" for c in checks]
+    verdict = "PASS" if all(c.ok is not False for c in checks) else "FAIL"
+    lines.append(f"{'verdict':<{width}}  {verdict}")
+    return "\n".join(lines)
+
+
+def passed(checks: Sequence[Check]) -> bool:
+    return all(c.ok is not False for c in checks)

@@ -1,0 +1,256 @@
+"""Find the processes of one job by pid and environment, never by a broad process name.
+
+A process belongs to job ``J`` when its environment (``/proc/<pid>/environ``, read with psutil) holds
+``ELASTICTRAIN_JOB=J`` (horovodrun, ``discover.sh``, every worker and its helpers) or the launch id that
+``elastictrain launch`` wrote to ``run_dir/launch.json`` (``ELASTICTRAIN_LAUNCH_ID``: also its etcd and
+agents). Pids named in ``launch.json`` are used only after their environment confirms the launch id,
+so a reused pid is never signalled.
+
+A *worker* is an ``elastictrain train`` process of the job (not the shell around it, nor a forked
+helper such as the checkpoint writer). ``HOROVOD_RANK`` in its environment is the rank it was
+*started* with; after resets the rank may differ, so the current rank 0 is found from what only rank 0
+does: it owns the newest ledger file (``run_dir/ledger/<ns>-<pid>.jsonl``) and the checkpoint writer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+LAUNCH_STATE = "launch.json"
+LAUNCH_ID_ENV = "ELASTICTRAIN_LAUNCH_ID"
+JOB_ENV = "ELASTICTRAIN_JOB"
+
+
+class JobNotFound(Exception):
+    """The named job, or the process asked for, cannot be found (one line for the user)."""
+
+
+def read_launch_state(run_dir: Path | None) -> dict[str, Any] | None:
+    if run_dir is None:
+        return None
+    try:
+        state = json.loads((run_dir / LAUNCH_STATE).read_text())
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) else None
+
+
+def environ(p: psutil.Process) -> dict[str, str]:
+    try:
+        return dict(p.environ())
+    except (psutil.Error, OSError):
+        return {}
+
+
+def alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def runs_train(p: psutil.Process) -> bool:
+    """``[python] .../elastictrain train ...`` or ``python -m elastictrain.cli train ...`` (not a shell around it)."""
+    try:
+        cmd = p.cmdline()
+    except psutil.Error:
+        return False
+    for i, arg in enumerate(cmd[:3]):
+        if (arg == "elastictrain" or arg.endswith("/elastictrain")) and cmd[i + 1 : i + 2] == ["train"]:
+            return True
+    return cmd[1:4] == ["-m", "elastictrain.cli", "train"]
+
+
+@dataclass(frozen=True, slots=True)
+class Worker:
+    proc: psutil.Process
+    start_rank: int | None
+    """``HOROVOD_RANK`` the worker was started with."""
+    host: str
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def describe(self) -> dict[str, Any]:
+        return {"pid": self.pid, "start_rank": self.start_rank, "host": self.host}
+
+
+@dataclass(slots=True)
+class JobRef:
+    """One job: its name, its run dir (optional) and the launcher's state file when it is running."""
+
+    job: str
+    run_dir: Path | None = None
+    launch: dict[str, Any] | None = None
+
+    @classmethod
+    def resolve(cls, job: str | None, run_dir: str | os.PathLike[str] | None) -> JobRef:
+        rd = Path(run_dir).resolve() if run_dir is not None else None
+        launch = read_launch_state(rd)
+        name = job or (launch or {}).get("job")
+        if not name:
+            raise JobNotFound("name the job with --job, or give --run-dir of a job started by `elastictrain launch`")
+        if launch is not None and launch.get("job") != name:
+            launch = None  # the run dir's launcher runs another job
+        return cls(str(name), rd, launch)
+
+    def refresh(self) -> None:
+        launch = read_launch_state(self.run_dir)
+        if launch is not None and launch.get("job") == self.job:
+            self.launch = launch
+
+    @property
+    def launch_id(self) -> str | None:
+        return (self.launch or {}).get("launch_id")
+
+    def owns(self, env: dict[str, str]) -> bool:
+        lid = self.launch_id
+        return env.get(JOB_ENV) == self.job or (lid is not None and env.get(LAUNCH_ID_ENV) == lid)
+
+    def processes(self, extra_launch_ids: Iterable[str] = ()) -> list[psutil.Process]:
+        """Every live process of the job (not this one), found by its environment."""
+        ids = {i for i in (self.launch_id, *extra_launch_ids) if i}
+        me = os.getpid()
+        out = []
+        for p in psutil.process_iter():
+            if p.pid == me:
+                continue
+            env = environ(p)
+            if not env:
+                continue
+            if (env.get(JOB_ENV) == self.job or env.get(LAUNCH_ID_ENV) in ids) and alive(p):
+                out.append(p)
+        return out
+
+    def launched_pid(self, pid: int | None) -> psutil.Process | None:
+        """The process ``pid`` named in launch.json, when its environment carries this launch's id."""
+        if pid is None or self.launch_id is None:
+            return None
+        try:
+            p = psutil.Process(int(pid))
+        except (psutil.Error, ValueError):
+            return None
+        return p if alive(p) and environ(p).get(LAUNCH_ID_ENV) == self.launch_id else None
+
+    def launcher(self) -> psutil.Process | None:
+        """The launcher itself (its own environment has no launch id: checked by its command line and pid)."""
+        pid = (self.launch or {}).get("pid")
+        if pid is None:
+            return None
+        with contextlib.suppress(psutil.Error):
+            p = psutil.Process(int(pid))
+            cmd = p.cmdline()
+            if alive(p) and "launch" in cmd and any(a.endswith("elastictrain") or "elastictrain" in a for a in cmd):
+                return p
+        return None
+
+    # ---------------------------------------------------------------------------------- workers
+    def workers(self) -> list[Worker]:
+        out = []
+        procs = [p for p in self.processes() if environ(p).get(JOB_ENV) == self.job and runs_train(p)]
+        pids = {p.pid for p in procs}
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                parent = p.parent()
+                if parent is not None and parent.pid in pids:
+                    continue  # a forked helper of a worker
+            env = environ(p)
+            rank = env.get("HOROVOD_RANK")
+            out.append(Worker(p, int(rank) if rank and rank.isdigit() else None, env.get("HOROVOD_HOSTNAME", "")))
+        return sorted(out, key=lambda w: (w.start_rank if w.start_rank is not None else 1 << 30, w.pid))
+
+    def worker_of(self, pid: int) -> Worker | None:
+        """The worker that is ``pid`` or an ancestor of it (e.g. of its checkpoint writer)."""
+        by_pid = {w.pid: w for w in self.workers()}
+        try:
+            p: psutil.Process | None = psutil.Process(pid)
+        except psutil.Error:
+            return None
+        while p is not None:
+            if p.pid in by_pid:
+                return by_pid[p.pid]
+            try:
+                p = p.parent()
+            except psutil.Error:
+                return None
+        return None
+
+    def rank0(self) -> Worker | None:
+        """The worker holding rank 0 now: the owner of the newest ledger file, else the one started as rank 0."""
+        if self.run_dir is not None:
+            ledgers = sorted((self.run_dir / "ledger").glob("*.jsonl"))
+            for path in reversed(ledgers):
+                pid = path.stem.rsplit("-", 1)[-1]
+                if pid.isdigit():
+                    w = self.worker_of(int(pid))
+                    if w is not None and w.pid == int(pid):
+                        return w
+                break  # only the newest ledger names the current rank 0
+        workers = self.workers()
+        return next((w for w in workers if w.start_rank == 0), None)
+
+    def worker_by_rank(self, rank: int) -> Worker:
+        if rank == 0:
+            w = self.rank0()
+            if w is not None:
+                return w
+        for w in self.workers():
+            if w.start_rank == rank:
+                return w
+        raise JobNotFound(f"job {self.job!r} has no live worker started as rank {rank}")
+
+    # ---------------------------------------------------------------------------------- services
+    def agent(self, host: str) -> psutil.Process:
+        """The agent of ``host``: from launch.json (pid confirmed by the launch id), else by job and host flags."""
+        agents = (self.launch or {}).get("agents") or {}
+        p = self.launched_pid(agents.get(host))
+        if p is not None:
+            return p
+        for q in self.processes():
+            with contextlib.suppress(psutil.Error):
+                cmd = q.cmdline()
+                if "agent" in cmd and _flag(cmd, "--job") == self.job and _flag(cmd, "--host") == host:
+                    return q
+        raise JobNotFound(f"no live agent of host {host!r} in job {self.job!r}")
+
+    def etcd(self, pid: int | None = None) -> psutil.Process:
+        if pid is not None:
+            try:
+                given = psutil.Process(pid)
+                name = given.name()
+            except psutil.Error:
+                raise JobNotFound(f"--etcd-pid {pid}: no such process") from None
+            if "etcd" not in name:
+                raise JobNotFound(f"--etcd-pid {pid} is {name!r}, not etcd")
+            return given
+        p = self.launched_pid((self.launch or {}).get("etcd_pid"))
+        if p is None:
+            raise JobNotFound(f"job {self.job!r}: no embedded etcd in run_dir/launch.json (pass --etcd-pid)")
+        return p
+
+    def hosts(self) -> list[str]:
+        return list((self.launch or {}).get("hosts") or sorted({w.host for w in self.workers()}))
+
+
+def _flag(cmd: list[str], name: str) -> str | None:
+    with contextlib.suppress(ValueError, IndexError):
+        return cmd[cmd.index(name) + 1]
+    return None
+
+
+def tree(p: psutil.Process) -> list[psutil.Process]:
+    """``p`` and its descendants, the deepest first (so a helper stops before its parent can react)."""
+    try:
+        kids = p.children(recursive=True)
+    except psutil.Error:
+        kids = []
+    return [*reversed(kids), p]

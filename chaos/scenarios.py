@@ -1,0 +1,631 @@
+"""Scenario runner: ``python -m chaos run SCENARIO [--run-dir D] [--quick]``.
+
+Runs a small job with ``elastictrain launch`` (embedded etcd, one agent per logical host of this
+machine) while a scenario injects faults through :mod:`chaos.faults`, then checks the invariants
+(:mod:`chaos.invariants`) from ``events.jsonl``, the ledger, the checkpoints and ``mlflow.db`` and prints
+one table. The fault-free reference (same config and seed) runs once per config and is cached by
+config hash under ``<run dir's parent>/.chaos-reference/``.
+
+Every process is tracked by pid and environment; agents the runner restarts (a host coming back) are
+stopped by pid when the job ends, and then nothing of the job may be left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import psutil
+import yaml
+
+from chaos import faults
+from chaos import invariants as inv
+from chaos.procs import JobNotFound, JobRef, alive, environ, read_launch_state
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+DEFAULT_RUNS = REPO / "runs" / "chaos"
+REFERENCE_DIR = ".chaos-reference"
+
+# Launcher flags of every run: a short Gloo timeout that still covers a new worker's start-up on 2 cores,
+# quick blacklist cooldown, short drain grace. The seed's job: 3 logical hosts, min 2 workers.
+LAUNCH_FLAGS = (
+    "--gloo-timeout-seconds", "15",
+    "--blacklist-cooldown-range", "1", "2",
+    "--drain-grace", "2",
+    "--wait-hosts-seconds", "90",
+    "--stop-timeout", "30",
+)  # fmt: skip
+GLOO_TIMEOUT_SECONDS = 15
+
+
+def base_config(*, epochs: int = 2, num_samples: int = 2880) -> dict[str, Any]:
+    """A small CPU job: synthetic 16x16 images, global batch 48 (the ``global`` policy, so the maths does not
+    depend on membership), commits every 5 steps, checkpoints every 10, ledger and MLflow on. 60 steps per
+    epoch at 2880 samples; a step takes about 0.1 s with 3 workers on 2 cores."""
+    return {
+        "device": "cpu",
+        "model": {"name": "small_cnn", "num_classes": 10},
+        "data": {
+            "kind": "synthetic",
+            "image_size": 16,
+            "batch_size": 16,
+            "num_samples": num_samples,
+            "num_val_samples": 64,
+            "augment": False,
+        },
+        "training": {"epochs": epochs, "base_lr": 0.05, "log_every_steps": 5, "seed": 7},
+        "elastic": {
+            "policy": "global",
+            "global_batch_size": 48,
+            "micro_batch_size": 16,
+            "commit_every_steps": 5,
+            "min_np": 2,
+            "max_np": 3,
+        },
+        "checkpoint": {"every_steps": 10, "every_epochs": 1, "keep_last": 3},
+        "tracking": {"mlflow": True, "experiment": "chaos", "progress_bar": False},
+        "audit": {"sample_ledger": True},
+        "discovery": {"ttl_seconds": 3, "heartbeat_seconds": 0.5},
+    }
+
+
+def config_hash(cfg: dict[str, Any], flags: tuple[str, ...]) -> str:
+    body = {k: v for k, v in cfg.items() if k not in ("job", "run_dir")}
+    return hashlib.sha256(json.dumps([body, list(flags)], sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------- one launch
+class Run:
+    """One job under ``elastictrain launch`` (possibly launched again after ``kill-job``), and its faults."""
+
+    def __init__(self, run_dir: Path, cfg: dict[str, Any], *, flags: tuple[str, ...] = LAUNCH_FLAGS) -> None:
+        self.run_dir = run_dir.resolve()
+        self.cfg = {**cfg, "run_dir": str(self.run_dir)}
+        self.job_name = str(cfg["job"])
+        self.flags = flags
+        self.config_path = self.run_dir / "job.yaml"
+        self.log = faults.ChaosLog(self.run_dir / "chaos.jsonl")
+        self.launcher: subprocess.Popen[bytes] | None = None
+        self.launch_ids: list[str] = []
+        self.agent_specs: dict[str, tuple[list[str], dict[str, str]]] = {}
+        self.restarted: list[subprocess.Popen[bytes]] = []
+        self.exit_code: int | None = None
+        self.started = 0.0
+
+    # -- life
+    def start(self) -> Run:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(yaml.safe_dump(self.cfg, sort_keys=False))
+        env = {
+            **os.environ,
+            "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
+            "ELASTICTRAIN_LOG_LEVEL": "warning",
+            "ELASTICTRAIN_JOB": self.job_name,  # inherited by etcd and the agents too: all found by environment
+            "PYTHONUNBUFFERED": "1",
+        }
+        env.pop("ELASTICTRAIN_ETCD", None)
+        cmd = [str(BIN / "elastictrain"), "launch", "--config", str(self.config_path), *self.flags]
+        with (self.run_dir / "launch.log").open("ab") as out:
+            self.launcher = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        self.started = time.monotonic()
+        self.exit_code = None
+        self.wait_for(self._launch_ready, 120, "the launcher's launch.json with horovodrun running")
+        return self
+
+    def _launch_ready(self) -> bool:
+        state = read_launch_state(self.run_dir)
+        if not state or not state.get("horovodrun_pid") or self.launcher is None:
+            return False
+        if state.get("pid") != self.launcher.pid:
+            return False
+        if state["launch_id"] not in self.launch_ids:
+            self.launch_ids.append(state["launch_id"])
+        job = self.job()
+        for host in state.get("hosts", []):
+            if host not in self.agent_specs:
+                with contextlib.suppress(JobNotFound, psutil.Error):
+                    agent = job.agent(host)
+                    self.agent_specs[host] = (agent.cmdline(), environ(agent))
+        return True
+
+    def job(self) -> JobRef:
+        return JobRef.resolve(self.job_name, self.run_dir)
+
+    def running(self) -> bool:
+        return self.launcher is not None and self.launcher.poll() is None
+
+    def wait_for(self, predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.1) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            value = predicate()
+            if value:
+                return value
+            if self.launcher is not None and self.launcher.poll() is not None:
+                raise ScenarioError(f"the launcher exited ({self.launcher.returncode}) while waiting for {what}")
+            if time.monotonic() > deadline:
+                raise ScenarioError(f"timed out after {timeout:g}s waiting for {what}")
+            time.sleep(interval)
+
+    def wait_exit(self, timeout: float) -> int:
+        assert self.launcher is not None
+        try:
+            self.exit_code = self.launcher.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise ScenarioError(f"the job did not finish within {timeout:g}s") from None
+        return self.exit_code
+
+    # -- what the job wrote
+    def events(self) -> list[dict[str, Any]]:
+        return faults.read_chaos(self.run_dir / "events.jsonl")  # the same JSON-lines reader
+
+    def step(self) -> int:
+        return max((e.get("step", 0) for e in self.events() if isinstance(e.get("step"), int)), default=0)
+
+    def wait_step(self, step: int, timeout: float = 120) -> None:
+        self.wait_for(lambda: self.step() >= step, timeout, f"step {step}")
+
+    def world_size(self) -> int | None:
+        for e in reversed(self.events()):
+            if e.get("event") in ("start", "reset", "metrics"):
+                return int(e["world_size"])
+        return None
+
+    def wait_world(self, size: int, timeout: float = 120) -> None:
+        self.wait_for(lambda: self.world_size() == size, timeout, f"world size {size}")
+
+    def checkpoint_steps(self) -> list[int]:
+        return [int(e["step"]) for e in self.events() if e.get("event") == "checkpoint"]
+
+    def victim_host(self) -> str:
+        """A host whose worker is not rank 0 (so a host fault does not also hit the ledger writer)."""
+        job = self.job()
+        r0 = job.rank0()
+        hosts = [w.host for w in job.workers() if r0 is None or w.pid != r0.pid]
+        if not hosts:
+            raise ScenarioError("no worker besides rank 0 to aim at")
+        return sorted(hosts)[-1]
+
+    # -- hosts coming back
+    def restart_agent(self, host: str, timeout: float = 30) -> None:
+        """Start the host's agent again with the command and environment the launcher gave the first one."""
+        cmd, env = self.agent_specs[host]
+        job = self.job()
+        with contextlib.suppress(JobNotFound):
+            old = job.agent(host)
+            self.wait_for(lambda: not alive(old), timeout, f"the old agent of {host} to exit")
+        with (self.run_dir / "logs" / f"agent-{host}-restarted.log").open("ab") as out:
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        self.restarted.append(proc)
+        self.log.log("host-returns", job=self.job_name, host=host, agent_pid=proc.pid)
+
+    def stop_restarted_agents(self) -> None:
+        for proc in self.restarted:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+                    proc.send_signal(signal.SIGTERM)  # a second signal skips the drain grace
+        for proc in self.restarted:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+
+    def leftovers(self, settle_seconds: float = 15.0) -> list[str]:
+        """Processes of the job still alive once the launcher has gone (polled for ``settle_seconds``)."""
+        job = self.job()
+        deadline = time.monotonic() + settle_seconds
+        while True:
+            procs = job.processes(self.launch_ids)
+            if not procs or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        out = []
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                out.append(f"{p.pid} {' '.join(p.cmdline())[:100]}")
+        return out
+
+    def kill_everything(self) -> None:
+        """Last resort after a failed scenario: SIGKILL every process of the job, by pid."""
+        if self.launcher is not None and self.launcher.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.launcher.kill()
+            self.launcher.wait(timeout=10)
+        for proc in self.restarted:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=5)
+        procs = self.job().processes(self.launch_ids)
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(procs, timeout=10)
+
+
+class ScenarioError(Exception):
+    """The scenario could not be carried out (the job ended early, a wait timed out)."""
+
+
+# ---------------------------------------------------------------------------------------------- scenarios
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    description: str
+    inject: Callable[[Run], None]
+    ci: bool
+    """Short enough for ``make test``; the rest run under ``make chaos``."""
+    graceful: bool = False
+    """No step may be rolled back (drains and lease expiry)."""
+    expect_reset: bool = True
+    timeout: float = 300.0
+    cfg: Callable[[bool], dict[str, Any]] = field(default=lambda quick: base_config())
+    min_goodput: float | None = None
+
+
+def _kill_worker_mid_epoch(r: Run) -> None:
+    r.wait_step(25)
+    faults.kill_worker(r.job(), r.log, rank=None, rng=_NotRank0(r))
+
+
+class _NotRank0:
+    """A ``choice`` that avoids the current rank 0 (the interesting rank-0 cases have their own scenarios)."""
+
+    def __init__(self, r: Run) -> None:
+        self.r = r
+
+    def choice(self, seq: Sequence[Any]) -> Any:
+        r0 = self.r.job().rank0()
+        others = [w for w in seq if r0 is None or w.pid != r0.pid]
+        return sorted(others or seq, key=lambda w: w.pid)[-1]
+
+
+def _kill_during_commit(r: Run) -> None:
+    r.wait_step(12)
+    faults.kill_during_commit(r.job(), r.log, rank=0, timeout=60)
+
+
+def _kill_during_checkpoint(r: Run) -> None:
+    r.wait_step(12)
+    faults.kill_during_checkpoint(r.job(), r.log, timeout=60)
+
+
+def _preempt_host(r: Run) -> None:
+    r.wait_step(20)
+    faults.preempt_host(r.job(), r.log, r.victim_host())
+
+
+def _frozen_worker(r: Run) -> None:
+    r.wait_step(20)
+    faults.freeze_worker(r.job(), r.log, rank=None, seconds=GLOO_TIMEOUT_SECONDS + 5, rng=_NotRank0(r))
+
+
+def _etcd_outage(r: Run) -> None:
+    r.wait_step(20)
+    faults.etcd_outage(r.job(), r.log, seconds=20)
+
+
+def _agent_killed(r: Run) -> None:
+    r.wait_step(20)
+    host = r.victim_host()
+    faults.kill_agent(r.job(), r.log, host)
+    r.wait_for(lambda: any(e.get("event") == "reset" for e in r.events()), 60, "the host to leave (lease expiry)")
+    r.restart_agent(host)
+
+
+def _kill_job_and_resume(r: Run) -> None:
+    r.wait_for(lambda: any(s >= 30 for s in r.checkpoint_steps()), 120, "a checkpoint at step >= 30")
+    faults.kill_job(r.job(), r.log)
+    assert r.launcher is not None
+    r.launcher.wait(timeout=10)
+    r.start()  # the same command on the same run dir resumes from the latest checkpoint
+
+
+def _below_min_np(r: Run) -> None:
+    r.wait_step(20)
+    job = r.job()
+    hosts = [h for h in sorted({w.host for w in job.workers()}) if h != (job.rank0() or _Nobody).host][:2]
+    for h in hosts:
+        faults.kill_host(r.job(), r.log, h)
+    n_before = r.step()
+    # Below --min-np: the survivor cannot train. Wait until the registry shows it alone, then bring both back.
+    r.wait_for(lambda: _ready_hosts(r) <= 1, 60, "the killed hosts' keys to expire")
+    r.log.log("below-min-np", job=r.job_name, step=r.step(), step_at_kill=n_before)
+    for h in hosts:
+        r.restart_agent(h)
+
+
+class _Nobody:
+    host = ""
+
+
+def _ready_hosts(r: Run) -> int:
+    from discovery.registry import EtcdRegistry, RegistryError
+
+    state = read_launch_state(r.run_dir) or {}
+    reg = EtcdRegistry(state.get("etcd", ""), r.job_name, timeout_seconds=2.0)
+    try:
+        return sum(1 for e in reg.list_hosts().entries if e.record.state == "ready")
+    except RegistryError:
+        return 99
+    finally:
+        with contextlib.suppress(Exception):
+            reg.close()
+
+
+# ---------------------------------------------------------------------------------------------- soak
+SOAK_OTHER_ACTIONS = ("preempt-host", "freeze-worker", "etcd-outage", "kill-during-checkpoint", "kill-host")
+
+
+def soak_schedule(duration: float, kill_every: float) -> list[tuple[float, str]]:
+    """A SIGKILL of a random worker every ``kill_every`` seconds, and each other action once, half-way between
+    two kills (pure)."""
+    out = [(kill_every * k, "kill-worker") for k in range(1, int(duration // kill_every) + 1)]
+    for i, action in enumerate(SOAK_OTHER_ACTIONS):
+        t = kill_every * (i + 1) + kill_every / 2
+        if t < duration:
+            out.append((t, action))
+    return sorted(out)
+
+
+def _soak_params(quick: bool) -> tuple[float, float]:
+    return (150.0, 25.0) if quick else (1200.0, 60.0)
+
+
+def _soak_config(quick: bool) -> dict[str, Any]:
+    duration, _ = _soak_params(quick)
+    # About 0.1 s a step at 60 steps an epoch: size the job to outlast the schedule.
+    return base_config(epochs=max(3, int(duration / 6 * 1.1) // 60 + 1))
+
+
+def _soak(r: Run, quick: bool) -> None:
+    duration, every = _soak_params(quick)
+    r.wait_step(10)
+    schedule = soak_schedule(duration, every)
+    r.log.log("soak", phase="start", job=r.job_name, duration=duration, kill_every=every, schedule=schedule)
+    t0 = time.monotonic()
+    rng = _NotRank0(r)
+    for at, action in schedule:
+        while (left := t0 + at - time.monotonic()) > 0:
+            if not r.running():
+                return
+            time.sleep(min(0.2, left))
+        if not r.running():
+            return
+        try:
+            _soak_action(r, action, rng)
+        except (JobNotFound, ScenarioError) as e:
+            r.log.log(action, job=r.job_name, skipped=str(e))
+    r.log.log("soak", phase="end", job=r.job_name)
+
+
+def _soak_action(r: Run, action: str, rng: _NotRank0) -> None:
+    job = r.job()
+    if action == "kill-worker":
+        faults.kill_worker(job, r.log, rng=rng)
+    elif action == "freeze-worker":
+        faults.freeze_worker(job, r.log, rank=None, seconds=5, rng=rng)
+    elif action == "etcd-outage":
+        faults.etcd_outage(job, r.log, seconds=10)
+    elif action == "kill-during-checkpoint":
+        faults.kill_during_checkpoint(job, r.log, timeout=30)
+    elif action in ("preempt-host", "kill-host"):
+        host = r.victim_host()
+        (faults.preempt_host if action == "preempt-host" else faults.kill_host)(job, r.log, host)
+        r.restart_agent(host, timeout=30)
+
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in [
+        Scenario("kill-worker", "SIGKILL of a worker mid-epoch", _kill_worker_mid_epoch, ci=True),
+        Scenario("kill-during-commit", "SIGKILL of rank 0 while it commits", _kill_during_commit, ci=True),
+        Scenario("kill-during-checkpoint", "SIGKILL of rank 0 and its writer mid-save", _kill_during_checkpoint,
+                 ci=True),
+        Scenario("preempt-host", "SIGTERM to a host's agent: drain, no step lost", _preempt_host, ci=True,
+                 graceful=True),
+        Scenario("kill-job", "the whole job SIGKILLed, then launched again: resume", _kill_job_and_resume, ci=True),
+        Scenario("frozen-worker", "a worker SIGSTOPped longer than the Gloo timeout", _frozen_worker, ci=False),
+        Scenario("etcd-outage", "etcd suspended 20 s while training continues", _etcd_outage, ci=False,
+                 expect_reset=False),
+        Scenario("agent-killed", "an agent SIGKILLed: the host leaves when its lease expires, then returns",
+                 _agent_killed, ci=False, graceful=True),
+        Scenario("below-min-np", "two hosts die (below --min-np), then come back", _below_min_np, ci=False),
+        Scenario("soak", "a SIGKILL every 60 s for 20 min plus one of each other fault (--quick: 25 s, 150 s)",
+                 lambda r: None, ci=False, timeout=1800.0, cfg=_soak_config),
+    ]
+}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- checks
+@dataclass(slots=True)
+class Result:
+    scenario: str
+    run_dir: Path
+    checks: list[inv.Check]
+    table: str
+    recoveries: list[inv.Recovery]
+    summary: dict[str, Any]
+    audit: inv.SampleAudit | None
+    unloadable: int
+
+    @property
+    def ok(self) -> bool:
+        return inv.passed(self.checks)
+
+
+def mlflow_run_ids(run_dir: Path) -> list[str] | None:
+    db = run_dir / "mlflow.db"
+    if not db.exists():
+        return None
+    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+        return [row[0] for row in conn.execute("select run_uuid from runs")]
+
+
+def checkpoint_status(run_dir: Path) -> tuple[str | None, str | None, dict[str, str | None]]:
+    """(latest, what load_latest loads, folder -> verification error or None)."""
+    from elastictrain.checkpoint import CheckpointDamaged, LocalStorage, list_checkpoints, load_latest
+    from elastictrain.checkpoint import verify_checkpoint as verify
+
+    storage = LocalStorage.for_run_dir(run_dir)
+    verified: dict[str, str | None] = {}
+    for _, name in list_checkpoints(storage):
+        try:
+            verify(storage, name)
+            verified[name] = None
+        except CheckpointDamaged as e:
+            verified[name] = str(e)
+    loaded = load_latest(storage, map_location="cpu")
+    return storage.get_latest(), (Path(loaded.path).name if loaded is not None else None), verified
+
+
+def check_run(
+    scenario: Scenario,
+    run: Run,
+    reference: tuple[int, float] | None,
+    leftovers: list[str],
+) -> Result:
+    from elastictrain.report import summarize
+    from elastictrain.sampler import committed_samples
+
+    events = run.events()
+    chaos_events = faults.read_chaos(run.run_dir / "chaos.jsonl")
+    checks = [inv.check_completed(run.exit_code, events)]
+    audit = None
+    if (run.run_dir / "ledger").is_dir():
+        data = run.cfg["data"]
+        audit = inv.audit_samples(
+            committed_samples(run.run_dir / "ledger"), int(data["num_samples"]), int(run.cfg["training"]["epochs"])
+        )
+    checks.append(inv.check_exactly_once(audit))
+    checks.append(inv.check_final_loss(inv.final_loss(events), reference))
+    latest, loaded, verified = checkpoint_status(run.run_dir)
+    ck = inv.check_checkpoints(latest, loaded, verified)
+    checks.append(ck)
+    file_run_id = None
+    with contextlib.suppress(OSError):
+        file_run_id = (run.run_dir / "mlflow_run_id").read_text().strip()
+    checks.append(inv.check_one_mlflow_run(mlflow_run_ids(run.run_dir), file_run_id))
+    checks.append(inv.check_no_leftovers(leftovers))
+    recs = inv.recoveries(chaos_events, events)
+    checks.append(inv.check_recovered(recs, expect_reset=scenario.expect_reset))
+    if scenario.graceful:
+        checks.append(inv.check_no_step_lost(recs))
+    if scenario.name == "etcd-outage":
+        checks.append(check_trained_during(chaos_events, events, "etcd-outage"))
+    if scenario.name == "kill-during-checkpoint":
+        hit = next((f for f in chaos_events if f.get("action") == "kill-during-checkpoint"), None)
+        checks.append(
+            inv.Check(
+                "rank 0 killed mid-save",
+                None,
+                f"temp file {hit.get('temp_file')}, still there after the kill: {hit.get('mid_write')}"
+                if hit
+                else "no kill recorded",
+            )
+        )
+    summary = summarize(events) if events else {}
+    checks.append(inv.check_goodput(summary.get("goodput"), scenario.min_goodput))
+    title = f"chaos scenario {scenario.name}: {scenario.description}\nrun dir {run.run_dir}"
+    return Result(
+        scenario.name, run.run_dir, checks, inv.format_table(title, checks), recs, summary, audit, int(ck.value or 0)
+    )
+
+
+def check_trained_during(chaos_events: list[dict[str, Any]], events: list[dict[str, Any]], action: str) -> inv.Check:
+    start = next((f for f in chaos_events if f.get("action") == action and "phase" not in f), None)
+    end = next((f for f in chaos_events if f.get("action") == action and f.get("phase") == "end"), None)
+    if start is None or end is None:
+        return inv.Check("training continued during the outage", False, "outage not recorded")
+    steps = [e["step"] for e in events if e.get("event") == "commit" and start["ts"] <= e["ts"] <= end["ts"]]
+    ok = len(steps) >= 2 and max(steps) > min(steps)
+    detail = f"commits at steps {min(steps)}..{max(steps)} during it" if steps else "no commit during it"
+    return inv.Check("training continued during the outage", ok, detail)
+
+
+# ---------------------------------------------------------------------------------------------- running
+def reference_loss(
+    cfg: dict[str, Any], parent: Path, flags: tuple[str, ...] = LAUNCH_FLAGS
+) -> tuple[int, float] | None:
+    """The fault-free run's final (step, loss) for ``cfg``; run once per config hash and cached under ``parent``."""
+    key = config_hash(cfg, flags)
+    cache = parent / REFERENCE_DIR / f"{key}.json"
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        data = json.loads(cache.read_text())
+        return int(data["step"]), float(data["loss"])
+    run = Run(parent / REFERENCE_DIR / key, {**cfg, "job": f"chaos-ref-{key[:8]}"}, flags=flags)
+    try:
+        run.start()
+        code = run.wait_exit(600)
+    finally:
+        if run.running():
+            run.kill_everything()
+    final = inv.final_loss(run.events())
+    if code != 0 or final is None:
+        return None
+    tmp = cache.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"step": final[0], "loss": final[1], "config": cfg}, indent=1))
+    os.replace(tmp, cache)
+    return final
+
+
+def run_scenario(
+    name: str, run_dir: Path | None = None, *, quick: bool = False, out: Callable[[str], None] = print
+) -> Result:
+    scenario = SCENARIOS[name]
+    if name == "soak":
+        scenario = replace(scenario, inject=lambda r: _soak(r, quick))
+    run_dir = (run_dir or DEFAULT_RUNS / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise ScenarioError(f"--run-dir {run_dir} is not empty (a scenario needs a fresh run dir)")
+    cfg = scenario.cfg(quick)
+    out(f"chaos: {name}: reference run (cached under {run_dir.parent / REFERENCE_DIR})")
+    reference = reference_loss(cfg, run_dir.parent)
+    job = f"chaos-{name}-{os.urandom(3).hex()}"
+    run = Run(run_dir, {"job": job, **cfg})
+    out(f"chaos: {name}: job {job} in {run_dir}")
+    leftovers: list[str] = []
+    try:
+        run.start()
+        scenario.inject(run)
+        run.wait_exit(scenario.timeout)
+    except ScenarioError as e:
+        run.log.log("scenario-error", job=job, error=str(e))
+        out(f"chaos: {name}: {e}")
+    finally:
+        if run.running():
+            run.kill_everything()
+        run.stop_restarted_agents()
+        leftovers = run.leftovers()
+        if leftovers:
+            run.kill_everything()
+    result = check_run(scenario, run, reference, leftovers)
+    (run_dir / "chaos-result.txt").write_text(result.table + "\n")
+    return result
+
+
+def write_report(run_dir: Path) -> None:
+    """``elastictrain report`` (timeline PNG + report.json) for the run dir."""
+    subprocess.run(
+        [str(BIN / "elastictrain"), "report", "--run-dir", str(run_dir)],
+        check=False,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        timeout=300,
+    )

@@ -1,0 +1,189 @@
+"""Invariant checks of the chaos runner, with fake events, ledgers and checkpoint results (no processes)."""
+
+from __future__ import annotations
+
+from chaos import faults
+from chaos import invariants as inv
+from chaos.scenarios import config_hash, soak_schedule
+
+
+def ev(ts: float, event: str, step: int = 0, **fields: object) -> dict[str, object]:
+    return {"ts": ts, "event": event, "step": step, "epoch": 0, "world_size": 3, **fields}
+
+
+def test_a_job_is_complete_only_when_the_launcher_exits_0_and_the_last_lifecycle_event_is_done() -> None:
+    done = [ev(1, "start"), ev(2, "metrics", 5), ev(3, "done", 10)]
+    assert inv.check_completed(0, done).ok
+    assert not inv.check_completed(1, done).ok
+    assert not inv.check_completed(0, [*done, ev(4, "start", 10)]).ok, "a start after done: it ran again"
+    assert not inv.check_completed(0, [ev(1, "start"), ev(2, "stopped", 4)]).ok
+
+
+def test_every_sample_exactly_once_counts_lost_and_duplicated_ids_per_epoch() -> None:
+    good = {0: [3, 1, 0, 2], 1: [2, 0, 3, 1]}
+    audit = inv.audit_samples(good, num_samples=4, epochs=2)
+    assert (audit.lost, audit.duplicated, audit.epochs_checked) == (0, 0, 2)
+    assert inv.check_exactly_once(audit).ok
+
+    bad = inv.audit_samples({0: [0, 1, 1, 2, 3], 1: [0, 1, 2]}, num_samples=4, epochs=2)
+    assert (bad.lost, bad.duplicated) == (1, 1)
+    assert bad.per_epoch == {0: (0, 1), 1: (1, 0)}
+    check = inv.check_exactly_once(bad)
+    assert not check.ok and "1 lost, 1 duplicated" in check.detail
+
+
+def test_samples_of_an_epoch_past_the_last_or_out_of_range_ids_count_as_duplicated() -> None:
+    audit = inv.audit_samples({0: [0, 1, 7], 1: [0]}, num_samples=2, epochs=1)
+    assert audit.duplicated == 2 and audit.lost == 0
+    assert not inv.check_exactly_once(None).ok, "no ledger is a failure, not a pass"
+
+
+def test_final_loss_compares_the_last_metrics_event_within_the_stated_tolerance() -> None:
+    events = [ev(1, "metrics", 115, loss=9.0), ev(2, "metrics", 120, loss=1.05), ev(3, "done", 120, final_loss=None)]
+    assert inv.final_loss(events) == (120, 1.05)
+    assert inv.check_final_loss((120, 1.05), (120, 1.0)).ok  # 0.05 <= 0.1 + 0.1
+    assert not inv.check_final_loss((120, 1.5), (120, 1.0)).ok
+    assert not inv.check_final_loss((115, 1.0), (120, 1.0)).ok, "a different final step is not the same training"
+    assert not inv.check_final_loss((120, float("nan")), (120, 1.0)).ok
+    assert not inv.check_final_loss((120, 1.0), None).ok
+
+
+def test_latest_checkpoint_must_load_and_no_committed_checkpoint_may_fail_verification() -> None:
+    ok = inv.check_checkpoints("step-00000120", "step-00000120", {"step-00000110": None, "step-00000120": None})
+    assert ok.ok and ok.value == 0
+    abandoned = {"step-00000130": "step-00000130: no manifest.json (incomplete save)", "step-00000120": None}
+    assert inv.check_checkpoints("step-00000120", "step-00000120", abandoned).ok, "a save cut before its commit point"
+    corrupt = {"step-00000120": "step-00000120: state.pt SHA-256 does not match the manifest (corrupted)"}
+    c = inv.check_checkpoints("step-00000120", "step-00000110", corrupt)
+    assert not c.ok and c.value == 1
+    assert not inv.check_checkpoints(None, None, {}).ok
+
+
+def test_one_mlflow_run_matching_the_run_id_file() -> None:
+    assert inv.check_one_mlflow_run(["abc"], "abc").ok
+    assert not inv.check_one_mlflow_run(["abc", "def"], "abc").ok
+    assert not inv.check_one_mlflow_run(["abc"], "zzz").ok
+    assert not inv.check_one_mlflow_run(None, None).ok
+
+
+def test_no_process_left() -> None:
+    assert inv.check_no_leftovers([]).ok
+    c = inv.check_no_leftovers(["123 elastictrain train"])
+    assert not c.ok and "123" in c.detail
+
+
+def test_each_fault_is_matched_with_the_first_reset_after_it_and_before_the_next_fault() -> None:
+    chaos = [
+        {"ts": 10.0, "action": "kill-worker", "pid": 1},
+        {"ts": 20.0, "action": "preempt-host", "host": "vm"},
+        {"ts": 30.0, "action": "freeze-worker", "pid": 2},
+        {"ts": 35.0, "action": "freeze-worker", "phase": "end", "pid": 2},
+        {"ts": 40.0, "action": "kill-worker", "skipped": "no live worker"},
+    ]
+    events = [
+        ev(11.0, "reset", 30, reason="worker_failed", recovery_seconds=0.8, lost_steps=3),
+        ev(15.0, "reset", 35, reason="hosts_added", recovery_seconds=6.0, lost_steps=0),
+        ev(22.0, "reset", 50, reason="hosts_removed", recovery_seconds=1.5, lost_steps=0),
+    ]
+    recs = inv.recoveries(chaos, events)
+    assert [(r.action, r.reset_reason, r.recovery_seconds, r.lost_steps) for r in recs] == [
+        ("kill-worker", "worker_failed", 0.8, 3),
+        ("preempt-host", "hosts_removed", 1.5, 0),
+        ("freeze-worker", None, None, None),
+    ]
+    assert recs[0].seconds_to_reset == 1.0
+    check = inv.check_recovered(recs)
+    assert not check.ok and "freeze-worker: no reset" in check.detail
+    assert inv.check_recovered(recs, expect_reset=False).ok is None
+    assert inv.recovery_stats(recs, {"kill-worker"}) == {"count": 1, "p50": 0.8, "p95": 0.8}
+
+
+def test_a_killed_job_recovers_at_the_relaunch_start_that_resumed_from_a_checkpoint() -> None:
+    chaos = [{"ts": 10.0, "action": "kill-job"}]
+    events = [
+        ev(30.0, "start", 40, resumed_from_step=40),
+        ev(40.0, "reset", 45, reason="hosts_added", recovery_seconds=5.0, lost_steps=0),
+    ]
+    (rec,) = inv.recoveries(chaos, events)
+    assert (rec.reset_reason, rec.recovery_seconds) == ("relaunch", 20.0)
+
+
+def test_a_graceful_fault_may_not_roll_back_a_step() -> None:
+    drained = inv.Recovery("preempt-host", 1.0, "hosts_removed", 1.0, 1.0, 0)
+    killed = inv.Recovery("preempt-host", 1.0, "worker_failed", 1.0, 1.0, 4)
+    assert inv.check_no_step_lost([drained]).ok
+    assert not inv.check_no_step_lost([drained, killed]).ok
+
+
+def test_percentiles_are_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 21)]
+    assert inv.percentile(values, 50) == 10.0
+    assert inv.percentile(values, 95) == 19.0
+    assert inv.percentile([], 95) is None
+
+
+def test_the_table_prints_every_check_and_fails_when_one_breaks() -> None:
+    checks = [inv.Check("job completed", True, "exit 0"), inv.Check("goodput", None, "0.8")]
+    table = inv.format_table("scenario x", checks)
+    assert table.splitlines()[0] == "scenario x" and table.endswith("PASS")
+    assert inv.passed(checks)
+    broken = [*checks, inv.Check("one MLflow run", False, "2 runs")]
+    assert inv.format_table("x", broken).endswith("FAIL") and not inv.passed(broken)
+
+
+def test_goodput_check_is_informational_without_a_minimum() -> None:
+    assert inv.check_goodput(0.7).ok is None
+    assert inv.check_goodput(0.9, 0.85).ok
+    assert not inv.check_goodput(0.8, 0.85).ok
+    assert not inv.check_goodput(None).ok
+
+
+def test_the_loop_schedule_is_a_pure_function_of_its_seed() -> None:
+    a = faults.LoopPlan(seed=4, mtbf=10, actions=("kill-worker", "freeze-worker"), duration=300)
+    b = faults.LoopPlan(seed=4, mtbf=10, actions=("kill-worker", "freeze-worker"), duration=300)
+    c = faults.LoopPlan(seed=5, mtbf=10, actions=("kill-worker", "freeze-worker"), duration=300)
+    assert a.schedule == b.schedule != c.schedule
+    assert all(0 < t < 300 for t, _ in a.schedule) and len(a.schedule) > 10
+    fixed = faults.LoopPlan(seed=1, mtbf=60, actions=("kill-worker",), duration=200, fixed=True)
+    assert fixed.schedule == [(60.0, "kill-worker"), (120.0, "kill-worker"), (180.0, "kill-worker")]
+
+
+def test_the_loop_rejects_unknown_actions() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="unknown"):
+        faults.LoopPlan(seed=1, mtbf=1, actions=("rm-rf",), duration=10)
+
+
+def test_the_soak_kills_every_interval_and_runs_each_other_action_once() -> None:
+    schedule = soak_schedule(1200, 60)
+    kills = [t for t, a in schedule if a == "kill-worker"]
+    assert kills == [60.0 * k for k in range(1, 21)]
+    others = [a for _, a in schedule if a != "kill-worker"]
+    assert sorted(others) == sorted(set(others)) and len(others) == 5
+    assert [t for t, _ in schedule] == sorted(t for t, _ in schedule)
+
+
+def test_the_reference_cache_key_ignores_the_job_name_and_run_dir_only() -> None:
+    cfg = {"job": "a", "run_dir": "/x", "training": {"seed": 1}}
+    assert config_hash(cfg, ()) == config_hash({**cfg, "job": "b", "run_dir": "/y"}, ())
+    assert config_hash(cfg, ()) != config_hash({**cfg, "training": {"seed": 2}}, ())
+    assert config_hash(cfg, ()) != config_hash(cfg, ("--gloo-timeout-seconds", "5"))
+
+
+def test_the_chaos_log_writes_one_timestamped_json_line_per_fault(tmp_path) -> None:
+    log = faults.ChaosLog(tmp_path / "chaos.jsonl")
+    log.log("kill-worker", job="j", pid=5)
+    log.log("freeze-worker", job="j", phase="end")
+    lines = faults.read_chaos(tmp_path / "chaos.jsonl")
+    assert [x["action"] for x in lines] == ["kill-worker", "freeze-worker"]
+    assert all(isinstance(x["ts"], float) for x in lines) and list(lines[0])[:2] == ["ts", "action"]
+
+
+def test_a_checkpoint_temp_file_names_its_writer_pid(tmp_path) -> None:
+    step = tmp_path / "checkpoints" / "step-00000010"
+    step.mkdir(parents=True)
+    (step / ".state.pt.tmp-4242-deadbeef").write_bytes(b"x")
+    (step / "manifest.json").write_text("{}")
+    (temp,) = faults.checkpoint_temp_files(tmp_path)
+    assert faults.writer_pid(temp) == 4242
