@@ -105,7 +105,6 @@ class Demo:
             "launch",
             "--config", str(self.config_path),
             "--hosts", ",".join(self.hosts[:2]),
-            "--gloo-timeout-seconds", "15",
             "--blacklist-cooldown-range", "1", "2",
             "--drain-grace", "5",
         ]  # fmt: skip

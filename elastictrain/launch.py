@@ -110,8 +110,10 @@ class LaunchOptions:
     """Logical hosts to run agents for in the embedded mode."""
     extra: tuple[str, ...] = ()
     """horovodrun flags given after ``--``."""
-    gloo_timeout_seconds: int = 20
-    """Gloo timeout: survivors of a SIGKILLed worker wait this long; must cover a new worker's start-up."""
+    gloo_timeout_seconds: int = 60
+    """Gloo timeout. It bounds the rendezvous in which old workers wait for a new one to start (import torch,
+    init), so it must be generous on a slow machine. Survivors of a dead worker do not wait it out: the
+    worker's collective watchdog aborts their blocked receives once a peer failure is known."""
     blacklist_cooldown: tuple[int, int] = (5, 60)
     """horovodrun ``--blacklist-cooldown-range``: a failed host returns after this many seconds (backing off)."""
     reset_limit: int = 100
@@ -858,7 +860,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--etcd", default=None, metavar="URL", help="the cluster's etcd; none: start an embedded one")
     p.add_argument("--job", default=None, help="job name (default: the config's job)")
     p.add_argument("--hosts", default=None, help="embedded mode: logical hosts to run agents for (default: all)")
-    p.add_argument("--gloo-timeout-seconds", type=int, default=20, metavar="S", help="horovodrun Gloo timeout (20)")
+    p.add_argument(
+        "--gloo-timeout-seconds",
+        type=int,
+        default=60,
+        metavar="S",
+        help="horovodrun Gloo timeout; bounds the rendezvous with a starting worker (60)",
+    )
     p.add_argument(
         "--blacklist-cooldown-range", type=int, nargs=2, default=[5, 60], metavar=("MIN", "MAX"), help="(5 60)"
     )

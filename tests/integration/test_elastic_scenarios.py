@@ -118,3 +118,20 @@ def test_global_policy_parameters_match_a_fault_free_run(jobs, tmp_path):
     rel = float((a - b).norm() / a.norm())
     assert rel < 1e-4, f"relative L2 difference {rel:.3e}"
     assert_exactly_once(faulty, 2400, 1)
+
+
+def test_bf16_autocast_fp16_compression_and_accumulation_train_exactly_once(jobs, tmp_path):
+    job = run_job(
+        jobs,
+        tmp_path,
+        "amp",
+        HOSTS[:2],
+        precision__mode="bf16",
+        compression__gradients="fp16",
+        training__grad_accumulation=2,
+        training__epochs=1,
+        data__num_samples=768,
+    )
+    assert job.wait() == 0, job.tail()
+    assert_exactly_once(job, 3072, 1)
+    assert_loss_falls(job)

@@ -50,7 +50,7 @@ def test_embedded_command_has_discovery_bounds_local_interface_and_the_worker_af
     assert flag(cmd, "--host-discovery-script") == [str(REPO / "discovery" / "discover.sh")]
     assert flag(cmd, "--network-interfaces") == ["lo"]
     assert "--gloo" in cmd
-    assert flag(cmd, "--gloo-timeout-seconds") == ["20"]
+    assert flag(cmd, "--gloo-timeout-seconds") == ["60"]
     assert flag(cmd, "--blacklist-cooldown-range", 2) == ["5", "60"]
     assert flag(cmd, "--reset-limit") == ["100"]
     train = cmd.index("train")

@@ -1,0 +1,71 @@
+"""Models by name, datasets with per-sample seeded augmentation, and the bf16 CPU step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from elastictrain.config import ConfigError, DataConfig, ModelConfig
+from elastictrain.data import SeededImageFolder, SyntheticImages, build_datasets, image_transforms
+from elastictrain.models import build_model
+from elastictrain.step import Precision, train_step
+
+
+@pytest.mark.parametrize("name", ["small_cnn", "resnet18"])
+def test_models_by_name_produce_logits(name):
+    model = build_model(ModelConfig(name=name, num_classes=7))
+    out = model(torch.randn(2, 3, 32, 32))
+    assert out.shape == (2, 7)
+
+
+def test_unknown_model_is_a_one_line_config_error():
+    with pytest.raises(ConfigError, match=r"model.name: unknown architecture 'resnet19' \(did you mean"):
+        build_model(ModelConfig(name="resnet19"))
+
+
+def test_synthetic_samples_are_a_pure_function_of_their_id():
+    a, b = SyntheticImages(64, 5, 8, seed=1), SyntheticImages(64, 5, 8, seed=1)
+    xa, ya, ia = a[17]
+    xb, yb, ib = b[17]
+    assert torch.equal(xa, xb) and ya == yb and ia == ib == 17
+
+
+def write_folder(root, n=6):
+    for c in ("a", "b"):
+        (root / c).mkdir(parents=True)
+        for i in range(n):
+            arr = (np.random.default_rng(i).random((20, 20, 3)) * 255).astype("uint8")
+            Image.fromarray(arr).save(root / c / f"{i}.png")
+
+
+def test_image_folder_augmentation_depends_on_sample_and_epoch_not_on_load_order(tmp_path):
+    write_folder(tmp_path)
+    ds = SeededImageFolder(str(tmp_path), image_transforms(16, train=True, augment=True), seed=3)
+    first = ds[4][0]
+    torch.manual_seed(999)  # the process RNG does not matter
+    _ = ds[1]
+    assert torch.equal(ds[4][0], first)
+    ds.set_epoch(1)
+    assert not torch.equal(ds[4][0], first)
+
+
+def test_missing_image_folder_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"data\.path"):
+        build_datasets(DataConfig(kind="image_folder", path=str(tmp_path / "nope")), 10, 0)
+
+
+def test_bf16_autocast_step_on_cpu_learns():
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(name="small_cnn", num_classes=2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    prec = Precision.resolve("fp16", torch.device("cpu"))
+    assert prec.autocast_dtype == torch.bfloat16 and not prec.use_scaler
+    x = torch.randn(16, 3, 16, 16)
+    y = (x.mean(dim=(1, 2, 3)) > 0).long()
+    losses = []
+    for _ in range(15):
+        st = train_step(model, opt, None, [(x[:8], y[:8]), (x[8:], y[8:])], 16, precision=prec, grad_clip_norm=1.0)
+        losses.append(float(st.loss_sum) / 16)
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]
