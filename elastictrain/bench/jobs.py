@@ -84,7 +84,7 @@ class ElasticJob:
     hosts: list[str]
     min_np: int = 2
     max_np: int = 3
-    gloo_timeout: int = 10
+    gloo_timeout: int = 60  # bounds the rendezvous with a starting worker; the watchdog cuts failures short
     cooldown: tuple[int, int] = (1, 2)
     """horovodrun ``--blacklist-cooldown-range``."""
     threads: int = 1
