@@ -130,7 +130,6 @@ def test_bf16_autocast_fp16_compression_and_accumulation_train_exactly_once(jobs
         compression__gradients="fp16",
         training__grad_accumulation=2,
         training__epochs=1,
-        data__num_samples=768,
     )
     assert job.wait() == 0, job.tail()
     assert_exactly_once(job, 3072, 1)
