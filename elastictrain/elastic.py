@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import horovod
 import horovod.torch as hvd
 import torch
 from horovod.common.elastic import State
@@ -258,6 +259,7 @@ class ElasticTrainer:
         self.resumed_from: int | None = None
         self._checkpointed_step = -1
         self._start_emitted = False
+        self._last_loss: float | None = None
         marker = FailureMarker(cfg.run_path / ".elastic" / "collective-failure")
 
         def on_failure() -> None:
@@ -334,10 +336,16 @@ class ElasticTrainer:
             rank=0, enabled=cfg.tracking.progress_bar, total_steps=total, initial_step=self.counters.step
         )
         self.tracker.log_params(cfg.flat())
+        config_file = cfg.run_path / "config.yaml"  # the resolved config, next to the run and in MLflow
+        config_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = config_file.with_name(f".config.yaml.{os.getpid()}")
+        tmp.write_text(cfg.to_yaml())
+        os.replace(tmp, config_file)
+        self.tracker.log_artifact(config_file)
         self.tracker.set_tags(
             {
                 "elastictrain.job": cfg.job,
-                "horovod": hvd.__version__ if hasattr(hvd, "__version__") else "0.28.1",
+                "horovod": horovod.__version__,
                 "torch": torch.__version__,
             }
         )
@@ -580,6 +588,7 @@ class ElasticTrainer:
             **{k: v for k, v in values.items() if k != "world_size"},
         )
         self.tracker.log_metrics(values, step=c.step)
+        self._last_loss = values["loss"]
         if self.ctx.is_rank0:
             log.info("metrics", step=c.step, **{k: round(v, 5) for k, v in values.items()})
         self.progress.update(c.step, world_size=self.ctx.size, epoch=self.sampler.epoch, loss=values["loss"])
@@ -676,9 +685,23 @@ class ElasticTrainer:
             step=self.counters.step,
             epoch=self.sampler.epoch,
             world_size=self.ctx.size,
-            final_loss=None,
+            final_loss=self._last_loss,
             val_accuracy=getattr(self, "last_val_accuracy", None),
         )
+
+    def publish_report(self) -> None:
+        """Rank 0, after training: the timeline PNG and summary into run_dir and MLflow (never fails the job)."""
+        if not self.ctx.is_rank0:
+            return
+        try:
+            from elastictrain.report import report
+
+            self.events.flush(timeout=10)
+            summary = report(self.cfg.run_path)
+            self.tracker.log_artifact(summary["png"])
+            self.tracker.log_artifact(self.cfg.run_path / "report.json")
+        except Exception as e:  # a report is a convenience; the trained model is what counts
+            log.warning("could not write the run report", error=str(e).splitlines()[0] if str(e) else repr(e))
 
     # ------------------------------------------------------------------------------------ stop / close
     def on_sigterm(self, signum: int, frame: Any) -> None:
@@ -713,6 +736,7 @@ def run(cfg: JobConfig) -> int:
         hvd.elastic.run(trainer.train)(trainer.state)
         status = "FINISHED"
         log.info("training complete", step=trainer.counters.step)
+        trainer.publish_report()
         return 0
     except StopRequested:
         ok = trainer.checkpoint_last_commit()

@@ -59,6 +59,14 @@ def test_full_job_killed_mid_epoch_resumes_at_the_checkpoint_in_the_same_mlflow_
     steps = [m.step for m in history]
     assert len(steps) == len(set(steps)), "a (step, loss) point was logged twice"
     assert max(steps) > killed_at  # points from after the resume are in the same run
+    run = runs[0]
+    assert run.data.tags["horovod"] == "0.28.1" and run.data.tags["torch"].startswith("2.")
+    assert run.data.params["training.epochs"] == "1"
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "report.png", "report.json"} <= artifacts, artifacts
+    assert (second.run_dir / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    done = [e for e in read_events(second.events_path) if e["event"] == "done"]
+    assert done and isinstance(done[-1]["final_loss"], float)
 
 
 def test_sigterm_to_the_workers_checkpoints_the_last_commit_before_they_exit(jobs, tmp_path):
