@@ -227,9 +227,18 @@ def recovery_stats(recs: Sequence[Recovery], actions: set[str]) -> dict[str, flo
     }
 
 
-def check_recovered(recs: Sequence[Recovery], *, expect_reset: bool = True) -> Check:
-    """Every fault was followed by a reset or a relaunch (when the scenario expects one)."""
-    missing = [r.action for r in recs if r.reset_reason is None]
+RESET_EXPECTED = frozenset(
+    {"kill-worker", "kill-host", "preempt-host", "kill-during-checkpoint", "kill-during-commit", "kill-job",
+     "kill-agent"}
+)  # fmt: skip
+"""Faults that must be followed by a reset or relaunch; a short freeze or etcd outage need not be."""
+
+
+def check_recovered(
+    recs: Sequence[Recovery], *, expect_reset: bool = True, required: frozenset[str] = RESET_EXPECTED
+) -> Check:
+    """Every fault of a ``required`` kind was followed by a reset or a relaunch (when the scenario expects one)."""
+    missing = [r.action for r in recs if r.reset_reason is None and r.action in required]
     if not recs:
         return Check("recovery seconds per fault", None, "no fault injected")
     parts = [
