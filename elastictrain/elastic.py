@@ -722,6 +722,16 @@ class ElasticTrainer:
         if self.ledger is not None:
             self.ledger.close()
         self.tracker.close(status=status)
+        if self.tracker.dropped:
+            log.warning("tracking points dropped", dropped=self.tracker.dropped)
+        self.events.emit(
+            "tracking_closed",
+            step=self.counters.step,
+            epoch=self.sampler.epoch,
+            world_size=self.ctx.size,
+            run_id=self.tracker.run_id,
+            dropped=self.tracker.dropped,
+        )
         self.events.close()
 
 

@@ -82,3 +82,21 @@ def test_sigterm_to_the_workers_checkpoints_the_last_commit_before_they_exit(job
     last_commit = max(e["step"] for e in job.events("commit"))
     ckpt = load_latest(LocalStorage.for_run_dir(job.run_dir))
     assert ckpt is not None and ckpt.step == last_commit
+
+
+def test_tracking_server_stopped_mid_training_costs_points_not_the_job(jobs, tmp_path, mlflow_server):
+    cfg = job_config(
+        tmp_path / "run",
+        training__epochs=1,
+        tracking__mlflow=True,
+        tracking__tracking_uri=mlflow_server.uri,
+        training__log_every_steps=2,
+    )
+    job = ElasticJob(tmp_path / "m", cfg, HOSTS[:2])
+    jobs.append(job.start())
+    job.wait_step(10)
+    mlflow_server.stop()
+    assert job.wait() == 0, job.tail()
+    assert job.events("done")
+    closed = job.events("tracking_closed")
+    assert closed and closed[-1]["dropped"] > 0, closed
