@@ -174,6 +174,7 @@ class MlflowBackend:
         if self._client is None:
             from mlflow import MlflowClient
 
+            _create_sqlite_store_atomically(self.tracking_uri)
             self._client = MlflowClient(tracking_uri=self.tracking_uri)
         return self._client
 
@@ -255,6 +256,28 @@ class MlflowBackend:
 
     def finish(self, run_id: str, status: str) -> None:
         self.client.set_terminated(run_id, status)
+
+
+def _create_sqlite_store_atomically(tracking_uri: str) -> None:
+    """Create a new sqlite store under a temporary name and move it into place when its schema is complete.
+
+    MLflow creates the schema in the final file, table after table; a rank 0 killed meanwhile (seen in the
+    chaos suite) left a half-made ``mlflow.db`` that no later process could open. Now the file appears whole.
+    """
+    prefix = "sqlite:///"
+    if not tracking_uri.startswith(prefix):
+        return
+    path = Path(tracking_uri[len(prefix) :])
+    if path.exists() or str(path) in ("", ":memory:"):
+        return
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.creating.{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    store = SqlAlchemyStore(f"{prefix}{tmp}", str(path.parent / "mlartifacts"))
+    store.engine.dispose()
+    os.replace(tmp, path)
 
 
 def default_tracking_uri(run_dir: str | os.PathLike[str]) -> str:

@@ -282,3 +282,19 @@ def test_the_tracking_uri_comes_from_config_then_env_then_the_run_dir(tmp_path: 
     )
     assert resolve_tracking_uri(None, tmp_path, env={"MLFLOW_TRACKING_URI": "http://env"}) == "http://env"
     assert resolve_tracking_uri(None, tmp_path, env={}) == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
+
+
+def test_a_new_sqlite_store_appears_only_when_its_schema_is_complete(tmp_path):
+    from elastictrain.tracking import _create_sqlite_store_atomically
+
+    db = tmp_path / "run" / "mlflow.db"
+    _create_sqlite_store_atomically(f"sqlite:///{db}")
+    assert db.exists()
+    assert [p.name for p in db.parent.iterdir() if p.name.startswith(".")] == []  # no temp file left
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{db}")
+    assert client.search_experiments()  # a usable store with its schema
+    before = db.stat().st_mtime_ns
+    _create_sqlite_store_atomically(f"sqlite:///{db}")  # an existing store is left alone
+    assert db.stat().st_mtime_ns == before
