@@ -19,7 +19,7 @@ STATE_MB = 256
 def run(ctx: BenchContext) -> Result:
     from elastictrain.checkpoint.bench import bench_checkpoint_stall
 
-    repeats = 3 if ctx.quick else 7
+    repeats = 2 if ctx.quick else 7
     ctx.progress(f"{STATE_MB} MiB state, {repeats} sync/async pairs")
     r = bench_checkpoint_stall(state_mb=STATE_MB, repeats=repeats, tmp_root=str(ctx.workdir))
     ctx.progress(

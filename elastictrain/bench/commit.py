@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from elastictrain.bench.core import BenchContext, Goal, Metric, Result, alternate, summary
+from elastictrain.bench.core import BenchContext, Goal, Metric, Result, alternate, summary, threads_per_worker
 from elastictrain.bench.runs import run_elastictrain
 
 NAME = "commit"
@@ -106,7 +106,7 @@ def run(ctx: BenchContext) -> Result:
     runs = ctx.cache.get("elastictrain_ws2") or []
     if not runs:
         ctx.progress("one elastictrain run (2 workers) for commit events")
-        runs = [run_elastictrain(ctx.scratch("commit"), world_size=2, max_steps=120)]
+        runs = [run_elastictrain(ctx.scratch("commit"), world_size=2, max_steps=80)]
         ctx.cache["elastictrain_ws2"] = runs
     share = commit_share(runs)
     ctx.progress(
@@ -114,7 +114,14 @@ def run(ctx: BenchContext) -> Result:
         f"{share['step_seconds_median'] * 1e3:.1f} ms: {share['percent_of_step_time']:.3f}% of step time"
     )
     repeats = 10 if ctx.quick else 30
-    micro = {name: microbench(name, repeats, ctx.progress) for name in ("resnet18", "small_cnn")}
+    # The threads a worker has here (cores / 2 workers, as launch sets them): more threads than cores
+    # left over by other load make parallel copies spin instead of copy.
+    threads, old_threads = threads_per_worker(2), torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        micro = {name: microbench(name, repeats, ctx.progress) for name in ("resnet18", "small_cnn")}
+    finally:
+        torch.set_num_threads(old_threads)
     return Result(
         NAME,
         metrics=[
@@ -134,5 +141,5 @@ def run(ctx: BenchContext) -> Result:
             "elastictrain (resnet18)": micro["resnet18"]["elastictrain"],
             "stock_torchstate (resnet18)": micro["resnet18"]["stock_torchstate"],
         },
-        detail={"in_run": share, "microbench": micro, "repeats": repeats},
+        detail={"in_run": share, "microbench": micro, "repeats": repeats, "torch_threads": threads},
     )

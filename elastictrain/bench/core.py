@@ -95,9 +95,12 @@ class Result:
 
 
 def _clean(obj: Any) -> Any:
-    """JSON-safe copy: NaN and infinities become None, tuples become lists, floats keep 6 significant digits."""
+    """JSON-safe copy: NaN and infinities become None, tuples become lists, floats are shortened (4 decimals
+    from 1 up, so that unix timestamps keep their sub-second part; 6 significant digits below)."""
     if isinstance(obj, float):
-        return None if not math.isfinite(obj) else float(f"{obj:.6g}")
+        if not math.isfinite(obj):
+            return None
+        return round(obj, 4) if abs(obj) >= 1 else float(f"{obj:.6g}")
     if isinstance(obj, dict):
         return {str(k): _clean(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):

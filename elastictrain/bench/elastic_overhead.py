@@ -22,17 +22,12 @@ WORLD_SIZE = 2
 
 def plan(quick: bool) -> tuple[int, int]:
     """(pairs of runs, steps per run)."""
-    return (1, 120) if quick else (3, 300)
-
-
-def elastictrain_runs(ctx: BenchContext, repeats: int, steps: int) -> list[dict[str, Any]]:
-    """Cached world-size-2 elastictrain runs (``commit`` and ``scaling`` reuse them)."""
-    return ctx.cache.setdefault("elastictrain_ws2", [])
+    return (1, 80) if quick else (3, 300)
 
 
 def run(ctx: BenchContext) -> Result:
     pairs, steps = plan(ctx.quick)
-    et_runs = elastictrain_runs(ctx, pairs, steps)
+    et_runs: list[dict[str, Any]] = ctx.cache.setdefault("elastictrain_ws2", [])  # commit, scaling reuse them
 
     def elastictrain(_r: int) -> dict[str, Any]:
         out = run_elastictrain(ctx.scratch("elastictrain"), world_size=WORLD_SIZE, max_steps=steps)

@@ -61,6 +61,17 @@ def _reset_after(job: ElasticJob, ts: float, new_size: int, timeout: float) -> d
     )
 
 
+def _outcome(reset: dict[str, Any], t_fault: float) -> dict[str, Any]:
+    """Seconds from the fault to the first step at the new size, steps rolled back, and (elastictrain only)
+    the worker's own ``recovery_seconds`` (from the failure or host notice it saw)."""
+    return {
+        "seconds": reset["ts"] - t_fault,
+        "lost_steps": reset.get("lost_steps"),
+        "step": reset["step"],
+        "worker_recovery_seconds": reset.get("recovery_seconds"),
+    }
+
+
 def trial(
     workdir: Path,
     command: Callable[[Path], list[str]],
@@ -87,14 +98,14 @@ def trial(
         host, t_kill = job.kill_worker(rank=2, sig=signal.SIGKILL)
         job.set_hosts([h for h in job.hosts if h != host])
         reset = _reset_after(job, t_kill, 2, timeout=4 * GLOO_TIMEOUT_SECONDS)
-        kill = {"seconds": reset["ts"] - t_kill, "lost_steps": reset.get("lost_steps"), "step": reset["step"]}
+        kill = _outcome(reset, t_kill)
         log(f"SIGKILL: {kill['seconds']:.2f} s to the first step at 2 workers, {kill['lost_steps']} steps rolled back")
         job.wait_step(reset["step"] + 10, timeout=120)
         drained = job.worker(rank=1).environ()["HOROVOD_HOSTNAME"]
         t_drain = time.time()
         job.set_hosts([h for h in job.hosts if h != drained])
         reset = _reset_after(job, t_drain, 1, timeout=4 * GLOO_TIMEOUT_SECONDS)
-        drain = {"seconds": reset["ts"] - t_drain, "lost_steps": reset.get("lost_steps"), "step": reset["step"]}
+        drain = _outcome(reset, t_drain)
         log(f"drain: {drain['seconds']:.2f} s to the first step at 1 worker, {drain['lost_steps']} steps rolled back")
         return {"sigkill": kill, "drain": drain}
     finally:

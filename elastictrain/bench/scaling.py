@@ -13,11 +13,15 @@ NAME = "scaling"
 
 
 def run(ctx: BenchContext) -> Result:
-    steps = 120 if ctx.quick else 300
+    steps = 60 if ctx.quick else 300
     ws2 = ctx.cache.get("elastictrain_ws2") or []
     if ws2:
         ctx.progress(f"world size 2: reusing {len(ws2)} run(s) of elastic_overhead")
-        runs = alternate([("1", lambda _r: run_elastictrain(ctx.scratch("ws1"), world_size=1, max_steps=steps))], 1)
+        runs = alternate(
+            [("1", lambda _r: run_elastictrain(ctx.scratch("ws1"), world_size=1, max_steps=steps))],
+            1 if ctx.quick else 2,
+            ctx.progress,
+        )
         runs["2"] = ws2
     else:
         repeats = 1 if ctx.quick else 2
