@@ -162,6 +162,16 @@ FAULT_ACTIONS = frozenset(
 )  # fmt: skip
 
 
+EXPECTED_REASONS: dict[str, tuple[str, ...]] = {
+    "preempt-host": ("hosts_removed",),
+    "kill-agent": ("hosts_removed",),
+    "kill-worker": ("worker_failed",),
+    "kill-host": ("worker_failed", "hosts_removed"),
+    "kill-during-checkpoint": ("worker_failed",),
+    "kill-during-commit": ("worker_failed",),
+}
+
+
 @dataclass(frozen=True, slots=True)
 class Recovery:
     action: str
@@ -184,7 +194,10 @@ def recoveries(faults: Sequence[Mapping[str, Any]], events: Sequence[Mapping[str
         t_next = float(hits[i + 1]["ts"]) if i + 1 < len(hits) else math.inf
         window = [e for e in events if t <= float(e.get("ts", 0)) < t_next]
         # A reset after the fault; else (the whole job went down) the relaunch's start from a checkpoint.
-        reset = next((e for e in window if e.get("event") == "reset"), None)
+        resets = [e for e in window if e.get("event") == "reset"]
+        # Prefer the reset the fault causes (a drain: hosts_removed), not a grow-back of an earlier fault.
+        wanted = EXPECTED_REASONS.get(str(f.get("action")), ())
+        reset = next((e for e in resets if e.get("reason") in wanted), resets[0] if resets else None)
         relaunch = next(
             (e for e in window if e.get("event") == "start" and e.get("resumed_from_step") is not None), None
         )

@@ -92,10 +92,21 @@ def test_each_fault_is_matched_with_the_first_reset_after_it_and_before_the_next
         ("freeze-worker", None, None, None),
     ]
     assert recs[0].seconds_to_reset == 1.0
-    check = inv.check_recovered(recs)
+    assert inv.check_recovered(recs).ok, "a freeze shorter than the Gloo timeout need not cause a reset"
+    check = inv.check_recovered(recs, required=inv.RESET_EXPECTED | {"freeze-worker"})
     assert not check.ok and "freeze-worker: no reset" in check.detail
     assert inv.check_recovered(recs, expect_reset=False).ok is None
     assert inv.recovery_stats(recs, {"kill-worker"}) == {"count": 1, "p50": 0.8, "p95": 0.8}
+
+
+def test_a_drain_is_matched_with_its_hosts_removed_reset_not_an_earlier_faults_grow_back() -> None:
+    chaos = [{"ts": 10.0, "action": "preempt-host", "host": "vm"}]
+    events = [
+        ev(11.0, "reset", 30, reason="hosts_changed", recovery_seconds=7.3, lost_steps=0),
+        ev(12.0, "reset", 35, reason="hosts_removed", recovery_seconds=0.4, lost_steps=0),
+    ]
+    (rec,) = inv.recoveries(chaos, events)
+    assert (rec.reset_reason, rec.recovery_seconds) == ("hosts_removed", 0.4)
 
 
 def test_a_killed_job_recovers_at_the_relaunch_start_that_resumed_from_a_checkpoint() -> None:
