@@ -39,7 +39,15 @@ from elastictrain.events import NullEventLog, open_event_log
 from elastictrain.models import build_model
 from elastictrain.policy import ScaleRamp, batch_plan, lr_scale, schedule_factor
 from elastictrain.progress import NullProgress, Progress, make_progress
-from elastictrain.sampler import ExactlyOncePlanner, SampleLedger, SamplerState, StepPlan, iter_plans, shares
+from elastictrain.sampler import (
+    ExactlyOncePlanner,
+    SampleLedger,
+    SamplerState,
+    StepLog,
+    StepPlan,
+    iter_plans,
+    shares,
+)
 from elastictrain.state import CommittedState, Counters, reseed
 from elastictrain.step import Precision, eval_batches, train_step
 from elastictrain.tracking import NullTracker, Tracker, make_tracker
@@ -240,8 +248,17 @@ class ElasticTrainer:
         self.scaler = torch.amp.GradScaler("cuda") if self.precision.use_scaler else None
         self.counters = Counters()
         self.ramp = ScaleRamp(1.0, 1.0, 0, 0)
+        # With the audit on, the last steps' plans travel with the committed state (see StepLog).
+        self.step_log = StepLog(maxlen=4 * cfg.elastic.commit_every_steps + 8 if cfg.audit.sample_ledger else 0)
         self.committed = CommittedState(
-            self.model, self.optimizer, self.scheduler, self.scaler, self.sampler, self.counters, self.ramp
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.scaler,
+            self.sampler,
+            self.counters,
+            self.ramp,
+            self.step_log,
         )
         self.state = ElasticTrainingState(self.committed, t.seed, lambda: self.stop_requested)
         self.config_hash = cfg.digest()
@@ -252,7 +269,8 @@ class ElasticTrainer:
         self.checkpointer: Checkpointer | None = None
         self.ledger: SampleLedger | None = None
         self.progress: Progress = NullProgress()
-        self._pending_ledger: list[tuple[int, int, list[int]]] = []
+        self._ledger_written = -1
+        """Highest step this process (as rank 0) has written to the ledger."""
         self._pending_reset: dict[str, Any] | None = None
         self._metrics = self._zero_metrics()
         self._last_log = (time.perf_counter(), 0)
@@ -422,9 +440,12 @@ class ElasticTrainer:
             self._pending_reset["lost_steps"] = self.state.lost_steps
         self.state.failure = None
         self.state.lost_steps = 0
-        self._pending_ledger.clear()
         if self.ledger is not None:
+            # Steps after the commit were rolled back; steps up to it that a dead rank 0 never wrote are
+            # in the synced step log: write them again (replay is idempotent).
             self.ledger.restore(c.step)
+            self._ledger_written = -1
+            self._write_ledger()
         self._apply_lr()
         self._metrics = self._zero_metrics()
         self._last_log = (time.perf_counter(), c.step)
@@ -506,9 +527,7 @@ class ElasticTrainer:
             c.step += 1
             c.samples += plan.global_count
             self.sampler.cursor += plan.global_count
-            if self.ledger is not None:
-                perm = self.planner.permutation(plan.epoch)
-                self._pending_ledger.append((c.step, plan.epoch, perm[plan.start : plan.start + plan.global_count]))
+            self.step_log.append(c.step, plan.epoch, plan.start, plan.global_count)
             self._apply_lr()
             m = self._metrics
             m["loss"] += stats.loss_sum.double().cpu()
@@ -595,14 +614,20 @@ class ElasticTrainer:
         self._metrics = self._zero_metrics()
         self._last_log = (now, s_last + steps)
 
+    def _write_ledger(self) -> None:
+        """Rank 0: record the steps of the step log not yet written, *before* they are committed."""
+        if self.ledger is None:
+            return
+        for step, epoch, start, count in self.step_log.entries or []:
+            if step > self._ledger_written:
+                self.ledger.record(step, epoch, self.planner.permutation(epoch)[start : start + count])
+                self._ledger_written = step
+        self.ledger.flush()
+
     def _commit(self, state: ElasticTrainingState, checkpoint: bool = False) -> None:
         """Ledger (rank 0), in-memory commit, optional checkpoint, then the host-update check (may raise)."""
         c = self.counters
-        if self.ledger is not None:
-            for step, epoch, ids in self._pending_ledger:
-                self.ledger.record(step, epoch, ids)
-            self.ledger.flush()
-        self._pending_ledger.clear()
+        self._write_ledger()
         state.save()
         self.events.emit(
             "commit",
@@ -676,8 +701,8 @@ class ElasticTrainer:
     def _finish(self, state: ElasticTrainingState) -> None:
         if self._metrics["steps"]:
             self._log_metrics()
+        self._write_ledger()
         state.save()
-        self._pending_ledger.clear()
         if self.cfg.checkpoint.enabled:
             self._checkpoint(wait=True)
         self.events.emit(

@@ -93,6 +93,32 @@ class ExactlyOncePlanner:
 
 
 # ---------------------------------------------------------------------------------------------- ledger
+@dataclass(slots=True)
+class StepLog:
+    """The last steps' ``(step, epoch, start, count)``: part of the committed state when the audit is on.
+
+    Every rank keeps it, so whichever process holds rank 0 after a sync can write ledger entries that a
+    dead rank 0 never wrote (its peers may have committed steps it had not recorded yet).
+    """
+
+    maxlen: int = 0
+    entries: list[tuple[int, int, int, int]] | None = None
+
+    def append(self, step: int, epoch: int, start: int, count: int) -> None:
+        if self.maxlen <= 0:
+            return
+        if self.entries is None:
+            self.entries = []
+        self.entries.append((step, epoch, start, count))
+        del self.entries[: max(0, len(self.entries) - self.maxlen)]
+
+    def state_dict(self) -> list[tuple[int, int, int, int]]:
+        return list(self.entries or [])
+
+    def load_state_dict(self, entries: list[Any] | None) -> None:
+        self.entries = [(int(a), int(b), int(c), int(d)) for a, b, c, d in entries or []]
+
+
 class SampleLedger:
     """Rank 0's audit record of which sample ids each committed step used (``run_dir/ledger/``).
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from elastictrain.policy import ScaleRamp
-from elastictrain.sampler import SamplerState
+from elastictrain.sampler import SamplerState, StepLog
 
 
 @dataclass(slots=True)
@@ -162,6 +162,7 @@ class CommittedState:
         sampler: SamplerState,
         counters: Counters,
         ramp: ScaleRamp,
+        step_log: StepLog | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -170,6 +171,7 @@ class CommittedState:
         self.sampler = sampler
         self.counters = counters
         self.ramp = ramp
+        self.step_log = step_log or StepLog()
         self._model_snapshot = TensorSnapshot()
         self._opt_snapshot = OptimizerSnapshot(optimizer)
         self._small: dict[str, Any] = {}
@@ -184,6 +186,7 @@ class CommittedState:
             "sampler": self.sampler.state_dict(),
             "counters": self.counters.state_dict(),
             "ramp": self.ramp.state_dict(),
+            "step_log": self.step_log.state_dict(),
         }
 
     def load_small_state(self, d: dict[str, Any]) -> None:
@@ -193,6 +196,7 @@ class CommittedState:
         self.sampler.load_state_dict(d["sampler"])
         self.counters.load_state_dict(d["counters"])
         self.ramp.load_state_dict(d["ramp"])
+        self.step_log.load_state_dict(d.get("step_log"))
 
     def save(self) -> None:
         self._model_snapshot.save(module_tensors(self.model))

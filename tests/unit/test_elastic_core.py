@@ -206,3 +206,39 @@ def test_uneven_and_empty_shares_give_the_global_mean_gradient():
                 g += p.grad
     for g, p in zip(grads, ref.parameters(), strict=True):
         assert torch.allclose(g, p.grad, atol=1e-6)
+
+
+def test_a_new_rank0_rewrites_committed_steps_that_the_dead_rank0_never_recorded(tmp_path):
+    """Peers committed steps 4-6 but rank 0 died before writing them; the synced step log fills the gap."""
+    from elastictrain.sampler import StepLog
+
+    planner = ExactlyOncePlanner(12, seed=0)
+    perm = planner.permutation(0)
+    log = StepLog(maxlen=8)
+    for step in range(1, 7):
+        log.append(step, 0, (step - 1) * 2, 2)
+    old = SampleLedger(tmp_path, "1-old")
+    for step, epoch, start, count in log.entries[:3]:  # the old rank 0 wrote steps 1-3, then died
+        old.record(step, epoch, perm[start : start + count])
+    old.record(7, 0, perm[12:12])  # and a step 7 that was never committed anywhere
+    old.close()
+    synced = StepLog(maxlen=8)
+    synced.load_state_dict(log.state_dict())  # what the new rank 0 received in the sync (committed at step 6)
+    new = SampleLedger(tmp_path, "2-new")
+    new.restore(6)
+    for step, epoch, start, count in synced.entries:
+        new.record(step, epoch, perm[start : start + count])
+    new.close()
+    assert committed_samples(tmp_path) == {0: perm[:12]}
+
+
+def test_step_log_keeps_only_its_last_entries_and_is_off_at_maxlen_zero():
+    from elastictrain.sampler import StepLog
+
+    log = StepLog(maxlen=3)
+    for s in range(10):
+        log.append(s, 0, s, 1)
+    assert [e[0] for e in log.entries] == [7, 8, 9]
+    off = StepLog()
+    off.append(1, 0, 0, 1)
+    assert off.state_dict() == []
