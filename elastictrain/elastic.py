@@ -115,8 +115,19 @@ def _control_ports() -> tuple[set[int], set[int]]:
     if service is not None:
         for addrs in service.addresses().values():
             local.update(int(port) for _ip, port in addrs)
-    port = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT")
-    return local, ({int(port)} if port else set())
+    remote = {int(p) for p in (os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT"), _tracking_port()) if p}
+    return local, remote
+
+
+def _tracking_port() -> int | None:
+    """Port of an HTTP MLflow tracking server (its keep-alive connections are not Gloo's)."""
+    from urllib.parse import urlparse
+
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    parsed = urlparse(uri)
+    if parsed.scheme not in ("http", "https"):
+        return None
+    return parsed.port or (443 if parsed.scheme == "https" else 80)
 
 
 class ElasticTrainingState(State):
@@ -474,6 +485,7 @@ class ElasticTrainer:
     def train(self, state: ElasticTrainingState) -> None:
         """The function ``hvd.elastic.run`` calls (again after every reset)."""
         self.watchdog.idle()
+        self.watchdog.snapshot_ring()
         state.last_progress_ts = time.time()
         self._after_sync()
         cfg, c, t = self.cfg, self.counters, self.cfg.training

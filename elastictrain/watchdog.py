@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from discovery.logconf import get_logger
 
@@ -55,19 +56,26 @@ def should_abort(
     failure_ts: float | None,
     notified: bool,
     policy: WatchdogPolicy,
+    peer_closed: Callable[[], bool] = lambda: False,
 ) -> str | None:
     """Why the collectives of this step should be aborted now, or None.
 
     ``step_started`` is None between steps. ``failure_ts`` is the newest failure recorded by any worker;
     only a failure after this step started counts. ``notified``: a host-change notice is pending.
+    ``peer_closed`` (asked only once the step is overdue): a Gloo connection of this ring was closed by its
+    peer, i.e. a worker process is gone.
     """
     if step_started is None:
         return None
     waited = now - step_started
+    overdue = waited >= max(policy.failed_min_seconds, policy.failed_factor * typical_step)
     if failure_ts is not None and failure_ts >= step_started:
-        if waited >= max(policy.failed_min_seconds, policy.failed_factor * typical_step):
+        if overdue:
             return f"a peer failed {now - failure_ts:.1f}s ago and this step has waited {waited:.1f}s"
-    elif notified and waited >= max(policy.notified_min_seconds, policy.notified_factor * typical_step):
+        return None
+    if overdue and peer_closed():
+        return f"a peer closed its connection of this ring and this step has waited {waited:.1f}s"
+    if notified and waited >= max(policy.notified_min_seconds, policy.notified_factor * typical_step):
         return f"hosts changed and this step has waited {waited:.1f}s"
     return None
 
@@ -90,6 +98,34 @@ class FailureMarker:
             return float(self.path.read_text().split()[0])
         except (OSError, ValueError, IndexError):
             return None
+
+
+def ring_connections(exclude_local_ports: set[int], exclude_remote_ports: set[int]) -> set[tuple[Any, Any]]:
+    """(local, remote) addresses of this process's established TCP connections outside the control plane.
+
+    Taken right after a rendezvous, these are the Gloo connections of the new ring (Gloo connects every pair
+    of ranks, so every survivor has a direct connection to a worker that dies).
+    """
+    import psutil
+
+    return {
+        (c.laddr, c.raddr)
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.status == psutil.CONN_ESTABLISHED
+        and c.raddr
+        and c.laddr.port not in exclude_local_ports
+        and c.raddr.port not in exclude_remote_ports
+    }
+
+
+def closed_by_peer(ring: set[tuple[Any, Any]]) -> bool:
+    """Whether a connection of ``ring`` is in CLOSE_WAIT: its peer (process) closed it."""
+    import psutil
+
+    return any(
+        c.status == psutil.CONN_CLOSE_WAIT and (c.laddr, c.raddr) in ring
+        for c in psutil.Process().net_connections(kind="tcp")
+    )
 
 
 def abort_connections(exclude_local_ports: set[int], exclude_remote_ports: set[int]) -> int:
@@ -132,6 +168,7 @@ class CollectiveWatchdog:
         self._typical = 1.0
         """Typical step seconds: an exponential average kept by the training thread (one float, no locking)."""
         self._steps = 0
+        self._ring: set[tuple[Any, Any]] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="collective-watchdog", daemon=True)
         self.aborts = 0
@@ -150,6 +187,14 @@ class CollectiveWatchdog:
             self._steps += 1
             self._typical = took if self._steps == 1 else 0.9 * self._typical + 0.1 * took
 
+    def snapshot_ring(self) -> None:
+        """Right after a rendezvous: remember this ring's Gloo connections (see :func:`closed_by_peer`)."""
+        try:
+            self._ring = ring_connections(*self.excluded_ports())
+        except Exception:  # psutil may be denied /proc on exotic systems; the other signals remain
+            log.exception("could not list this ring's connections")
+            self._ring = set()
+
     def idle(self) -> None:
         """Between steps (a reset, a rendezvous): nothing to abort."""
         self._step_started = None
@@ -165,6 +210,7 @@ class CollectiveWatchdog:
         started = self._step_started
         if started is None:
             return
+        ring = self._ring
         reason = should_abort(
             now=time.time(),
             step_started=started,
@@ -172,6 +218,7 @@ class CollectiveWatchdog:
             failure_ts=self.marker.last(),
             notified=self.notified(),
             policy=self.policy,
+            peer_closed=lambda: bool(ring) and closed_by_peer(ring),
         )
         if reason is None:
             return

@@ -68,3 +68,55 @@ def test_abort_connections_ends_a_blocked_receive_and_spares_excluded_ports():
     assert spared_peer.recv(1) == b"x"  # the excluded connection still works
     for s in (client, peer, server, spared, spared_peer, spared_srv):
         s.close()
+
+
+def test_a_ring_connection_closed_by_its_peer_is_failure_evidence_once_the_step_is_overdue():
+    asked = []
+
+    def peer_closed():
+        asked.append(1)
+        return True
+
+    assert (
+        should_abort(
+            now=100.0,
+            step_started=99.9,
+            typical_step=0.1,
+            failure_ts=None,
+            notified=False,
+            policy=P,
+            peer_closed=peer_closed,
+        )
+        is None
+    )
+    assert asked == []  # not even asked while the step is young (it lists sockets)
+    reason = should_abort(
+        now=100.0,
+        step_started=99.0,
+        typical_step=0.1,
+        failure_ts=None,
+        notified=False,
+        policy=P,
+        peer_closed=peer_closed,
+    )
+    assert reason is not None and "closed its connection" in reason
+
+
+def test_closed_by_peer_sees_close_wait_on_a_snapshotted_connection():
+    from elastictrain.watchdog import closed_by_peer, ring_connections
+
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(("127.0.0.1", server.getsockname()[1]))
+    peer, _ = server.accept()
+    ring = ring_connections(set(), set())
+    assert any(r[1][1] == server.getsockname()[1] for r in ring)
+    assert not closed_by_peer(ring)
+    peer.close()  # the peer process's socket goes away: ours moves to CLOSE_WAIT
+    import time
+
+    deadline = time.monotonic() + 5
+    while not closed_by_peer(ring) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert closed_by_peer(ring)
+    for s in (client, server):
+        s.close()
