@@ -119,6 +119,13 @@ class LaunchOptions:
     reset_limit: int = 100
     """horovodrun ``--reset-limit``: most resets within one horovodrun."""
     elastic_timeout_seconds: int = 600
+
+    @property
+    def stall_seconds(self) -> float:
+        """No worker alive this long, with enough hosts ready, means horovodrun is stuck: Gloo timeout +
+        longest blacklist cooldown + a minute for workers to start."""
+        return self.gloo_timeout_seconds + self.blacklist_cooldown[1] + 60
+
     """horovodrun ``--elastic-timeout``: how long it waits for ``--min-np`` slots before failing."""
     wait_hosts_seconds: float = 300.0
     """After a preemption: how long to wait for ``--min-np`` ready slots before giving up (exit 3)."""
@@ -293,6 +300,7 @@ def decide_after_exit(
     relaunches: int,
     max_relaunches: int,
     stop_signal: int | None = None,
+    stalled: str | None = None,
 ) -> Decision:
     """Decide what follows one horovodrun: pure, from its exit code, events.jsonl and what the registry showed."""
     if stop_signal is not None:
@@ -307,6 +315,8 @@ def decide_after_exit(
         why.append(f"hosts lost: {', '.join(hosts_lost)}")
     if min_ready_slots < min_np:
         why.append(f"ready slots fell to {min_ready_slots} < --min-np {min_np}")
+    if stalled:
+        why.append(stalled)
     if not why:
         return Decision(
             Outcome.FAILED,
@@ -353,6 +363,8 @@ class HostWatch:
     lost: set[str] = field(default_factory=set)
     min_ready_slots: int | None = None
     ready_slots: int = 0
+    stalled: str | None = None
+    """Set when the launcher ended a horovodrun that kept no worker alive while enough hosts were ready."""
 
     def observe(self, entries: Iterable[Any]) -> None:
         """Feed one listing (``Listing.entries``)."""
@@ -588,6 +600,7 @@ class Launcher:
                 relaunches=relaunches,
                 max_relaunches=self.opts.max_relaunches,
                 stop_signal=self.stop_signal,
+                stalled=watch.stalled,
             )
             self.out(str(decision))
             if decision.exit_code is not None:
@@ -759,6 +772,7 @@ class Launcher:
         self._write_state()
         watch = HostWatch()
         next_poll = 0.0
+        no_worker_since: float | None = None
         while self.hvd_proc.poll() is None:
             if self.stopping:
                 self._stop_workers()
@@ -767,8 +781,22 @@ class Launcher:
                 entries = self._listing()
                 if entries is not None:
                     watch.observe(entries)
-                self.tracker.refresh()
-                next_poll = time.monotonic() + REGISTRY_POLL_SECONDS
+                workers = [p for p in self.tracker.alive() if is_worker(p)]
+                now = time.monotonic()
+                if workers or watch.ready_slots < self.opts.min_np:
+                    no_worker_since = None
+                elif no_worker_since is None:
+                    no_worker_since = now
+                elif now - no_worker_since > self.opts.stall_seconds:
+                    # Seen in the chaos soak after a burst of kills: horovodrun kept running with no worker
+                    # although every host was ready. A relaunch from the checkpoint ends the stall.
+                    watch.stalled = (
+                        f"no worker alive for {now - no_worker_since:.0f}s while {watch.ready_slots} slots were ready"
+                    )
+                    self.out(f"horovodrun stalled: {watch.stalled}; ending it")
+                    _terminate(self.hvd_proc)
+                    break
+                next_poll = now + REGISTRY_POLL_SECONDS
             time.sleep(POLL_SECONDS)
         rc = self.hvd_proc.wait() if self.hvd_proc.poll() is not None else -1
         # Nothing of this attempt may outlive it (a worker stuck in a rendezvous, a checkpoint writer).

@@ -262,3 +262,26 @@ def test_k8s_command_lines_name_real_subcommands_with_flags_their_parsers_accept
                 assert ns.etcd and ns.hosts is None, "on a cluster the launcher uses its etcd and starts no agents"
                 assert ns.config.startswith("/etc/elastictrain/")
     assert seen == {"agent", "launch"}
+
+
+def test_a_horovodrun_that_kept_no_worker_alive_is_relaunched_not_called_a_crash():
+    d = decide_after_exit(
+        returncode=-15,
+        completed=False,
+        hosts_lost=[],
+        min_ready_slots=3,
+        min_np=2,
+        relaunches=0,
+        max_relaunches=5,
+        stalled="no worker alive for 200s while 3 slots were ready",
+    )
+    assert d.outcome == launch.Outcome.RELAUNCH and "no worker alive" in str(d)
+    crash = decide_after_exit(
+        returncode=1, completed=False, hosts_lost=[], min_ready_slots=3, min_np=2, relaunches=0, max_relaunches=5
+    )
+    assert crash.exit_code == launch.EXIT_FAILED
+
+
+def test_stall_deadline_covers_gloo_timeout_cooldown_and_startup():
+    opts = launch.LaunchOptions(config=Path("c.yaml"), min_np=2, max_np=3)
+    assert opts.stall_seconds == opts.gloo_timeout_seconds + opts.blacklist_cooldown[1] + 60
