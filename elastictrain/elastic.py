@@ -106,7 +106,7 @@ def discard_pending_allreduces(optimizer: Any) -> None:
             p.grad = None
 
 
-def _control_ports() -> tuple[set[int], set[int]]:
+def _control_ports(tracking_uri: str | None = None) -> tuple[set[int], set[int]]:
     """Ports of Horovod's control plane in this worker (notification service, rendezvous server): never aborted."""
     from horovod.common.elastic import notification_manager
 
@@ -115,15 +115,16 @@ def _control_ports() -> tuple[set[int], set[int]]:
     if service is not None:
         for addrs in service.addresses().values():
             local.update(int(port) for _ip, port in addrs)
-    remote = {int(p) for p in (os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT"), _tracking_port()) if p}
+    ports = (os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT"), _tracking_port(tracking_uri))
+    remote = {int(p) for p in ports if p}
     return local, remote
 
 
-def _tracking_port() -> int | None:
+def _tracking_port(tracking_uri: str | None) -> int | None:
     """Port of an HTTP MLflow tracking server (its keep-alive connections are not Gloo's)."""
     from urllib.parse import urlparse
 
-    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
     parsed = urlparse(uri)
     if parsed.scheme not in ("http", "https"):
         return None
@@ -298,7 +299,9 @@ class ElasticTrainer:
         self.state.on_failure = on_failure
         self.state.on_failure_notice = lambda: self.watchdog.idle()
         self.watchdog = CollectiveWatchdog(
-            marker, notified=lambda: not self.state._host_messages.empty(), excluded_ports=_control_ports
+            marker,
+            notified=lambda: not self.state._host_messages.empty(),
+            excluded_ports=lambda: _control_ports(cfg.tracking.tracking_uri),
         ).start()
         self.attempt = int(os.environ.get("ELASTICTRAIN_ATTEMPT", "0"))
 

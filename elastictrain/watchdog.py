@@ -128,19 +128,25 @@ def closed_by_peer(ring: set[tuple[Any, Any]]) -> bool:
     )
 
 
-def abort_connections(exclude_local_ports: set[int], exclude_remote_ports: set[int]) -> int:
+def abort_connections(
+    exclude_local_ports: set[int], exclude_remote_ports: set[int], only: set[tuple[Any, Any]] | None = None
+) -> int:
     """Shut down this process's established TCP connections except the excluded ports; return how many.
 
-    ``shutdown`` (not ``close``) on a duplicate descriptor: the owner (Gloo) keeps its descriptor, sees
-    the connection end, and fails its pending operation at once.
+    ``only``: restrict to these (local, remote) pairs, the ring's Gloo connections recorded after the
+    rendezvous, so nothing else (tracking, etcd) is touched. ``shutdown`` (not ``close``) on a duplicate
+    descriptor: the owner (Gloo) keeps its descriptor, sees the connection end, and fails its pending
+    operation at once.
     """
     import psutil
 
     n = 0
     for c in psutil.Process().net_connections(kind="tcp"):
-        if c.status != psutil.CONN_ESTABLISHED or c.fd < 0 or not c.raddr:
+        if c.status not in (psutil.CONN_ESTABLISHED, psutil.CONN_CLOSE_WAIT) or c.fd < 0 or not c.raddr:
             continue
         if c.laddr.port in exclude_local_ports or c.raddr.port in exclude_remote_ports:
+            continue
+        if only is not None and (c.laddr, c.raddr) not in only:
             continue
         with contextlib.suppress(OSError):
             s = socket.socket(fileno=os.dup(c.fd))
@@ -223,7 +229,7 @@ class CollectiveWatchdog:
         if reason is None:
             return
         local, remote = self.excluded_ports()
-        n = abort_connections(local, remote)
+        n = abort_connections(local, remote, only=ring or None)
         self.aborts += 1
         self._step_started = None  # once per stuck step
         log.warning("aborting blocked collectives", reason=reason, connections=n)
