@@ -290,6 +290,7 @@ class ElasticTrainer:
         self._checkpointed_step = -1
         self._start_emitted = False
         self._last_loss: float | None = None
+        self._hosts: list[str] = []
         marker = FailureMarker(cfg.run_path / ".elastic" / "collective-failure")
 
         def on_failure() -> None:
@@ -463,7 +464,7 @@ class ElasticTrainer:
         self._apply_lr()
         self._metrics = self._zero_metrics()
         self._last_log = (time.perf_counter(), c.step)
-        hosts = sorted(set(hvd.allgather_object(self.ctx.host)))  # a collective: every rank, every time
+        hosts = self._hosts = sorted(set(hvd.allgather_object(self.ctx.host)))  # a collective: every rank
         if not self._start_emitted:  # once per rank-0 process; later resets are `reset` events
             self._start_emitted = self.ctx.is_rank0
             self.events.emit(
@@ -583,7 +584,7 @@ class ElasticTrainer:
         assert r is not None
         recovery = max(0.0, time.time() - r.pop("failure_ts"))
         self.counters.resets += 1
-        hosts = sorted(set(hvd.allgather_object(self.ctx.host)))
+        hosts = self._hosts  # gathered by every rank in _after_sync: no collective on only some ranks
         self.events.emit(
             "reset",
             step=self.counters.step,
