@@ -21,6 +21,7 @@ import mmap
 import os
 import pickle
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import reduction
@@ -54,6 +55,21 @@ def _poolable(t: torch.Tensor) -> bool:
     )
 
 
+def _map_leaves(obj: Any, leaf: Callable[[Any], Any]) -> Any:
+    """Rebuild ``obj``'s containers (dict, OrderedDict, list, tuple, named tuple) with ``leaf`` applied to the rest."""
+    if type(obj) is dict:
+        return {k: _map_leaves(v, leaf) for k, v in obj.items()}
+    if type(obj) is OrderedDict:
+        return OrderedDict((k, _map_leaves(v, leaf)) for k, v in obj.items())
+    if type(obj) is list:
+        return [_map_leaves(v, leaf) for v in obj]
+    if type(obj) is tuple:
+        return tuple(_map_leaves(v, leaf) for v in obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_map_leaves(v, leaf) for v in obj))
+    return leaf(obj)
+
+
 def flatten_state(state: Any) -> tuple[Any, list[torch.Tensor]]:
     """Split ``state`` into a skeleton (tensors replaced by slots) and the list of those tensors.
 
@@ -63,7 +79,7 @@ def flatten_state(state: Any) -> tuple[Any, list[torch.Tensor]]:
     tensors: list[torch.Tensor] = []
     seen: dict[int, int] = {}
 
-    def walk(obj: Any) -> Any:
+    def leaf(obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             if not _poolable(obj):  # pickled by value; never let a writer process touch a GPU
                 return obj.detach().cpu() if obj.device.type != "cpu" else obj
@@ -72,38 +88,13 @@ def flatten_state(state: Any) -> tuple[Any, list[torch.Tensor]]:
                 idx = seen[id(obj)] = len(tensors)
                 tensors.append(obj)
             return _Slot(idx)
-        if type(obj) is dict:
-            return {k: walk(v) for k, v in obj.items()}
-        if type(obj) is OrderedDict:
-            return OrderedDict((k, walk(v)) for k, v in obj.items())
-        if type(obj) is list:
-            return [walk(v) for v in obj]
-        if type(obj) is tuple:
-            return tuple(walk(v) for v in obj)
-        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-            return type(obj)(*(walk(v) for v in obj))
         return obj
 
-    return walk(state), tensors
+    return _map_leaves(state, leaf), tensors
 
 
 def _unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
-    def walk(obj: Any) -> Any:
-        if type(obj) is _Slot:
-            return tensors[obj.index]
-        if type(obj) is dict:
-            return {k: walk(v) for k, v in obj.items()}
-        if type(obj) is OrderedDict:
-            return OrderedDict((k, walk(v)) for k, v in obj.items())
-        if type(obj) is list:
-            return [walk(v) for v in obj]
-        if type(obj) is tuple:
-            return tuple(walk(v) for v in obj)
-        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-            return type(obj)(*(walk(v) for v in obj))
-        return obj
-
-    return walk(skeleton)
+    return _map_leaves(skeleton, lambda obj: tensors[obj.index] if type(obj) is _Slot else obj)
 
 
 def _dtype_from_name(name: str) -> torch.dtype:
