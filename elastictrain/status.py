@@ -102,7 +102,9 @@ def summarize_status(events: Sequence[dict[str, Any]], checkpoint: dict[str, Any
             "ts": ts,
             "age_seconds": max(0.0, now - float(ts)) if isinstance(ts, int | float) else None,
         }
-        out["state"] = {"done": "done", "stopped": "stopped"}.get(str(last.get("event")), "running")
+        # The run's state is its last lifecycle event (``tracking_closed`` and the like may follow ``done``).
+        lifecycle = next((e for e in reversed(events) if e.get("event") in ("start", "done", "stopped")), last)
+        out["state"] = {"done": "done", "stopped": "stopped"}.get(str(lifecycle.get("event")), "running")
     if out["checkpoint"] is None and last_ckpt_event is not None:  # no checkpoints/ folder readable here
         ts = last_ckpt_event.get("ts")
         out["checkpoint"] = {

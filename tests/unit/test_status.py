@@ -124,3 +124,23 @@ def test_status_on_a_bad_run_dir_or_flags_is_one_line_and_exit_2(
     argv = [str(tmp_path / a) if a in ("MISSING", "EMPTY") else a for a in args]
     assert main(argv) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_a_finished_run_stays_done_when_bookkeeping_events_follow_done(tmp_path):
+    import json
+
+    from elastictrain.status import main
+
+    lines = [
+        {"ts": 1.0, "event": "start", "step": 0, "epoch": 0, "world_size": 2},
+        {"ts": 2.0, "event": "done", "step": 9, "epoch": 1, "world_size": 2},
+        {"ts": 3.0, "event": "tracking_closed", "step": 9, "epoch": 1, "world_size": 2, "dropped": 0},
+    ]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["--run-dir", str(tmp_path), "--json"]) == 0
+    assert json.loads(buf.getvalue())["state"] == "done"
