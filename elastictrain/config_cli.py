@@ -19,6 +19,12 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def report_config_error(e: ConfigError, prog: str = "elastictrain") -> int:
+    """Print a config error as its one line on stderr; return the exit code for bad input (2)."""
+    print(f"{prog}: config error: {e}", file=sys.stderr)
+    return 2
+
+
 def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="YAML job config")
     p.add_argument(
@@ -40,7 +46,6 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
-        print(f"elastictrain: config error: {e}", file=sys.stderr)
-        return 2
+        return report_config_error(e)
     sys.stdout.write(cfg.to_yaml())
     return 0

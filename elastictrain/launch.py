@@ -65,6 +65,7 @@ import psutil
 from discovery.record import READY
 from discovery.registry import EtcdRegistry, RegistryError, parse_endpoints
 from elastictrain.config import ConfigError, JobConfig, load_config
+from elastictrain.config_cli import report_config_error
 
 PROG = "elastictrain launch"
 REPO = Path(__file__).resolve().parents[1]
@@ -995,7 +996,7 @@ def main(argv: list[str]) -> int:
         if opts.etcd is not None:
             check_etcd(opts.etcd, cfg.job, cfg.discovery.prefix)
     except ConfigError as e:
-        print(f"{PROG}: config error: {e}", file=sys.stderr)
+        report_config_error(e, PROG)
         return EXIT_USAGE
     except LaunchError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)

@@ -6,11 +6,9 @@ config or input, with one line; 143 when stopped by SIGTERM.
 
 from __future__ import annotations
 
-import sys
-
 from discovery.logconf import configure_logging
 from elastictrain.config import ConfigError, load_config
-from elastictrain.config_cli import OneLineParser, add_config_args
+from elastictrain.config_cli import OneLineParser, add_config_args, report_config_error
 
 
 def main(argv: list[str]) -> int:
@@ -20,13 +18,11 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
-        print(f"elastictrain: config error: {e}", file=sys.stderr)
-        return 2
+        return report_config_error(e)
     configure_logging(job=cfg.job)
     from elastictrain import elastic  # torch + horovod: imported only once the config is good
 
     try:
         return elastic.run(cfg)
     except ConfigError as e:
-        print(f"elastictrain: config error: {e}", file=sys.stderr)
-        return 2
+        return report_config_error(e)
