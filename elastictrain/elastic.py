@@ -425,8 +425,9 @@ class ElasticTrainer:
     # ------------------------------------------------------------------------------------ the loop
     def _zero_metrics(self) -> dict[str, Any]:
         return {
-            "loss": torch.zeros((), dtype=torch.float64),
-            "correct": torch.zeros((), dtype=torch.float64),
+            # On the training device: summed every step without a host sync, read only on logging steps.
+            "loss": torch.zeros((), dtype=torch.float64, device=self.device),
+            "correct": torch.zeros((), dtype=torch.float64, device=self.device),
             "count": 0,
             "steps": 0,
             "step_seconds": 0.0,
@@ -546,8 +547,8 @@ class ElasticTrainer:
             self.step_log.append(c.step, plan.epoch, plan.start, plan.global_count)
             self._apply_lr()
             m = self._metrics
-            m["loss"] += stats.loss_sum.double().cpu()
-            m["correct"] += stats.correct.double().cpu()
+            m["loss"] += stats.loss_sum.double()
+            m["correct"] += stats.correct.double()
             m["count"] += stats.count
             m["steps"] += 1
             m["step_seconds"] += time.perf_counter() - t0
