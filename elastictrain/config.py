@@ -263,11 +263,18 @@ class TrackingConfig:
     experiment: str = "elastictrain"
     queue_size: int = 10000
     """Points buffered for the sender; beyond it points are dropped and counted."""
+    flush_seconds: float = 5.0
+    """Least seconds between two requests to the store: what is logged meanwhile waits in the queue and goes
+    as one batch (each request costs the rank-0 process CPU and GIL time; every point still keeps its step).
+    0 sends at once."""
     progress_bar: bool = True
     """Show a tqdm bar on rank 0 when stderr is a terminal."""
 
     def __post_init__(self) -> None:
         _check(self.queue_size >= 1, "tracking.queue_size", f"must be >= 1, got {self.queue_size}")
+        _check(
+            0 <= self.flush_seconds <= 3600, "tracking.flush_seconds", f"must be in [0, 3600], got {self.flush_seconds}"
+        )
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

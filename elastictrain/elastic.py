@@ -30,6 +30,7 @@ import horovod.torch as hvd
 import torch
 from horovod.common.elastic import State
 from horovod.common.exceptions import HostsUpdatedInterrupt
+from horovod.runner.elastic.worker import HostUpdateResult
 
 from discovery.logconf import bind, get_logger
 from elastictrain.checkpoint import Checkpointer, LocalStorage, load_latest
@@ -134,6 +135,9 @@ def _tracking_port(tracking_uri: str | None) -> int | None:
 class ElasticTrainingState(State):
     """Horovod elastic state over :class:`CommittedState`: commit/rollback in place, sync from the best rank."""
 
+    _last_updated_timestamp: float
+    """Newest host-change notice acted on (Horovod's ``State`` sets it to 0)."""
+
     def __init__(self, committed: CommittedState, seed: int, stop_requested: Callable[[], bool]) -> None:
         self.committed = committed
         self.seed = seed
@@ -172,7 +176,7 @@ class ElasticTrainingState(State):
 
     def check_host_updates(self) -> None:
         try:
-            super().check_host_updates()
+            self._check_host_updates()
         except HostsUpdatedInterrupt as e:
             if self.stop_requested():
                 raise StopRequested from None
@@ -180,6 +184,26 @@ class ElasticTrainingState(State):
             self.failure = ("hosts_removed" if e.skip_sync else "hosts_changed", time.time())
             self.lost_steps = 0
             raise
+
+    def _check_host_updates(self) -> None:
+        """Horovod's ``State.check_host_updates`` with one small tensor broadcast instead of ``broadcast_object``
+        (a pickle, then two collectives: the size, then the bytes). Same rule: rank 0's view of the newest
+        notice decides for every rank, so all raise together."""
+        prev = last = float(self._last_updated_timestamp)
+        update = HostUpdateResult.no_update
+        while not self._host_messages.empty():
+            timestamp, res = self._host_messages.get()
+            if timestamp > last:
+                last = timestamp
+                update |= res
+        agreed = hvd.broadcast(
+            torch.tensor([float(prev), float(last), float(update)], dtype=torch.float64),
+            root_rank=0,
+            name="elastictrain.host_updates",
+        ).tolist()
+        prev, self._last_updated_timestamp, update = agreed[0], agreed[1], HostUpdateResult(int(agreed[2]))
+        if self._last_updated_timestamp > prev:
+            raise HostsUpdatedInterrupt(update == HostUpdateResult.removed)
 
     def sync(self) -> None:
         c = self.committed

@@ -166,11 +166,12 @@ def worker_command(opts: LaunchOptions, python: str = sys.executable) -> list[st
     return cmd
 
 
-def horovodrun_command(opts: LaunchOptions, horovodrun: str, python: str = sys.executable) -> list[str]:
-    """The full horovodrun command line for ``opts``."""
+def horovodrun_command(opts: LaunchOptions, horovodrun: Sequence[str], python: str = sys.executable) -> list[str]:
+    """The full horovodrun command line for ``opts``; ``horovodrun`` is the runner's argv prefix
+    (:func:`runner_command`)."""
     lo, hi = opts.blacklist_cooldown
     cmd = [
-        horovodrun,
+        *horovodrun,
         "-np", str(opts.min_np),
         "--min-np", str(opts.min_np),
         "--max-np", str(opts.max_np),
@@ -531,13 +532,13 @@ class Launcher:
         opts: LaunchOptions,
         cfg: JobConfig,
         *,
-        horovodrun: str,
+        horovodrun: Sequence[str],
         etcd_binary: str | None = None,
         out: Callable[[str], None] | None = None,
     ) -> None:
         self.opts = opts
         self.cfg = cfg
-        self.horovodrun = horovodrun
+        self.horovodrun = list(horovodrun)
         self.etcd_binary = etcd_binary
         self.out = out or (lambda line: print(f"{PROG}: {line}", flush=True))
         self.run_dir = cfg.run_path.resolve()
@@ -913,6 +914,12 @@ def find_horovodrun() -> str | None:
     return str(local) if local.exists() else shutil.which("horovodrun")
 
 
+def runner_command(python: str = sys.executable) -> list[str]:
+    """How the launcher starts horovodrun: through :mod:`elastictrain.hvdrun` (the same horovodrun, with a
+    host discovery that does not start a Python interpreter every second)."""
+    return [python, "-m", "elastictrain.hvdrun"]
+
+
 def parse(argv: Sequence[str]) -> tuple[LaunchOptions, JobConfig]:
     """Flags and config -> options; raises :class:`LaunchError` or :class:`ConfigError` (nothing is started)."""
     argv = list(argv)
@@ -990,8 +997,7 @@ def check_etcd(endpoints: str, job: str, prefix: str, timeout_seconds: float = 3
 def main(argv: list[str]) -> int:
     try:
         opts, cfg = parse(argv)
-        horovodrun = find_horovodrun()
-        if horovodrun is None:
+        if find_horovodrun() is None:
             raise LaunchError("horovodrun not found next to this Python or on PATH (run `make setup`)")
         if opts.etcd is not None:
             check_etcd(opts.etcd, cfg.job, cfg.discovery.prefix)
@@ -1001,7 +1007,7 @@ def main(argv: list[str]) -> int:
     except LaunchError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    launcher = Launcher(opts, cfg, horovodrun=horovodrun)
+    launcher = Launcher(opts, cfg, horovodrun=runner_command())
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, launcher.on_signal)
     code = launcher.run()

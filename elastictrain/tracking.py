@@ -354,7 +354,8 @@ class MlflowTracker:
     Build it with :func:`make_tracker`; tests pass ``backend_factory`` (a fake store) and a small
     ``queue_size``. The sender opens the run first (retrying with backoff while the store is
     unreachable; items wait in the queue meanwhile), then sends items in order, batching what is
-    queued into one request.
+    queued into one request. With ``flush_interval_seconds`` > 0 it waits that long after each
+    request, so a steady stream of points costs one request per interval.
     """
 
     def __init__(
@@ -368,6 +369,7 @@ class MlflowTracker:
         backend_factory: Callable[[], TrackingBackend] | None = None,
         warn_interval_seconds: float = 60.0,
         retry_backoff_seconds: tuple[float, float] = (1.0, 30.0),
+        flush_interval_seconds: float = 0.0,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.job = job
@@ -384,6 +386,7 @@ class MlflowTracker:
         self._backend_factory = backend_factory
         self._queue: queue.Queue[_Item] = queue.Queue(maxsize=queue_size)
         self._warn_interval = warn_interval_seconds
+        self._flush_interval = flush_interval_seconds
         self._backoff_min, self._backoff_max = retry_backoff_seconds
         self._lock = threading.Lock()
         self._dropped = 0
@@ -585,6 +588,8 @@ class MlflowTracker:
                     self._in_flight -= _size_of(batch)
             if ok:
                 delay = self._backoff_min
+                if self._flush_interval > 0:  # let the next points gather into one request (close cuts it short)
+                    self._closing.wait(self._flush_interval)
             elif not self._closing.is_set():  # let the store recover; the queue buffers meanwhile
                 self._abandon.wait(delay)
                 delay = min(delay * 2, self._backoff_max)
@@ -700,6 +705,7 @@ def make_tracker(cfg: JobConfig, rank: int, env: Mapping[str, str] | None = None
         experiment=cfg.tracking.experiment,
         tracking_uri=resolve_tracking_uri(cfg.tracking.tracking_uri, cfg.run_path, env),
         queue_size=cfg.tracking.queue_size,
+        flush_interval_seconds=cfg.tracking.flush_seconds,
     )
 
 

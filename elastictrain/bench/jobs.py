@@ -66,6 +66,12 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+HOROVODRUN = [sys.executable, "-m", "elastictrain.hvdrun"]
+"""horovodrun as ``elastictrain launch`` starts it (:mod:`elastictrain.hvdrun`: a cheap discovery executor)."""
+STOCK_HOROVODRUN = [str(BIN_DIR / "horovodrun")]
+"""Horovod's own horovodrun, for the stock-Horovod contenders of the benchmarks."""
+
+
 def train_command(cfg_path: Path) -> list[str]:
     """The worker command a user runs under horovodrun: ``elastictrain train --config X``."""
     return [sys.executable, "-m", "elastictrain.cli", "train", "--config", str(cfg_path)]
@@ -90,6 +96,8 @@ class ElasticJob:
     threads: int = 1
     """OMP_NUM_THREADS of every worker."""
     command: Callable[[Path], list[str]] = train_command
+    launcher: list[str] = field(default_factory=lambda: list(HOROVODRUN))
+    """The horovodrun command (default: :data:`HOROVODRUN`)."""
     proc: subprocess.Popen | None = None
     started: float = 0.0
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -127,7 +135,7 @@ class ElasticJob:
             **self.extra_env,
         }
         cmd = [
-            str(BIN_DIR / "horovodrun"),
+            *self.launcher,
             "-np", str(min(len(self.hosts), self.max_np)),
             "--min-np", str(self.min_np),
             "--max-np", str(self.max_np),

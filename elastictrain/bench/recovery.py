@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from elastictrain.bench.core import BenchContext, Goal, Metric, Result, alternate, summary, threads_per_worker
-from elastictrain.bench.jobs import ElasticJob, logical_hosts, train_command
+from elastictrain.bench.jobs import HOROVODRUN, STOCK_HOROVODRUN, ElasticJob, logical_hosts, train_command
 
 NAME = "recovery"
 GOAL_KILL = Goal("<=", 5.0)
@@ -90,6 +90,7 @@ def trial(
         cooldown=COOLDOWN,
         threads=threads_per_worker(3),
         command=command,
+        launcher=STOCK_HOROVODRUN if command is stock_command else HOROVODRUN,
     )
     try:
         job.start()

@@ -156,7 +156,7 @@ def test_launch_with_embedded_etcd_runs_a_short_job_to_completion(
     assert [e["step"] for e in evs if e["event"] == "done"] == [10]
     assert {e["world_size"] for e in evs if e["event"] == "start"} == {2}
     out = launch.log()
-    assert "horovodrun -np 2 --min-np 2 --max-np 2 --host-discovery-script" in out, "the command is printed"
+    assert "-m elastictrain.hvdrun -np 2 --min-np 2 --max-np 2 --host-discovery-script" in out, "the command is printed"
     assert "ELASTICTRAIN_ATTEMPT=0" in out and "training completed" in out
     assert not (launch.run_dir / STATE_FILE).exists()
 

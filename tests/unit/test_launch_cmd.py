@@ -28,6 +28,7 @@ from elastictrain.launch import (
     format_command,
     horovodrun_command,
     launch_env,
+    runner_command,
     training_completed,
 )
 
@@ -42,8 +43,8 @@ def flag(cmd: list[str], name: str, n: int = 1) -> list[str]:
 
 def test_embedded_command_has_discovery_bounds_local_interface_and_the_worker_after_extra_flags() -> None:
     opts = LaunchOptions(config=DEMO, overrides=("training.epochs=1",), min_np=2, max_np=3, extra=("--verbose",))
-    cmd = horovodrun_command(opts, "/venv/bin/horovodrun", python="/venv/bin/python")
-    assert cmd[0] == "/venv/bin/horovodrun"
+    cmd = horovodrun_command(opts, runner_command("/venv/bin/python"), python="/venv/bin/python")
+    assert cmd[:3] == ["/venv/bin/python", "-m", "elastictrain.hvdrun"]
     assert flag(cmd, "-np") == ["2"]
     assert flag(cmd, "--min-np") == ["2"]
     assert flag(cmd, "--max-np") == ["3"]
@@ -60,7 +61,7 @@ def test_embedded_command_has_discovery_bounds_local_interface_and_the_worker_af
 
 def test_cluster_command_does_not_pin_the_loopback_interface() -> None:
     opts = LaunchOptions(config=DEMO, min_np=4, max_np=8, etcd="http://etcd-0:2379")
-    cmd = horovodrun_command(opts, "horovodrun")
+    cmd = horovodrun_command(opts, ["horovodrun"])
     assert "--network-interfaces" not in cmd
     assert flag(cmd, "-np") == ["4"]
 

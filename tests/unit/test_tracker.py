@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
+from elastictrain.bench.procs import wait_until
 from elastictrain.config import config_from_dict
 from elastictrain.tracking import (
     RUN_ID_FILE,
@@ -188,6 +189,20 @@ def test_params_are_logged_once_and_a_changed_value_becomes_a_tag(store: FakeSto
     run = store.runs[first.run_id]
     assert len(run["params"]) == 151 and run["params"]["p2"] == "2" and run["params"]["new"] == "x"
     assert run["tags"]["elastictrain.param_changed.p2"] == "2 -> 99"
+
+
+def test_with_a_flush_interval_points_logged_meanwhile_go_as_one_request_and_close_cuts_the_wait(
+    store: FakeStore, tmp_path: Path
+) -> None:
+    t = tracker(store, tmp_path, flush_interval_seconds=600)
+    t.log_metrics({"loss": 1.0}, step=1)
+    wait_until(lambda: len(store.batches) == 1, 10, what="the first request")
+    for step in range(2, 51):  # the sender now waits out its interval: these gather in the queue
+        t.log_metrics({"loss": 1.0 / step, "lr": 0.1}, step=step)
+    t.close(timeout=10)  # would drop all 49 if close did not interrupt the 600 s wait
+    assert t.dropped == 0
+    assert store.points(t.run_id, "loss") == list(range(1, 51))
+    assert len(store.batches) == 2, "everything logged during the interval went in one request"
 
 
 def test_a_stalled_store_never_blocks_the_caller_and_drops_are_counted(store: FakeStore, tmp_path: Path) -> None:
