@@ -185,13 +185,24 @@ class Recovery:
 
 
 def recoveries(faults: Sequence[Mapping[str, Any]], events: Sequence[Mapping[str, Any]]) -> list[Recovery]:
-    """Match every fault with the first ``reset`` (or a relaunch ``start``) after it and before the next fault."""
+    """Match every fault with the first ``reset`` (or a relaunch ``start``) after it and before the next fault.
+
+    Faults with no reset between them (two hosts killed at once) are one burst: each is matched with a reset
+    after it and before the first fault that follows the burst's first reset.
+    """
     hits = [f for f in faults if f.get("action") in FAULT_ACTIONS and "phase" not in f and "skipped" not in f]
     hits.sort(key=lambda f: float(f["ts"]))
+    recovered_at = sorted(
+        float(e.get("ts", 0))
+        for e in events
+        if e.get("event") == "reset" or (e.get("event") == "start" and e.get("resumed_from_step") is not None)
+    )
     out = []
-    for i, f in enumerate(hits):
+    for f in hits:
         t = float(f["ts"])
-        t_next = float(hits[i + 1]["ts"]) if i + 1 < len(hits) else math.inf
+        # Only faults that must cause a reset form bursts; an outage or a freeze keeps to its own window.
+        first = next((ts for ts in recovered_at if ts >= t), math.inf) if f.get("action") in RESET_EXPECTED else t
+        t_next = next((float(h["ts"]) for h in hits if float(h["ts"]) > max(t, first)), math.inf)
         window = [e for e in events if t <= float(e.get("ts", 0)) < t_next]
         # A reset after the fault; else (the whole job went down) the relaunch's start from a checkpoint.
         resets = [e for e in window if e.get("event") == "reset"]

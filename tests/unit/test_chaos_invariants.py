@@ -119,6 +119,26 @@ def test_a_killed_job_recovers_at_the_relaunch_start_that_resumed_from_a_checkpo
     assert (rec.reset_reason, rec.recovery_seconds) == ("relaunch", 20.0)
 
 
+def test_faults_at_the_same_moment_share_the_reset_that_follows_them_but_an_outage_keeps_its_own_window() -> None:
+    chaos = [
+        {"ts": 10.0, "action": "kill-host", "host": "a"},
+        {"ts": 10.1, "action": "kill-host", "host": "b"},
+        {"ts": 30.0, "action": "etcd-outage"},
+        {"ts": 60.0, "action": "kill-worker"},
+    ]
+    events = [
+        ev(17.5, "reset", 20, reason="worker_failed", recovery_seconds=7.5, lost_steps=2),
+        ev(61.0, "reset", 50, reason="worker_failed", recovery_seconds=1.0, lost_steps=1),
+    ]
+    recs = inv.recoveries(chaos, events)
+    assert [(r.action, r.recovery_seconds) for r in recs] == [
+        ("kill-host", 7.5),
+        ("kill-host", 7.5),
+        ("etcd-outage", None),  # not charged with the later kill's reset
+        ("kill-worker", 1.0),
+    ]
+
+
 def test_a_graceful_fault_may_not_roll_back_a_step() -> None:
     drained = inv.Recovery("preempt-host", 1.0, "hosts_removed", 1.0, 1.0, 0)
     killed = inv.Recovery("preempt-host", 1.0, "worker_failed", 1.0, 1.0, 4)

@@ -9,6 +9,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from elastictrain.bench.procs import wait_until
 from elastictrain.hvdrun import run_discovery_script
 
 
@@ -56,3 +57,40 @@ def test_horovods_discovery_class_uses_it_after_install(tmp_path: Path) -> None:
         assert os.getpid() in [int(p) for p in (tmp_path / "ppid").read_text().split()]
     finally:
         HostDiscoveryScript._execute_discovery_script = original
+
+
+def test_a_slot_whose_worker_died_is_started_again_when_its_host_is_assigned_again() -> None:
+    """Horovod's own driver, fixed hosts, fake rendezvous: the repair is what makes the dead slot pending."""
+    pytest.importorskip("horovod.runner.elastic.driver")
+    import threading
+    import time
+    from unittest import mock
+
+    from horovod.runner.elastic.discovery import FixedHosts
+    from horovod.runner.elastic.driver import ElasticDriver
+
+    from elastictrain import hvdrun
+
+    hvdrun.install()
+    release = threading.Event()
+    started: list[tuple[str, int]] = []
+
+    def create_worker(slot_info, events):  # a worker that runs until the test ends
+        started.append((slot_info.hostname, slot_info.local_rank))
+        release.wait(30)
+        return 0, time.time()
+
+    driver = ElasticDriver(mock.MagicMock(), FixedHosts({"a": 1, "b": 1}), min_num_proc=2, max_num_proc=2, timeout=10)
+    try:
+        driver.start(2, create_worker)
+        wait_until(lambda: len(started) == 2, 10, what="both workers started")  # each starts in its own thread
+        assert sorted(started) == [("a", 0), ("b", 0)]
+        # Horovod's registry would block this thread in a barrier until every worker reports; not under test.
+        driver._worker_registry = mock.MagicMock()
+        b = driver.get_slot_info("b", 0)
+        driver._handle_worker_exit(b, 137, time.time())  # b's worker was SIGKILLed; b is discovered again
+        pending = driver._update_host_assignments(driver._host_manager.current_hosts)
+        assert [(s.hostname, s.local_rank) for s in pending] == [("b", 0)], "b must be started again"
+    finally:
+        release.set()
+        driver.stop()
