@@ -313,6 +313,8 @@ class ElasticTrainer:
         self.resumed_from: int | None = None
         self._checkpointed_step = -1
         self._start_emitted = False
+        self._holds_rank0 = False
+        """This process runs rank 0's services (events, tracker, checkpointer, ledger, progress)."""
         self._last_loss: float | None = None
         self._hosts: list[str] = []
         marker = FailureMarker(cfg.run_path / ".elastic" / "collective-failure")
@@ -373,9 +375,14 @@ class ElasticTrainer:
 
     # ------------------------------------------------------------------------------------ rank 0
     def _become_rank0(self) -> None:
+        """Open rank 0's services when this process has just become rank 0; close them when it no longer is."""
         cfg = self.cfg
-        if self.checkpointer is not None or not self.ctx.is_rank0:
+        if self._holds_rank0 == self.ctx.is_rank0:
             return
+        if not self.ctx.is_rank0:
+            self._leave_rank0()
+            return
+        self._holds_rank0 = True
         self.events = open_event_log(cfg.run_path, 0)
         self.tracker = make_tracker(cfg, 0)
         if cfg.checkpoint.enabled:
@@ -406,6 +413,29 @@ class ElasticTrainer:
                 "torch": torch.__version__,
             }
         )
+
+    def _leave_rank0(self) -> None:
+        """Ranks were reassigned and rank 0 is now another process (hosts left and came back): hand over.
+
+        What this process queued still goes out (events, MLflow points, a checkpoint being written); the MLflow
+        run stays open for the new rank 0, which has opened the same run. Without this, two processes would
+        write events, checkpoints and ledger files for the same steps.
+        """
+        log.info("rank 0 moved to another worker; closing this worker's rank-0 services")
+        self._holds_rank0 = False
+        self._start_emitted = False  # a later turn as rank 0 starts with a `start` event again
+        self.progress.close()
+        self.progress = NullProgress()
+        if self.checkpointer is not None:
+            self.checkpointer.close(timeout=60)
+            self.checkpointer = None
+        if self.ledger is not None:
+            self.ledger.close()
+            self.ledger = None
+        self.tracker.close(status=None)
+        self.tracker = NullTracker()
+        self.events.close()
+        self.events = NullEventLog()
 
     def _on_checkpoint_event(self, name: str, fields: dict[str, Any]) -> None:
         c = self.counters

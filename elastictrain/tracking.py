@@ -91,9 +91,10 @@ class Tracker(Protocol):
         """Wait up to ``timeout`` s for the run to be opened; the run id or None. Not for the hot path."""
         ...
 
-    def close(self, status: str = "FINISHED", timeout: float = 30.0) -> None:
+    def close(self, status: str | None = "FINISHED", timeout: float = 30.0) -> None:
         """When the worker leaves: send what is queued (at most ``timeout`` s), then mark the run
-        ``status`` (FINISHED when training is complete, KILLED when stopped, FAILED on error)."""
+        ``status`` (FINISHED when training is complete, KILLED when stopped, FAILED on error). ``None`` leaves
+        the run open: rank 0 moved to another process, which carries on in the same run."""
         ...
 
 
@@ -118,7 +119,7 @@ class NullTracker:
     def wait_started(self, timeout: float) -> str | None:
         return None
 
-    def close(self, status: str = "FINISHED", timeout: float = 30.0) -> None:
+    def close(self, status: str | None = "FINISHED", timeout: float = 30.0) -> None:
         pass
 
 
@@ -397,7 +398,7 @@ class MlflowTracker:
         self._started = threading.Event()
         self._closing = threading.Event()
         self._abandon = threading.Event()
-        self._final_status = "FINISHED"
+        self._final_status: str | None = "FINISHED"
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="elastictrain-tracking", daemon=True)
         self._thread.start()
@@ -445,7 +446,7 @@ class MlflowTracker:
         self._started.wait(timeout)
         return self._run_id
 
-    def close(self, status: str = "FINISHED", timeout: float = 30.0) -> None:
+    def close(self, status: str | None = "FINISHED", timeout: float = 30.0) -> None:
         if self._closed:
             return
         self._closed = True
@@ -510,7 +511,7 @@ class MlflowTracker:
                 self._count_drop(self._drain_uncounted(), "store_unreachable", force=True)
                 return
             self._send_loop(backend, opened)
-            if not self._abandon.is_set():
+            if not self._abandon.is_set() and self._final_status is not None:
                 try:
                     backend.finish(opened.run_id, self._final_status)
                 except Exception as e:

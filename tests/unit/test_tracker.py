@@ -205,6 +205,21 @@ def test_with_a_flush_interval_points_logged_meanwhile_go_as_one_request_and_clo
     assert len(store.batches) == 2, "everything logged during the interval went in one request"
 
 
+def test_a_handover_close_sends_what_is_queued_and_leaves_the_run_open_for_the_next_rank0(
+    store: FakeStore, tmp_path: Path
+) -> None:
+    old = tracker(store, tmp_path)
+    old.log_metrics({"loss": 1.0}, step=1)
+    old.close(status=None)  # rank 0 moved to another process
+    assert store.runs[old.run_id]["status"] == "RUNNING"
+    new = tracker(store, tmp_path)
+    new.log_metrics({"loss": 0.5}, step=2)
+    new.close()
+    assert new.run_id == old.run_id
+    assert store.points(old.run_id, "loss") == [1, 2]
+    assert store.runs[old.run_id]["status"] == "FINISHED"
+
+
 def test_a_stalled_store_never_blocks_the_caller_and_drops_are_counted(store: FakeStore, tmp_path: Path) -> None:
     store.gate.clear()  # every request hangs until released
     t = tracker(store, tmp_path, queue_size=5)
