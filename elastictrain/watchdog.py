@@ -57,11 +57,15 @@ def should_abort(
     notified: bool,
     policy: WatchdogPolicy,
     peer_closed: Callable[[], bool] = lambda: False,
+    progress_since: float | None = None,
 ) -> str | None:
     """Why the collectives of this step should be aborted now, or None.
 
     ``step_started`` is None between steps. ``failure_ts`` is the newest failure recorded by any worker;
-    only a failure after this step started counts. ``notified``: a host-change notice is pending.
+    only a failure since this worker last made progress counts: ``progress_since`` is the end of its last
+    completed step or of the rendezvous that formed its ring (default: the start of this step). A peer
+    may fail while this worker is still computing and only then enter the broken collective, so the
+    start of the step is too late a cut-off. ``notified``: a host-change notice is pending.
     ``peer_closed`` (asked only once the step is overdue): a Gloo connection of this ring was closed by its
     peer, i.e. a worker process is gone.
     """
@@ -69,7 +73,8 @@ def should_abort(
         return None
     waited = now - step_started
     overdue = waited >= max(policy.failed_min_seconds, policy.failed_factor * typical_step)
-    if failure_ts is not None and failure_ts >= step_started:
+    since = step_started if progress_since is None else min(progress_since, step_started)
+    if failure_ts is not None and failure_ts >= since:
         if overdue:
             return f"a peer failed {now - failure_ts:.1f}s ago and this step has waited {waited:.1f}s"
         return None
@@ -119,13 +124,14 @@ def ring_connections(exclude_local_ports: set[int], exclude_remote_ports: set[in
 
 
 def closed_by_peer(ring: set[tuple[Any, Any]]) -> bool:
-    """Whether a connection of ``ring`` is in CLOSE_WAIT: its peer (process) closed it."""
+    """Whether a connection of ``ring`` is no longer established: its peer closed it (CLOSE_WAIT), or reset it
+    and the socket is gone (a send to a dead process draws a reset, so CLOSE_WAIT alone can be missed)."""
     import psutil
 
-    return any(
-        c.status == psutil.CONN_CLOSE_WAIT and (c.laddr, c.raddr) in ring
-        for c in psutil.Process().net_connections(kind="tcp")
-    )
+    established = {
+        (c.laddr, c.raddr) for c in psutil.Process().net_connections(kind="tcp") if c.status == psutil.CONN_ESTABLISHED
+    }
+    return any(conn not in established for conn in ring)
 
 
 def abort_connections(
@@ -171,6 +177,8 @@ class CollectiveWatchdog:
         self.excluded_ports = excluded_ports
         self.policy = policy or WatchdogPolicy()
         self._step_started: float | None = None
+        self._progress: float | None = None
+        """End of the last completed step, or of the rendezvous that formed the current ring."""
         self._typical = 1.0
         """Typical step seconds: an exponential average kept by the training thread (one float, no locking)."""
         self._steps = 0
@@ -188,13 +196,15 @@ class CollectiveWatchdog:
 
     def step_finished(self) -> None:
         started, self._step_started = self._step_started, None
+        self._progress = time.time()
         if started is not None:
-            took = time.time() - started
+            took = self._progress - started
             self._steps += 1
             self._typical = took if self._steps == 1 else 0.9 * self._typical + 0.1 * took
 
     def snapshot_ring(self) -> None:
         """Right after a rendezvous: remember this ring's Gloo connections (see :func:`closed_by_peer`)."""
+        self._progress = time.time()
         try:
             self._ring = ring_connections(*self.excluded_ports())
         except Exception:  # psutil may be denied /proc on exotic systems; the other signals remain
@@ -225,6 +235,7 @@ class CollectiveWatchdog:
             notified=self.notified(),
             policy=self.policy,
             peer_closed=lambda: bool(ring) and closed_by_peer(ring),
+            progress_since=self._progress,
         )
         if reason is None:
             return

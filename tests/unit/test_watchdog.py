@@ -120,3 +120,44 @@ def test_closed_by_peer_sees_close_wait_on_a_snapshotted_connection():
     assert closed_by_peer(ring)
     for s in (client, server):
         s.close()
+
+
+def test_a_failure_after_this_workers_last_progress_counts_even_if_its_step_started_later():
+    # The peer failed at 99.2 while this worker was still computing; it finished its last step at 99.0 and
+    # entered the broken collective at 99.5: that failure is news to this step.
+    def with_progress(now, started, failure, progress):
+        return should_abort(
+            now=now,
+            step_started=started,
+            typical_step=0.1,
+            failure_ts=failure,
+            notified=False,
+            policy=P,
+            progress_since=progress,
+        )
+
+    assert with_progress(100.5, 99.5, failure=99.2, progress=99.0) is not None
+    assert with_progress(100.5, 99.5, failure=98.0, progress=99.0) is None  # before the last completed step
+    assert with_progress(99.7, 99.5, failure=99.2, progress=99.0) is None  # still a young step
+
+
+def test_closed_by_peer_sees_a_ring_connection_that_was_reset_and_is_gone():
+    import struct
+    import time
+
+    from elastictrain.watchdog import closed_by_peer, ring_connections
+
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(("127.0.0.1", server.getsockname()[1]))
+    peer, _ = server.accept()
+    ring = {r for r in ring_connections(set(), set()) if r[1][1] == server.getsockname()[1]}
+    assert ring and not closed_by_peer(ring)
+    # A dead process's socket answers with a reset; ours is then no longer listed as established.
+    peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    peer.close()
+    deadline = time.monotonic() + 5
+    while not closed_by_peer(ring) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert closed_by_peer(ring)
+    for s in (client, server):
+        s.close()
