@@ -14,11 +14,13 @@ with ``--run-dir``). The job is ``--job NAME`` or the one whose launcher wrote `
     python -m chaos kill-during-commit --run-dir D
     python -m chaos kill-job --run-dir D
     python -m chaos partition-host HOST --seconds S --veth VETH --job J    # multi-node tier (chaos/netns.py)
+    python -m chaos run node-killed | node-partitioned   # the multi-node tier: namespaces, sshd, agents (root)
     python -m chaos loop --mtbf S --seed N --actions a,b,c [--duration S] --run-dir D
     python -m chaos run SCENARIO [--run-dir D] [--quick]   # see `python -m chaos run --list`
 
 Exit codes: 0 done (``run``: every invariant holds), 1 an invariant broke or the fault found nothing to
-hit, 2 bad flags.
+hit, 2 bad flags (``run``: also a scenario that cannot run here, e.g. the multi-node tier without root or
+network namespaces; one line says why).
 """
 
 from __future__ import annotations
@@ -101,7 +103,8 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.list or not args.scenario:
         for s in SCENARIOS.values():
-            print(f"{s.name:<24} {'ci' if s.ci else 'long':<5} {s.description}")
+            tier = "netns" if s.nodes else "ci" if s.ci else "long"
+            print(f"{s.name:<24} {tier:<5} {s.description}")
         return 0 if args.list else 2
     if args.scenario not in SCENARIOS:
         print(f"{PROG} run: error: unknown scenario {args.scenario!r} (choose from {', '.join(SCENARIOS)})")

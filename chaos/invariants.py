@@ -146,9 +146,9 @@ def check_one_mlflow_run(run_ids: Sequence[str] | None, file_run_id: str | None)
 
 
 # ---------------------------------------------------------------------------------------------- processes
-def check_no_leftovers(leftovers: Sequence[str]) -> Check:
+def check_no_leftovers(leftovers: Sequence[str], *, name: str = "no process of the job left") -> Check:
     return Check(
-        "no process of the job left",
+        name,
         not leftovers,
         "none" if not leftovers else f"{len(leftovers)} left: {'; '.join(leftovers[:4])}",
         len(leftovers),
@@ -163,6 +163,7 @@ FAULT_ACTIONS = frozenset(
 
 
 EXPECTED_REASONS: dict[str, tuple[str, ...]] = {
+    "partition-host": ("hosts_removed", "worker_failed"),
     "preempt-host": ("hosts_removed",),
     "kill-agent": ("hosts_removed",),
     "kill-worker": ("worker_failed",),
@@ -273,6 +274,44 @@ def check_recovered(
     ]
     ok = (not missing) if expect_reset else None
     return Check("recovery seconds per fault", ok, "; ".join(parts), [r.recovery_seconds for r in recs])
+
+
+RETURN_MARKERS = ("host-returns", "partition-host")
+"""Chaos events after which a node is back: it booted again, or its partition ended (``phase: end``)."""
+
+
+def check_rejoined(faults: Sequence[Mapping[str, Any]], events: Sequence[Mapping[str, Any]]) -> Check:
+    """Multi-node tier: every node that came back after a fault is in the ring again (a later ``reset``
+    lists it among its hosts), i.e. horovodrun started a worker on it over ssh."""
+    name = "node rejoined the ring after it came back"
+    back = {
+        str(f["host"]): float(f["ts"])
+        for f in faults
+        if f.get("action") in RETURN_MARKERS
+        and f.get("host")
+        and (f["action"] == "host-returns" or f.get("phase") == "end")
+    }
+    if not back:
+        return Check(name, False, "no node came back (no host-returns or partition end recorded)")
+    parts, ok = [], True
+    for host, ts in sorted(back.items()):
+        rejoin = next(
+            (
+                e
+                for e in events
+                if e.get("event") == "reset" and float(e.get("ts", 0)) >= ts and host in (e.get("hosts") or [])
+            ),
+            None,
+        )
+        if rejoin is None:
+            ok = False
+            parts.append(f"{host}: not back in the ring")
+        else:
+            late = float(rejoin["ts"]) - ts
+            parts.append(
+                f"{host}: in the ring {late:.1f}s later (step {rejoin.get('step')}, {rejoin.get('world_size')} workers)"
+            )
+    return Check(name, ok, "; ".join(parts))
 
 
 def check_no_step_lost(recs: Sequence[Recovery]) -> Check:

@@ -1,7 +1,9 @@
 """Scenario runner: ``python -m chaos run SCENARIO [--run-dir D] [--quick]``.
 
 Runs a small job with ``elastictrain launch`` (embedded etcd, one agent per logical host of this
-machine) while a scenario injects faults through :mod:`chaos.faults`, then checks the invariants
+machine; for the multi-node scenarios, ``Scenario.nodes`` > 0, the namespaces of :mod:`chaos.netns` instead:
+their etcd, an agent per node, every worker started over ssh) while a scenario injects faults through
+:mod:`chaos.faults`, then checks the invariants
 (:mod:`chaos.invariants`) from ``events.jsonl``, the ledger, the checkpoints and ``mlflow.db`` and prints
 one table. The fault-free reference (same config and seed) runs once per config and is cached by
 config hash under ``<run dir's parent>/.chaos-reference/``.
@@ -22,7 +24,7 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -91,11 +93,20 @@ def config_hash(cfg: dict[str, Any], flags: tuple[str, ...]) -> str:
 class Run:
     """One job under ``elastictrain launch`` (possibly launched again after ``kill-job``), and its faults."""
 
-    def __init__(self, run_dir: Path, cfg: dict[str, Any], *, flags: tuple[str, ...] = LAUNCH_FLAGS) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: dict[str, Any],
+        *,
+        flags: tuple[str, ...] = LAUNCH_FLAGS,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.run_dir = run_dir.resolve()
         self.cfg = {**cfg, "run_dir": str(self.run_dir)}
         self.job_name = str(cfg["job"])
         self.flags = flags
+        self.env = dict(env or {})
+        """The launcher's environment on top of this process's (the multi-node tier puts its ssh first on PATH)."""
         self.config_path = self.run_dir / "job.yaml"
         self.log = faults.ChaosLog(self.run_dir / "chaos.jsonl")
         self.launcher: subprocess.Popen[bytes] | None = None
@@ -115,6 +126,7 @@ class Run:
             "ELASTICTRAIN_LOG_LEVEL": "warning",
             "ELASTICTRAIN_JOB": self.job_name,  # inherited by etcd and the agents too: all found by environment
             "PYTHONUNBUFFERED": "1",
+            **self.env,
         }
         env.pop("ELASTICTRAIN_ETCD", None)
         cmd = [str(BIN / "elastictrain"), "launch", "--config", str(self.config_path), *self.flags]
@@ -278,6 +290,9 @@ class Scenario:
     timeout: float = 300.0
     cfg: Callable[[bool], dict[str, Any]] = field(default=lambda quick: base_config())
     min_goodput: float | None = None
+    nodes: int = 0
+    """0: the local tier (logical hosts of this machine, embedded etcd). N: the multi-node tier, N network
+    namespaces with sshd and an agent each (:mod:`chaos.netns`)."""
 
 
 def _kill_worker_mid_epoch(r: Run) -> None:
@@ -445,6 +460,26 @@ def _soak_action(r: Run, action: str, rng: random.Random) -> None:
         r.restart_agent(host, timeout=30)
 
 
+def _multi_node(name: str) -> Callable[[Run], None]:
+    """The injection ``name`` of :mod:`chaos.netns` (imported when it runs: that module builds on this one)."""
+
+    def inject(r: Run) -> None:
+        from chaos import netns
+
+        getattr(netns, name)(r)
+
+    return inject
+
+
+MULTI_NODE_NODES = 3
+
+
+def _multi_node_config(quick: bool) -> dict[str, Any]:
+    # 900 steps: the job must outlast the fault, its recovery and the node's return (a worker started over ssh
+    # imports torch before it joins) with room to spare on a loaded machine.
+    return base_config(epochs=15)
+
+
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in [
@@ -463,6 +498,11 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("below-min-np", "two hosts die (below --min-np), then come back", _below_min_np, ci=False),
         Scenario("soak", "a SIGKILL every 60 s for 20 min plus one of each other fault (--quick: 25 s, 150 s)",
                  lambda r: None, ci=False, timeout=3600.0, cfg=_soak_config),
+        Scenario("node-killed", "multi-node: every process of a node (namespace) SIGKILLed, then the node boots "
+                 "again and rejoins over ssh", _multi_node("node_killed"), ci=False, nodes=MULTI_NODE_NODES,
+                 cfg=_multi_node_config),
+        Scenario("node-partitioned", "multi-node: a node cut off the bridge for 15 s, then back",
+                 _multi_node("node_partitioned"), ci=False, nodes=MULTI_NODE_NODES, cfg=_multi_node_config),
     ]
 }  # fmt: skip
 
@@ -514,7 +554,9 @@ def check_run(
     run: Run,
     reference: tuple[int, float] | None,
     leftovers: list[str],
+    tier_leftovers: list[str] | None = None,
 ) -> Result:
+    """The invariant table of a finished run; ``tier_leftovers``: what the multi-node tier's teardown left."""
     from elastictrain.report import summarize
     from elastictrain.sampler import committed_samples
 
@@ -537,9 +579,15 @@ def check_run(
         file_run_id = (run.run_dir / "mlflow_run_id").read_text().strip()
     checks.append(inv.check_one_mlflow_run(mlflow_run_ids(run.run_dir), file_run_id))
     checks.append(inv.check_no_leftovers(leftovers))
+    if tier_leftovers is not None:
+        checks.append(inv.check_no_leftovers(tier_leftovers, name="nothing of the multi-node tier left"))
     recs = inv.recoveries(chaos_events, events)
     required = inv.RESET_EXPECTED | ({"freeze-worker"} if scenario.name == "frozen-worker" else set())
+    if scenario.nodes:
+        required |= {"partition-host"}  # cut off longer than the lease TTL: the node must leave the ring
     checks.append(inv.check_recovered(recs, expect_reset=scenario.expect_reset, required=required))
+    if scenario.nodes:
+        checks.append(inv.check_rejoined(chaos_events, events))
     if scenario.graceful:
         checks.append(inv.check_no_step_lost(recs))
     if scenario.name == "etcd-outage":
@@ -610,29 +658,65 @@ def run_scenario(
     if run_dir.exists() and any(run_dir.iterdir()):
         raise ScenarioError(f"--run-dir {run_dir} is not empty (a scenario needs a fresh run dir)")
     cfg = scenario.cfg(quick)
+    tier_unavailable = _tier_unavailable(scenario)
+    if tier_unavailable:
+        raise ScenarioError(tier_unavailable)
     out(f"chaos: {name}: reference run (cached under {run_dir.parent / REFERENCE_DIR})")
     reference = reference_loss(cfg, run_dir.parent)
     job = f"chaos-{name}-{os.urandom(3).hex()}"
-    run = Run(run_dir, {"job": job, **cfg})
-    out(f"chaos: {name}: job {job} in {run_dir}")
     leftovers: list[str] = []
-    try:
-        run.start()
-        scenario.inject(run)
-        run.wait_exit(scenario.timeout)
-    except ScenarioError as e:
-        run.log.log("scenario-error", job=job, error=str(e))
-        out(f"chaos: {name}: {e}")
-    finally:
-        if run.running():
-            run.kill_everything()
-        run.stop_restarted_agents()
-        leftovers = run.leftovers()
-        if leftovers:
-            run.kill_everything()
-    result = check_run(scenario, run, reference, leftovers)
+    with _tier(scenario, run_dir, {"job": job, **cfg}, out) as (run, tier):
+        out(f"chaos: {name}: job {job} in {run_dir}")
+        try:
+            run.start()
+            scenario.inject(run)
+            run.wait_exit(scenario.timeout)
+        except ScenarioError as e:
+            run.log.log("scenario-error", job=job, error=str(e))
+            out(f"chaos: {name}: {e}")
+        finally:
+            if run.running():
+                run.kill_everything()
+            run.stop_restarted_agents()
+            leftovers = run.leftovers()
+            if leftovers:
+                run.kill_everything()
+    result = check_run(scenario, run, reference, leftovers, tier.leftovers if tier is not None else None)
     (run_dir / "chaos-result.txt").write_text(result.table + "\n")
     return result
+
+
+def _tier_unavailable(scenario: Scenario) -> str | None:
+    if not scenario.nodes:
+        return None
+    from chaos import netns
+
+    return netns.preflight()
+
+
+@contextlib.contextmanager
+def _tier(
+    scenario: Scenario, run_dir: Path, cfg: dict[str, Any], out: Callable[[str], None]
+) -> Iterator[tuple[Run, Any]]:
+    """The run of ``cfg`` on the scenario's tier: (run, None) locally; (run, cluster) on the multi-node tier,
+    whose namespaces, processes and links are removed when the block ends (``cluster.leftovers``: what was not)."""
+    if not scenario.nodes:
+        yield Run(run_dir, cfg), None
+        return
+    from chaos import netns
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    disc = cfg.get("discovery", {})
+    cluster = netns.Cluster(
+        nodes=scenario.nodes,
+        job=str(cfg["job"]),
+        log_dir=run_dir / "logs" / "tier",
+        ttl_seconds=float(disc.get("ttl_seconds", 3)),
+        heartbeat_seconds=float(disc.get("heartbeat_seconds", 0.5)),
+        out=out,
+    )
+    with cluster:
+        yield netns.ClusterRun(run_dir, cfg, cluster), cluster
 
 
 def write_report(run_dir: Path) -> None:

@@ -64,7 +64,7 @@ import psutil
 
 from discovery.record import READY
 from discovery.registry import EtcdRegistry, RegistryError, parse_endpoints
-from elastictrain.config import ConfigError, JobConfig, load_config
+from elastictrain.config import ConfigError, DiscoveryConfig, JobConfig, load_config
 from elastictrain.config_cli import report_config_error
 
 PROG = "elastictrain launch"
@@ -423,6 +423,19 @@ def is_worker(proc: psutil.Process) -> bool:
     return parent is None or not _runs_train(parent)
 
 
+def ssh_runs_train(cmd: Sequence[str]) -> bool:
+    """``ssh [opts] HOST '... elastictrain train ...'``: how horovodrun runs a worker on another host (pure)."""
+    return bool(cmd) and Path(cmd[0]).name == "ssh" and any("elastictrain" in a and " train " in a for a in cmd[1:])
+
+
+def is_remote_worker(proc: psutil.Process) -> bool:
+    """An ssh client of horovodrun's that runs a worker on another host (the worker is not our descendant)."""
+    try:
+        return ssh_runs_train(proc.cmdline())
+    except psutil.Error:
+        return False
+
+
 class ProcessTracker:
     """Every process the launcher started, and every descendant of them it has seen (identified by pid
     and create time, so a reused pid is never signalled)."""
@@ -648,21 +661,13 @@ class Launcher:
         self._write_state()
 
     def agent_command(self, host: str) -> list[str]:
-        d = self.cfg.discovery
-        ttl = max(2, round(d.ttl_seconds))
-        return [
-            *_elastictrain(),
-            "agent",
-            "--etcd", self.etcd_endpoint,
-            "--job", self.cfg.job,
-            "--host", host,
-            "--slots", "1",
-            "--ttl", str(ttl),
-            "--heartbeat", f"{min(d.heartbeat_seconds, ttl / 3):g}",
-            "--request-timeout", f"{min(2.0, ttl / 6):g}",
-            "--drain-grace", f"{self.opts.drain_grace_seconds:g}",
-            "--prefix", d.prefix,
-        ]  # fmt: skip
+        return agent_command(
+            self.cfg.discovery,
+            etcd=self.etcd_endpoint,
+            job=self.cfg.job,
+            host=host,
+            drain_grace_seconds=self.opts.drain_grace_seconds,
+        )
 
     def start_agent(self, host: str) -> subprocess.Popen[bytes]:
         proc = self._spawn(self.agent_command(host), self.run_dir / "logs" / f"agent-{host}.log")
@@ -783,7 +788,8 @@ class Launcher:
                 entries = self._listing()
                 if entries is not None:
                     watch.observe(entries)
-                workers = [p for p in self.tracker.alive() if is_worker(p)]
+                # A worker on another host shows here as horovodrun's ssh client that runs it.
+                workers = [p for p in self.tracker.alive() if is_worker(p) or is_remote_worker(p)]
                 now = time.monotonic()
                 if workers or watch.ready_slots < self.opts.min_np:
                     no_worker_since = None
@@ -861,6 +867,26 @@ class Launcher:
         self.tracker.kill_all()
         with contextlib.suppress(OSError):
             (self.run_dir / STATE_FILE).unlink()
+
+
+def agent_command(
+    discovery: DiscoveryConfig, *, etcd: str, job: str, host: str, drain_grace_seconds: float
+) -> list[str]:
+    """``elastictrain agent`` for ``host`` with the timing of the job's ``discovery`` settings (1 slot)."""
+    ttl = max(2, round(discovery.ttl_seconds))
+    return [
+        *_elastictrain(),
+        "agent",
+        "--etcd", etcd,
+        "--job", job,
+        "--host", host,
+        "--slots", "1",
+        "--ttl", str(ttl),
+        "--heartbeat", f"{min(discovery.heartbeat_seconds, ttl / 3):g}",
+        "--request-timeout", f"{min(2.0, ttl / 6):g}",
+        "--drain-grace", f"{drain_grace_seconds:g}",
+        "--prefix", discovery.prefix,
+    ]  # fmt: skip
 
 
 def _elastictrain() -> list[str]:

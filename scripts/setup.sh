@@ -3,7 +3,7 @@
 #
 #   .venv (python3 >= 3.10) -> torch/torchvision (constraints/torch.txt) -> Horovod 0.28.1 built from
 #   its sdist with the C++ standard raised to what torch needs (wheel cached outside the checkout)
-#   -> etcd + etcdctl (Debian packages) -> the project, editable, with test/dev extras.
+#   -> etcd + etcdctl and openssh-server (Debian packages) -> the project, editable, with test/dev extras.
 #
 # Environment knobs:
 #   PYTHON                 interpreter for the venv (default: python3)
@@ -59,6 +59,18 @@ if [ ${#missing_deb[@]} -gt 0 ]; then
   # Debian's package may start a system etcd on 2379; tests use their own servers on free ports.
 fi
 say "etcd: $(etcd --version 2>/dev/null | head -1)"
+
+# ---------------------------------------------------------------- sshd (the multi-node chaos tier)
+# chaos/netns.py starts one sshd per network namespace, on that namespace's own link-local address. If Debian's
+# postinst starts a system sshd, the tier neither uses it nor collides with it. The tier needs root anyway, so
+# without root (or sudo) setup goes on and the tier skips with a message.
+if [ ! -x /usr/sbin/sshd ] || ! command -v ssh >/dev/null || ! command -v ssh-keygen >/dev/null; then
+  if [ "$(id -u)" = 0 ] || { command -v sudo >/dev/null && sudo -n true 2>/dev/null; }; then
+    apt_install openssh-server openssh-client
+  else
+    say "openssh-server is not installed and there is no root for apt: the multi-node chaos tier will skip"
+  fi
+fi
 
 # ---------------------------------------------------------------- venv
 if [ ! -x "$VENV/bin/python" ]; then

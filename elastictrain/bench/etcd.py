@@ -1,4 +1,4 @@
-"""A real single-member etcd on free loopback ports with its own data dir (the discovery benchmark, and
+"""A real single-member etcd on free ports (loopback unless told) with its own data dir (the discovery benchmark, and
 the integration tests through ``tests/fixtures/etcd.py``).
 
 :class:`EtcdServer` can be stopped, restarted (same ports and data dir, or a wiped one), paused
@@ -29,19 +29,20 @@ class EtcdError(RuntimeError):
 
 
 class EtcdServer:
-    """One single-member etcd on ``127.0.0.1``; ``endpoint`` stays the same across restarts."""
+    """One single-member etcd on ``host`` (default ``127.0.0.1``); ``endpoint`` stays the same across restarts."""
 
-    def __init__(self, data_dir: Path, log_path: Path, binary: str = ETCD_BIN) -> None:
+    def __init__(self, data_dir: Path, log_path: Path, binary: str = ETCD_BIN, host: str = "127.0.0.1") -> None:
         self.binary = binary
         self.data_dir = data_dir
         self.log_path = log_path
-        self.client_port = free_port()
-        self.peer_port = free_port()
+        self.host = host
+        self.client_port = free_port(host)
+        self.peer_port = free_port(host)
         self.proc: subprocess.Popen | None = None
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        return f"http://{self.host}:{self.client_port}"
 
     @property
     def pid(self) -> int | None:
@@ -54,7 +55,7 @@ class EtcdServer:
         if wipe:
             shutil.rmtree(self.data_dir, ignore_errors=True)
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        peer = f"http://127.0.0.1:{self.peer_port}"
+        peer = f"http://{self.host}:{self.peer_port}"
         args = [
             self.binary,
             "--name", "test",

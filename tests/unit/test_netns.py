@@ -1,0 +1,165 @@
+"""The multi-node chaos tier's pure parts: names, addresses, configs and commands (no namespace is made)."""
+
+from __future__ import annotations
+
+import pytest
+
+from chaos import invariants as inv
+from chaos import netns
+from chaos.scenarios import SCENARIOS, base_config
+from elastictrain.config import DiscoveryConfig
+from elastictrain.launch import agent_command, ssh_runs_train
+
+
+def names(nodes: int = 3, octet: int = 77) -> netns.TierNames:
+    return netns.TierNames("a1b2c", octet, nodes)
+
+
+def test_the_bridge_and_every_nodes_interface_share_one_name_and_all_names_fit_ifnamsiz() -> None:
+    n = names(nodes=netns.MAX_NODES)
+    assert n.iface == "etna1b2c"
+    links = [n.iface, *(n.veth(i) for i in range(n.nodes)), *(n.peer(i) for i in range(n.nodes))]
+    assert max(len(x) for x in links) <= netns.IFNAMSIZ
+    assert len(set(links)) == len(links), "veths, peers and the bridge never share a name in the root namespace"
+    assert len({n.netns(i) for i in range(n.nodes)}) == n.nodes
+    assert n.links()[-1] == n.iface, "veths are deleted before the bridge"
+
+
+def test_addresses_are_link_local_and_map_back_to_their_node() -> None:
+    n = names()
+    assert n.subnet == "169.254.77.0/24" == netns.SUBNET
+    assert n.bridge_address == "169.254.77.1"
+    assert [n.address(i) for i in range(3)] == ["169.254.77.10", "169.254.77.11", "169.254.77.12"]
+    assert [n.node_of(n.address(i)) for i in range(3)] == [0, 1, 2]
+    for host in ("169.254.77.13", "169.254.77.1", "169.254.78.10", "localhost", "169.254.77.x"):
+        assert n.node_of(host) is None
+    with pytest.raises(ValueError):
+        n.address(3)
+
+
+@pytest.mark.parametrize(
+    ("token", "octet", "nodes"),
+    [("A1B2C", 77, 3), ("a1b2", 77, 3), ("a1b2c", 169, 3), ("a1b2c", 63, 3), ("a1b2c", 77, 0), ("a1b2c", 77, 100)],
+)
+def test_names_refuse_tokens_subnets_and_sizes_outside_the_tier(token: str, octet: int, nodes: int) -> None:
+    with pytest.raises(ValueError):
+        netns.TierNames(token, octet, nodes)
+
+
+def test_new_names_are_random_and_round_trip_through_the_state_file() -> None:
+    a, b = netns.TierNames.new(3), netns.TierNames.new(3)
+    assert a.token != b.token or a == b  # 20 random bits: a clash is possible but astronomically rare
+    assert netns.TierNames.from_json(a.to_json()) == a
+
+
+def test_the_subnet_is_77_unless_taken_and_never_near_the_metadata_address() -> None:
+    assert netns.choose_octet(set()) == 77
+    assert netns.choose_octet({77}) == 64
+    assert netns.choose_octet({77, 64, 65}) == 66
+    assert all(64 <= o <= 127 for o in netns.OCTETS) and 169 not in netns.OCTETS
+    with pytest.raises(netns.TierUnavailable):
+        netns.choose_octet(set(netns.OCTETS))
+
+
+def test_sshd_listens_on_the_nodes_address_only_with_key_login_and_keepalives(tmp_path) -> None:
+    text = netns.sshd_config(
+        address="169.254.77.11", port=22, host_key=tmp_path / "hk", authorized_keys=tmp_path / "ak"
+    )
+    lines = text.splitlines()
+    assert "ListenAddress 169.254.77.11" in lines and sum(x.startswith("ListenAddress") for x in lines) == 1
+    assert f"AuthorizedKeysFile {tmp_path / 'ak'}" in lines and f"HostKey {tmp_path / 'hk'}" in lines
+    assert "PasswordAuthentication no" in lines and "PermitRootLogin prohibit-password" in lines
+    assert "ClientAliveInterval 2" in lines and "ClientAliveCountMax 3" in lines
+
+
+def test_the_ssh_client_reaches_only_the_tiers_subnet_and_gives_up_on_a_dead_link(tmp_path) -> None:
+    text = netns.ssh_config(names=names(octet=80), identity=tmp_path / "id")
+    blocks = text.split("Host ")[1:]
+    assert blocks[0].startswith("169.254.80.*")
+    assert "UserKnownHostsFile /dev/null" in blocks[0] and "BatchMode yes" in blocks[0]
+    assert f"IdentityFile {tmp_path / 'id'}" in blocks[0]
+    assert "ServerAliveInterval 2" in blocks[0] and "ServerAliveCountMax 3" in blocks[0]  # ~6 s to notice
+    assert blocks[1].startswith("* !169.254.80.*") and "ProxyCommand /bin/false" in blocks[1]
+    assert "~" not in text and ".ssh" not in text
+
+
+def test_the_ssh_wrapper_runs_the_real_client_with_the_tiers_config(tmp_path) -> None:
+    script = netns.ssh_wrapper("/usr/bin/ssh", tmp_path / "my config")
+    assert script.startswith("#!/bin/sh\n")
+    assert f"exec /usr/bin/ssh -F '{tmp_path / 'my config'}' \"$@\"" in script
+
+
+def test_each_node_resolves_its_own_hostname_to_its_own_address() -> None:
+    n = names()
+    hosts = netns.etc_hosts(n, 2)
+    assert f"169.254.77.12 {n.netns(2)}" in hosts.splitlines()
+    assert n.netns(0) not in hosts
+
+
+def test_a_node_process_boots_in_its_namespace_under_its_hostname_and_keeps_argvs_pid() -> None:
+    n = names()
+    cmd = netns.boot_command(n, 1, ["/usr/sbin/sshd", "-D"])
+    assert cmd[:4] == ["ip", "netns", "exec", n.netns(1)]
+    assert cmd[4:6] == ["unshare", "--uts"]
+    assert "exec" in cmd[8] and cmd[9] == n.netns(1) and cmd[-2:] == ["/usr/sbin/sshd", "-D"]
+
+
+def test_launch_flags_use_the_tiers_etcd_and_pass_the_shared_interface_name_to_horovodrun() -> None:
+    flags = netns.launch_flags(etcd="http://169.254.77.1:2379", job="j", iface="etna1b2c")
+    assert flags[:4] == ("--etcd", "http://169.254.77.1:2379", "--job", "j")
+    assert flags[4:] == ("--", "--network-interfaces", "etna1b2c"), "horovodrun flags come after --, last"
+
+
+def test_tier_processes_do_not_inherit_a_jobs_or_horovods_environment() -> None:
+    env = {"PATH": "/bin", "ELASTICTRAIN_JOB": "x", "ELASTICTRAIN_LAUNCH_ID": "y", "HOROVOD_RANK": "0", "HOME": "/r"}
+    assert netns.clean_env(env) == {"PATH": "/bin", "HOME": "/r"}
+
+
+def test_the_agent_command_is_one_function_for_the_launcher_and_the_tier() -> None:
+    d = DiscoveryConfig(ttl_seconds=3, heartbeat_seconds=0.5)
+    cmd = agent_command(d, etcd="http://169.254.77.1:2379", job="j", host="169.254.77.10", drain_grace_seconds=2)
+    assert cmd[cmd.index("--host") + 1] == "169.254.77.10"
+    assert cmd[cmd.index("--ttl") + 1] == "3" and cmd[cmd.index("--heartbeat") + 1] == "0.5"
+    assert cmd[cmd.index("--drain-grace") + 1] == "2" and cmd[cmd.index("--prefix") + 1] == "/elastictrain"
+
+
+def test_the_launcher_counts_horovodruns_ssh_to_a_worker_as_a_live_worker() -> None:
+    remote = "cd /w > /dev/null 2>&1 ; env A=1 /v/bin/elastictrain train --config /r/job.yaml"
+    assert ssh_runs_train(["/usr/bin/ssh", "-F", "/t/cfg", "-o", "X=no", "169.254.77.10", remote])
+    assert not ssh_runs_train(["/usr/bin/ssh", "169.254.77.10", "true"])
+    assert not ssh_runs_train(["/bin/sh", "-c", f"ssh 169.254.77.10 '{remote}'"])
+    assert not ssh_runs_train([])
+
+
+def test_partitions_must_be_followed_by_a_reset_that_drops_the_node() -> None:
+    assert set(inv.EXPECTED_REASONS["partition-host"]) == {"hosts_removed", "worker_failed"}
+
+
+def ev(ts: float, event: str, **fields: object) -> dict[str, object]:
+    return {"ts": ts, "event": event, "step": int(ts), "world_size": 3, **fields}
+
+
+def test_a_node_counts_as_rejoined_only_in_a_reset_after_it_came_back() -> None:
+    a, b = "169.254.77.10", "169.254.77.12"
+    killed = [{"ts": 10, "action": "kill-host", "host": b}, {"ts": 20, "action": "host-returns", "host": b}]
+    before = ev(15, "reset", hosts=[a], world_size=1)
+    assert inv.check_rejoined(killed, [before, ev(25, "reset", hosts=[a, b])]).ok
+    assert not inv.check_rejoined(killed, [before, ev(19, "reset", hosts=[a, b])]).ok, "before it returned"
+    assert not inv.check_rejoined(killed, [before, ev(25, "metrics")]).ok
+    cut = [
+        {"ts": 10, "action": "partition-host", "host": b, "seconds": 15},
+        {"ts": 25, "action": "partition-host", "phase": "end", "host": b},
+    ]
+    assert not inv.check_rejoined(cut, [ev(12, "reset", hosts=[a, b])]).ok
+    assert inv.check_rejoined(cut, [ev(30, "reset", hosts=[a, b])]).ok
+    assert not inv.check_rejoined([], []).ok, "no node came back: the scenario did not do its job"
+
+
+def test_the_multi_node_scenarios_run_on_three_nodes_with_min_np_2_and_outside_the_local_lists() -> None:
+    for name in ("node-killed", "node-partitioned"):
+        s = SCENARIOS[name]
+        assert s.nodes == 3 and not s.ci
+        cfg = s.cfg(False)
+        assert cfg["elastic"]["min_np"] == 2 and cfg["elastic"]["max_np"] == 3
+        assert cfg["discovery"]["ttl_seconds"] == base_config()["discovery"]["ttl_seconds"] == 3
+    assert all(s.nodes == 0 for s in SCENARIOS.values() if s.ci)
