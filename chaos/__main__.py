@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -124,6 +125,9 @@ def _run(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.action == "run":
+        # SIGTERM (a CI timeout, a user) unwinds like Ctrl-C, so the runner's `finally` blocks stop the jobs
+        # it started (the fault-free reference run included) instead of leaving them behind.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         return _run(args)
     try:
         job = JobRef.resolve(args.job, args.run_dir)

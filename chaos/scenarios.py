@@ -624,7 +624,7 @@ def check_trained_during(chaos_events: list[dict[str, Any]], events: list[dict[s
 
 # ---------------------------------------------------------------------------------------------- running
 def reference_loss(
-    cfg: dict[str, Any], parent: Path, flags: tuple[str, ...] = LAUNCH_FLAGS
+    cfg: dict[str, Any], parent: Path, flags: tuple[str, ...] = LAUNCH_FLAGS, timeout: float = 600.0
 ) -> tuple[int, float] | None:
     """The fault-free run's final (step, loss) for ``cfg``; run once per config hash and cached under ``parent``."""
     key = config_hash(cfg, flags)
@@ -635,7 +635,7 @@ def reference_loss(
     run = Run(parent / REFERENCE_DIR / key, {**cfg, "job": f"chaos-ref-{key[:8]}"}, flags=flags)
     try:
         run.start()
-        code = run.wait_exit(600)
+        code = run.wait_exit(timeout)
     finally:
         if run.running():
             run.kill_everything()
@@ -662,7 +662,7 @@ def run_scenario(
     if tier_unavailable:
         raise ScenarioError(tier_unavailable)
     out(f"chaos: {name}: reference run (cached under {run_dir.parent / REFERENCE_DIR})")
-    reference = reference_loss(cfg, run_dir.parent)
+    reference = reference_loss(cfg, run_dir.parent, timeout=max(600.0, scenario.timeout))
     job = f"chaos-{name}-{os.urandom(3).hex()}"
     leftovers: list[str] = []
     with _tier(scenario, run_dir, {"job": job, **cfg}, out) as (run, tier):
