@@ -43,7 +43,7 @@ def write_config(tmp_path: Path, job: str, *, max_steps: int, mlflow: bool = Fal
             "kind": "synthetic",
             "image_size": 16,
             "batch_size": 16,
-            "num_samples": 8192,
+            "num_samples": max(8192, 32 * (max_steps + 10)),  # one epoch holds max_steps at 2 x 16
             "num_val_samples": 64,
             "augment": False,
         },
@@ -165,7 +165,9 @@ def test_launch_with_embedded_etcd_runs_a_short_job_to_completion(
 def test_full_preemption_relaunches_and_resumes_from_the_checkpoint_in_the_same_mlflow_run(
     procs: ProcessGroup, tmp_path: Path, no_leftovers: list[Launch]
 ) -> None:
-    config = write_config(tmp_path, "launch-preempt", max_steps=150, mlflow=True)
+    # Long enough that the first MLflow run and a checkpoint exist well before the end (steps take ~0.03 s).
+    steps = 800
+    config = write_config(tmp_path, "launch-preempt", max_steps=steps, mlflow=True)
     launch = Launch(procs, config, tmp_path, "--wait-hosts-seconds", "60")
     no_leftovers.append(launch)
     run_dir = launch.run_dir
@@ -199,7 +201,7 @@ def test_full_preemption_relaunches_and_resumes_from_the_checkpoint_in_the_same_
                  "--slots", "1", "--ttl", "3", "--heartbeat", "0.5", "--request-timeout", "0.5", "--drain-grace", "1"],
                 env=env, stdout=log, stderr=subprocess.STDOUT,
             )  # fmt: skip
-    assert launch.wait(timeout=150) == 0, launch.log()
+    assert launch.wait(timeout=180) == 0, launch.log()
 
     evs = events(run_dir)
     starts = [e for e in evs if e["event"] == "start"]
@@ -207,12 +209,12 @@ def test_full_preemption_relaunches_and_resumes_from_the_checkpoint_in_the_same_
     resumed = starts[1]["resumed_from_step"]
     assert isinstance(resumed, int) and 10 <= resumed <= step_at_preemption, (resumed, step_at_preemption)
     assert starts[1]["step"] == resumed, "the relaunch continued from the checkpoint's step"
-    assert [e["step"] for e in evs if e["event"] == "done"] == [150]
+    assert [e["step"] for e in evs if e["event"] == "done"] == [steps]
     assert (run_dir / "mlflow_run_id").read_text().strip() == first_run_id
     with contextlib.closing(sqlite3.connect(run_dir / "mlflow.db")) as db:
         assert db.execute("select run_uuid from runs").fetchall() == [(first_run_id,)], "one MLflow run for the job"
         (last_step,) = db.execute("select max(step) from metrics where key = 'loss'").fetchone()
-    assert last_step == 150, "the relaunched attempt logs into the first attempt's run"
+    assert last_step == steps, "the relaunched attempt logs into the first attempt's run"
 
 
 @needs_horovod
