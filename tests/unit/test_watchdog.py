@@ -12,9 +12,16 @@ from elastictrain.watchdog import FailureMarker, WatchdogPolicy, abort_connectio
 P = WatchdogPolicy()
 
 
-def decide(now, started, typical=0.1, failure=None, notified=False):
+def decide(now, started, typical=0.1, failure=None, notified=False, peer_closed=lambda: False, progress=None):
     return should_abort(
-        now=now, step_started=started, typical_step=typical, failure_ts=failure, notified=notified, policy=P
+        now=now,
+        step_started=started,
+        typical_step=typical,
+        failure_ts=failure,
+        notified=notified,
+        policy=P,
+        peer_closed=peer_closed,
+        progress_since=progress,
     )
 
 
@@ -79,48 +86,18 @@ def test_a_ring_connection_closed_by_its_peer_is_failure_evidence_once_the_step_
         asked.append(1)
         return True
 
-    assert (
-        should_abort(
-            now=100.0,
-            step_started=99.9,
-            typical_step=0.1,
-            failure_ts=None,
-            notified=False,
-            policy=P,
-            peer_closed=peer_closed,
-        )
-        is None
-    )
+    assert decide(100.0, 99.9, peer_closed=peer_closed) is None
     assert asked == []  # not even asked while the step is young (it lists sockets)
-    reason = should_abort(
-        now=100.0,
-        step_started=99.0,
-        typical_step=0.1,
-        failure_ts=None,
-        notified=False,
-        policy=P,
-        peer_closed=peer_closed,
-    )
+    reason = decide(100.0, 99.0, peer_closed=peer_closed)
     assert reason is not None and "closed its connection" in reason
 
 
 def test_a_failure_after_this_workers_last_progress_counts_even_if_its_step_started_later():
     # The peer failed at 99.2 while this worker was still computing; it finished its last step at 99.0 and
     # entered the broken collective at 99.5: that failure is news to this step.
-    def with_progress(now, started, failure, progress):
-        return should_abort(
-            now=now,
-            step_started=started,
-            typical_step=0.1,
-            failure_ts=failure,
-            notified=False,
-            policy=P,
-            progress_since=progress,
-        )
-
-    assert with_progress(100.5, 99.5, failure=99.2, progress=99.0) is not None
-    assert with_progress(100.5, 99.5, failure=98.0, progress=99.0) is None  # before the last completed step
-    assert with_progress(99.7, 99.5, failure=99.2, progress=99.0) is None  # still a young step
+    assert decide(100.5, 99.5, failure=99.2, progress=99.0) is not None
+    assert decide(100.5, 99.5, failure=98.0, progress=99.0) is None  # before the last completed step
+    assert decide(99.7, 99.5, failure=99.2, progress=99.0) is None  # still a young step
 
 
 @pytest.mark.parametrize("reset", [False, True], ids=["closed: CLOSE_WAIT", "reset: gone"])
