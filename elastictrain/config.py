@@ -269,11 +269,20 @@ class TrackingConfig:
     0 sends at once."""
     progress_bar: bool = True
     """Show a tqdm bar on rank 0 when stderr is a terminal."""
+    open_wait_seconds: float = 30.0
+    """At a job's start (not after a reset), rank 0 waits up to this long for the tracking run to open before the
+    first step: importing MLflow and creating the store (about 3 CPU seconds) then does not compete with training
+    for the GIL and the cores, and the ``start`` event carries the run id. 0: do not wait."""
 
     def __post_init__(self) -> None:
         _check(self.queue_size >= 1, "tracking.queue_size", f"must be >= 1, got {self.queue_size}")
         _check(
             0 <= self.flush_seconds <= 3600, "tracking.flush_seconds", f"must be in [0, 3600], got {self.flush_seconds}"
+        )
+        _check(
+            0 <= self.open_wait_seconds <= 3600,
+            "tracking.open_wait_seconds",
+            f"must be in [0, 3600], got {self.open_wait_seconds}",
         )
 
 

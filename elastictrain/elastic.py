@@ -413,6 +413,22 @@ class ElasticTrainer:
                 "torch": torch.__version__,
             }
         )
+        wait = cfg.tracking.open_wait_seconds
+        if cfg.tracking.mlflow and wait > 0 and self._job_starting():
+            t0 = time.perf_counter()
+            run_id = self.tracker.wait_started(wait)
+            if run_id is None:
+                log.warning("tracking run not open yet; training starts, points wait in the queue", waited_seconds=wait)
+            else:
+                log.info("tracking run open", run_id=run_id, waited_seconds=round(time.perf_counter() - t0, 3))
+
+    def _job_starting(self) -> bool:
+        """Whether the job is starting (fresh or resumed from a checkpoint) rather than resetting.
+
+        After a failure or a host change, rank 0's services open without waiting: a new rank 0 must not hold
+        the recovery up. A worker joining a job that has trained past its start also counts as a reset.
+        """
+        return self.state.failure is None and self.counters.step == (self.resumed_from or 0)
 
     def _leave_rank0(self) -> None:
         """Ranks were reassigned and rank 0 is now another process (hosts left and came back): hand over.

@@ -46,8 +46,11 @@ MAX_METRICS_PER_BATCH = 1000
 MAX_PARAMS_TAGS_PER_BATCH = 100
 MAX_PARAM_VALUE_LENGTH = 6000
 MAX_TAG_VALUE_LENGTH = 8000
-# What the sender's HTTP requests may cost: MLflow's defaults are 7 retries and 120 s per request.
+# Environment defaults for the sender (a user's value wins). What its HTTP requests may cost: MLflow's defaults
+# are 7 retries and 120 s per request. MLflow 3 also starts a telemetry thread in rank 0's process that reports
+# usage over the network; it is off unless the user sets MLFLOW_DISABLE_TELEMETRY=false.
 SENDER_HTTP_ENV = {
+    "MLFLOW_DISABLE_TELEMETRY": "true",
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",

@@ -1,7 +1,7 @@
 """``elastictrain bench [--quick] [--only NAME[,NAME]] [--out DIR]``: every performance goal, measured side by side.
 
 Each measurement is one module of this package with ``run(ctx) -> Result``; contenders run
-alternating (A B A B ...) in the same run, and the result holds medians and the ratio to each goal.
+alternating (A B, B A, ...) in the same run, and the result holds medians and the ratio to each goal.
 Progress goes to stderr, the table to stdout, and ``<out>/<date>-<host>[-quick].json`` / ``.md`` are
 written (machine, load average before and after, every number). Exit 0 when every measurement ran
 (a missed goal is a result, not an error), 1 when one failed, 2 for bad flags.

@@ -136,10 +136,13 @@ def alternate(
     repeats: int,
     progress: Callable[[str], None] = lambda _msg: None,
 ) -> dict[str, list[T]]:
-    """Run each contender ``repeats`` times, interleaved A B A B ... in one run; returns results per contender.
+    """Run each contender ``repeats`` times, interleaved in one run (A B, B A, A B, ...); returns results per
+    contender.
 
     The callable gets the repeat index. Interleaving spreads slow drifts of the machine (other load, a
-    warming cache) over all contenders instead of charging them to whichever ran last.
+    warming cache) over all contenders instead of charging them to whichever ran last; reversing the order
+    every other repeat gives each contender the first and the second place equally often (what a run leaves
+    behind, such as exiting processes or a warm page cache, then falls on both sides).
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -148,7 +151,7 @@ def alternate(
         raise ValueError(f"contender names must be distinct, got {names}")
     out: dict[str, list[T]] = {name: [] for name in names}
     for r in range(repeats):
-        for name, fn in contenders:
+        for name, fn in contenders if r % 2 == 0 else reversed(contenders):
             progress(f"{name} {r + 1}/{repeats}")
             out[name].append(fn(r))
     return out

@@ -21,7 +21,7 @@ import yaml
 
 from elastictrain.bench.core import threads_per_worker
 from elastictrain.bench.jobs import ElasticJob, logical_hosts, read_jsonl
-from elastictrain.bench.procs import BIN_DIR, BenchError, kill_tree
+from elastictrain.bench.procs import BIN_DIR, BenchError, TreeCpuMonitor, kill_tree
 
 WARMUP_STEPS = 20
 """Steps excluded from throughput: process start, first allocations, MLflow run creation."""
@@ -57,8 +57,21 @@ def steady_throughput(events: list[dict[str, Any]], *, batch: int, warmup_steps:
         "step_seconds_median": statistics.median(e["step_seconds"] for e in metrics[1:]),
         "steps_measured": last["step"] - first["step"],
         "seconds_measured": seconds,
+        "window_ts": [first["ts"], last["ts"]],
         "world_size": ws,
     }
+
+
+def add_cpu_usage(out: dict[str, Any], monitor: TreeCpuMonitor) -> dict[str, Any]:
+    """Add what the job's processes used in the steady window: cores busy, CPU ms per sample, and the steal
+    fraction of the machine (another tenant's load shows there, not in our processes)."""
+    window = monitor.between(*out["window_ts"])
+    if window is not None and window["seconds"] > 0:
+        cores = window["cpu_seconds"] / window["seconds"]
+        out["cores_busy"] = cores
+        out["cpu_ms_per_sample"] = 1000 * cores / out["samples_per_sec"]
+        out["steal_fraction"] = window["steal_fraction"]
+    return out
 
 
 def run_elastictrain(workdir: Path, *, world_size: int, max_steps: int, timeout: float = 300) -> dict[str, Any]:
@@ -78,15 +91,20 @@ def run_elastictrain(workdir: Path, *, world_size: int, max_steps: int, timeout:
         threads=threads_per_worker(world_size),
     )
     t0 = time.monotonic()
+    monitor: TreeCpuMonitor | None = None
     try:
         job.start()
+        assert job.proc is not None
+        monitor = TreeCpuMonitor(job.proc.pid).start()
         rc = job.wait(timeout)
         if rc != 0:
             raise BenchError(f"elastictrain train exited {rc}:\n{job.tail(20)}")
         events = job.events()
     finally:
+        if monitor is not None:
+            monitor.stop()
         job.close()
-    out = steady_throughput(events, batch=32)
+    out = add_cpu_usage(steady_throughput(events, batch=32), monitor)
     out["commit_seconds"] = [e["commit_seconds"] for e in events if e["event"] == "commit" and e["step"] > 0]
     out["checkpoint_stall_seconds"] = [e["stall_seconds"] for e in events if e["event"] == "checkpoint"]
     out["wall_seconds"] = time.monotonic() - t0
@@ -118,16 +136,18 @@ def run_plain_horovod(workdir: Path, *, world_size: int, max_steps: int, timeout
     t0 = time.monotonic()
     with open(workdir / "horovodrun.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir, start_new_session=True)
+        monitor = TreeCpuMonitor(proc.pid).start()
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             rc = None
         finally:
+            monitor.stop()
             kill_tree(proc.pid)
             proc.wait(timeout=10)
     if rc != 0:
         tail = "\n".join((workdir / "horovodrun.log").read_text(errors="replace").splitlines()[-20:])
         raise BenchError(f"plain Horovod loop {'timed out' if rc is None else f'exited {rc}'}:\n{tail}")
-    out = steady_throughput(read_jsonl(workdir / "run" / "events.jsonl"), batch=32)
+    out = add_cpu_usage(steady_throughput(read_jsonl(workdir / "run" / "events.jsonl"), batch=32), monitor)
     out["wall_seconds"] = time.monotonic() - t0
     return out

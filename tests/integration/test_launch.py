@@ -206,6 +206,7 @@ def test_full_preemption_relaunches_and_resumes_from_the_checkpoint_in_the_same_
     evs = events(run_dir)
     starts = [e for e in evs if e["event"] == "start"]
     assert [s["attempt"] for s in starts] == [0, 1], starts
+    assert [s["run_id"] for s in starts] == [first_run_id] * 2, "each attempt's start event links its MLflow run"
     resumed = starts[1]["resumed_from_step"]
     assert isinstance(resumed, int) and 10 <= resumed <= step_at_preemption, (resumed, step_at_preemption)
     assert starts[1]["step"] == resumed, "the relaunch continued from the checkpoint's step"

@@ -60,6 +60,8 @@ def test_full_job_killed_mid_epoch_resumes_at_the_checkpoint_in_the_same_mlflow_
     assert len(steps) == len(set(steps)), "a (step, loss) point was logged twice"
     assert max(steps) > killed_at  # points from after the resume are in the same run
     run = runs[0]
+    # Rank 0 waits for the tracking run before the first step of each attempt: both start events link to it.
+    assert [e["run_id"] for e in read_events(second.events_path) if e["event"] == "start"] == [run.info.run_id] * 2
     assert run.data.tags["horovod"] == "0.28.1" and run.data.tags["torch"].startswith("2.")
     assert run.data.params["training.epochs"] == "1"
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}

@@ -7,6 +7,8 @@ from __future__ import annotations
 import io
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,10 +33,10 @@ from elastictrain.bench.core import (
     threads_per_worker,
     write_results,
 )
-from elastictrain.bench.procs import BenchError
+from elastictrain.bench.procs import BenchError, TreeCpuMonitor, read_steal, wait_until
 
 
-def test_contenders_run_interleaved_a_b_a_b_and_each_gets_its_repeat_index() -> None:
+def test_contenders_run_interleaved_a_b_b_a_and_each_gets_its_repeat_index() -> None:
     calls: list[tuple[str, int]] = []
     lines: list[str] = []
     out = alternate(
@@ -42,9 +44,9 @@ def test_contenders_run_interleaved_a_b_a_b_and_each_gets_its_repeat_index() -> 
         3,
         lines.append,
     )
-    assert calls == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 2), ("b", 2)]
+    assert calls == [("a", 0), ("b", 0), ("b", 1), ("a", 1), ("a", 2), ("b", 2)]
     assert out == {"a": [10, 11, 12], "b": [20, 21, 22]}
-    assert lines == ["a 1/3", "b 1/3", "a 2/3", "b 2/3", "a 3/3", "b 3/3"]
+    assert lines == ["a 1/3", "b 1/3", "b 2/3", "a 2/3", "a 3/3", "b 3/3"]
 
 
 def test_alternation_rejects_no_repeats_and_duplicate_names() -> None:
@@ -240,3 +242,34 @@ def test_own_goodput_subtracts_kill_downtime_scale_up_pauses_and_rolled_back_ste
     # downtime: 1 s (kill -> reset) + 6 s (scale-up) + 10 s (the kill at 90 never recovered); lost 4 x 0.5 s
     assert own["downtime_seconds"] == pytest.approx(17.0) and own["lost_steps"] == 4
     assert own["goodput"] == pytest.approx((100 - 17 - 2) / 100)
+
+
+def test_cpu_monitor_windows_between_the_nearest_samples_inside() -> None:
+    mon = TreeCpuMonitor(pid=1)
+    mon.samples = [(10.0, 1.0, 0, 100), (11.0, 2.5, 5, 300), (12.0, 4.0, 5, 500), (13.0, 9.0, 50, 700)]
+    assert mon.between(10.5, 12.5) == {"seconds": 1.0, "cpu_seconds": 1.5, "steal_fraction": 0.0}
+    assert mon.between(10.0, 13.0) == {"seconds": 3.0, "cpu_seconds": 8.0, "steal_fraction": 50 / 600}
+    assert mon.between(11.5, 12.5) is None  # one sample inside: no window
+
+
+def test_cpu_monitor_counts_a_busy_child_and_keeps_it_after_it_exits(tmp_path: Path) -> None:
+    stop = tmp_path / "stop"
+    busy = f"import os\nwhile not os.path.exists({str(stop)!r}): pass\n"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {busy!r}])"]
+    )
+    mon = TreeCpuMonitor(parent.pid, interval=0.05).start()
+    try:
+        wait_until(lambda: mon.samples and mon.samples[-1][1] > 0.3, 60, what="the busy grandchild's CPU")
+        stop.touch()
+        parent.wait(timeout=30)
+        used = mon.samples[-1][1]
+        wait_until(lambda: len(mon.samples) > 3 and mon.samples[-1][0] > mon.samples[-3][0], 10, what="samples")
+        assert mon.samples[-1][1] >= used  # the exited processes' CPU stays counted
+    finally:
+        stop.touch()
+        mon.stop()
+        parent.kill()
+        parent.wait()
+    steal, total = read_steal()
+    assert total > 0 and 0 <= steal <= total

@@ -85,6 +85,11 @@ def test_config_is_frozen():
         ({**BASE, "training": {"epochs": True}}, [], "training.epochs: must be an integer"),
         ({**BASE, "training": {"base_lr": -1}}, [], "training.base_lr: must be > 0"),
         ({**BASE, "tracking": {"flush_seconds": -1}}, [], "tracking.flush_seconds: must be in [0, 3600], got -1"),
+        (
+            {**BASE, "tracking": {"open_wait_seconds": -1}},
+            [],
+            "tracking.open_wait_seconds: must be in [0, 3600], got -1",
+        ),
         ({**BASE, "training": []}, [], "training: must be a mapping"),
         ({**BASE, "elastic": {"policy": "globl"}}, [], "did you mean 'global'?"),
         ({**BASE, "elastic": {"policy": "global"}}, [], "elastic.global_batch_size: is required"),
