@@ -272,7 +272,8 @@ class TrackingConfig:
     open_wait_seconds: float = 30.0
     """At a job's start (not after a reset), rank 0 waits up to this long for the tracking run to open before the
     first step: importing MLflow and creating the store (about 3 CPU seconds) then does not compete with training
-    for the GIL and the cores, and the ``start`` event carries the run id. 0: do not wait."""
+    for the GIL and the cores, and the ``start`` event carries the run id. At most half the Gloo timeout (the other
+    workers wait in a collective meanwhile). 0: do not wait."""
 
     def __post_init__(self) -> None:
         _check(self.queue_size >= 1, "tracking.queue_size", f"must be >= 1, got {self.queue_size}")

@@ -414,6 +414,9 @@ class ElasticTrainer:
             }
         )
         wait = cfg.tracking.open_wait_seconds
+        gloo_timeout = os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", "")
+        if gloo_timeout.isdigit() and int(gloo_timeout) > 0:  # the other ranks wait in a collective meanwhile
+            wait = min(wait, int(gloo_timeout) / 2)
         if cfg.tracking.mlflow and wait > 0 and self._job_starting():
             t0 = time.perf_counter()
             run_id = self.tracker.wait_started(wait)
