@@ -49,7 +49,7 @@ MAX_TAG_VALUE_LENGTH = 8000
 # Environment defaults for the sender (a user's value wins). What its HTTP requests may cost: MLflow's defaults
 # are 7 retries and 120 s per request. MLflow 3 also starts a telemetry thread in rank 0's process that reports
 # usage over the network; it is off unless the user sets MLFLOW_DISABLE_TELEMETRY=false.
-SENDER_HTTP_ENV = {
+SENDER_ENV = {
     "MLFLOW_DISABLE_TELEMETRY": "true",
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
@@ -380,7 +380,7 @@ class MlflowTracker:
         self.experiment = experiment
         self.tracking_uri = tracking_uri or default_tracking_uri(run_dir)
         if backend_factory is None:
-            for key, value in SENDER_HTTP_ENV.items():  # before mlflow reads them; a user's value wins
+            for key, value in SENDER_ENV.items():  # before mlflow reads them; a user's value wins
                 os.environ.setdefault(key, value)
             uri = self.tracking_uri
             artifacts = (

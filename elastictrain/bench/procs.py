@@ -6,6 +6,7 @@ import contextlib
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -77,8 +78,6 @@ class TreeCpuMonitor:
     """
 
     def __init__(self, pid: int, interval: float = 0.5) -> None:
-        import threading
-
         self.pid = pid
         self.interval = interval
         self.samples: list[tuple[float, float, float, float]] = []

@@ -10,7 +10,7 @@ from structlog.testing import capture_logs
 from elastictrain.config import config_from_dict
 from elastictrain.tracking import (
     RUN_ID_FILE,
-    SENDER_HTTP_ENV,
+    SENDER_ENV,
     TAG_JOB,
     MlflowTracker,
     make_tracker,
@@ -31,7 +31,7 @@ def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     cwd.mkdir()
     monkeypatch.chdir(cwd)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    for key, value in SENDER_HTTP_ENV.items():
+    for key, value in SENDER_ENV.items():
         monkeypatch.setenv(key, value)
     return cwd
 
