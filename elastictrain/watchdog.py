@@ -46,6 +46,11 @@ class WatchdogPolicy:
     notified_factor: float = 5.0
     """With only a host-change notice (which also comes on a healthy scale-up), wait longer."""
     poll_seconds: float = 0.1
+    report_after_seconds: float = 5.0
+    """A step that has waited this long without an abort although a failure or a host notice is known is logged
+    once with the decision's inputs, so that a watchdog miss (a survivor left in a Gloo receive until the
+    timeout) can be explained afterwards. Without either signal nothing is logged: a long validation at the end
+    of an epoch is not a miss."""
 
 
 def should_abort(
@@ -183,6 +188,8 @@ class CollectiveWatchdog:
         """Typical step seconds: an exponential average kept by the training thread (one float, no locking)."""
         self._steps = 0
         self._ring: set[tuple[Any, Any]] = set()
+        self._reported: float | None = None
+        """Start of the last step logged as overdue without an abort (once per step)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="collective-watchdog", daemon=True)
         self.aborts = 0
@@ -226,18 +233,32 @@ class CollectiveWatchdog:
         started = self._step_started
         if started is None:
             return
-        ring = self._ring
+        ring, now = self._ring, time.time()
+        failure_ts, notified, progress = self.marker.last(), self.notified(), self._progress
         reason = should_abort(
-            now=time.time(),
+            now=now,
             step_started=started,
             typical_step=self._typical,
-            failure_ts=self.marker.last(),
-            notified=self.notified(),
+            failure_ts=failure_ts,
+            notified=notified,
             policy=self.policy,
             peer_closed=lambda: bool(ring) and closed_by_peer(ring),
-            progress_since=self._progress,
+            progress_since=progress,
         )
         if reason is None:
+            since = started if progress is None else min(progress, started)
+            signal = notified or (failure_ts is not None and failure_ts >= since)
+            if signal and now - started >= self.policy.report_after_seconds and self._reported != started:
+                self._reported = started
+                log.warning(
+                    "step overdue without an abort",
+                    waited_seconds=round(now - started, 3),
+                    typical_step_seconds=round(self._typical, 4),
+                    failure_seconds_ago=None if failure_ts is None else round(now - failure_ts, 3),
+                    last_progress_seconds_ago=None if progress is None else round(now - progress, 3),
+                    notified=notified,
+                    ring_connections=len(ring),
+                )
             return
         local, remote = self.excluded_ports()
         n = abort_connections(local, remote, only=ring or None)

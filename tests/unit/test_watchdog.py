@@ -121,3 +121,27 @@ def test_closed_by_peer_sees_a_snapshotted_ring_connection_that_its_peer_closed_
     assert closed_by_peer(ring)
     for s in (client, server):
         s.close()
+
+
+def test_a_long_step_with_a_known_failure_but_no_abort_is_logged_once_with_the_decisions_inputs(tmp_path):
+    import time
+
+    from structlog.testing import capture_logs
+
+    from elastictrain.watchdog import CollectiveWatchdog
+
+    marker = FailureMarker(tmp_path / "marker")
+    dog = CollectiveWatchdog(marker, notified=lambda: False, excluded_ports=lambda: (set(), set()))
+    dog._typical = 4.0  # slow steps: a failure aborts only after 3 x 4 s
+    with capture_logs() as logs:
+        dog._step_started = time.time() - 6.0
+        dog._check()  # a long step (a validation, say) with no failure known: nothing to explain
+        marker.record("peer")
+        dog._step_started = started = time.time() - 6.0
+        dog._check()
+        dog._check()  # the same step: not again
+    assert [e["event"] for e in logs] == ["step overdue without an abort"]
+    entry = logs[0]
+    assert entry["waited_seconds"] >= 6.0 and entry["typical_step_seconds"] == 4.0
+    assert 0 <= entry["failure_seconds_ago"] < 6.0 and entry["notified"] is False and entry["ring_connections"] == 0
+    assert dog.aborts == 0 and dog._step_started == started
