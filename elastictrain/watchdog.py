@@ -78,8 +78,7 @@ def should_abort(
         return None
     waited = now - step_started
     overdue = waited >= max(policy.failed_min_seconds, policy.failed_factor * typical_step)
-    since = step_started if progress_since is None else min(progress_since, step_started)
-    if failure_ts is not None and failure_ts >= since:
+    if failure_ts is not None and failure_counts(failure_ts, step_started, progress_since):
         if overdue:
             return f"a peer failed {now - failure_ts:.1f}s ago and this step has waited {waited:.1f}s"
         return None
@@ -88,6 +87,13 @@ def should_abort(
     if notified and waited >= max(policy.notified_min_seconds, policy.notified_factor * typical_step):
         return f"hosts changed and this step has waited {waited:.1f}s"
     return None
+
+
+def failure_counts(failure_ts: float | None, step_started: float, progress_since: float | None) -> bool:
+    """Whether a recorded failure concerns the current step: it came after this worker last made progress (see
+    :func:`should_abort`)."""
+    since = step_started if progress_since is None else min(progress_since, step_started)
+    return failure_ts is not None and failure_ts >= since
 
 
 class FailureMarker:
@@ -246,8 +252,7 @@ class CollectiveWatchdog:
             progress_since=progress,
         )
         if reason is None:
-            since = started if progress is None else min(progress, started)
-            signal = notified or (failure_ts is not None and failure_ts >= since)
+            signal = notified or failure_counts(failure_ts, started, progress)
             if signal and now - started >= self.policy.report_after_seconds and self._reported != started:
                 self._reported = started
                 log.warning(
