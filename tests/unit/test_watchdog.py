@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import pytest
+from structlog.testing import capture_logs
 
-from elastictrain.watchdog import FailureMarker, WatchdogPolicy, abort_connections, should_abort
+from elastictrain.watchdog import (
+    CollectiveWatchdog,
+    FailureMarker,
+    WatchdogPolicy,
+    abort_connections,
+    should_abort,
+)
 
 P = WatchdogPolicy()
 
@@ -124,12 +132,6 @@ def test_closed_by_peer_sees_a_snapshotted_ring_connection_that_its_peer_closed_
 
 
 def test_a_long_step_with_a_known_failure_but_no_abort_is_logged_once_with_the_decisions_inputs(tmp_path):
-    import time
-
-    from structlog.testing import capture_logs
-
-    from elastictrain.watchdog import CollectiveWatchdog
-
     marker = FailureMarker(tmp_path / "marker")
     dog = CollectiveWatchdog(marker, notified=lambda: False, excluded_ports=lambda: (set(), set()))
     dog._typical = 4.0  # slow steps: a failure aborts only after 3 x 4 s
