@@ -45,7 +45,8 @@ def _log() -> Any:
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 STATE_FILE = "state.pt"
-_STEP_RE = re.compile(r"^step-(\d{8,})$")
+_STEP_RE = re.compile(r"step-([0-9]{8,})")
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _HASH_CHUNK = 8 << 20
 
 
@@ -62,7 +63,7 @@ def checkpoint_name(step: int) -> str:
 
 def parse_step(name: str) -> int | None:
     """The step of a checkpoint folder name, or ``None`` when ``name`` is not one."""
-    m = _STEP_RE.match(name)
+    m = _STEP_RE.fullmatch(name)
     return int(m.group(1)) if m else None
 
 
@@ -168,24 +169,64 @@ def write_checkpoint(
     return WriteResult(name, storage.describe(name), hw.bytes, write_seconds, pruned)
 
 
+def _plain_file_name(value: Any) -> bool:
+    return isinstance(value, str) and bool(value) and "/" not in value and value not in (".", "..")
+
+
+def _count(value: Any, minimum: int = 0) -> bool:
+    return type(value) is int and value >= minimum
+
+
 def read_manifest(storage: CheckpointStorage, name: str) -> dict[str, Any]:
-    """The manifest of checkpoint ``name``; :class:`CheckpointDamaged` when missing or unreadable."""
+    """The manifest of checkpoint ``name``, checked field by field; :class:`CheckpointDamaged` otherwise.
+
+    The manifest is untrusted input (anyone who can write the run_dir can write it): it must be a JSON
+    object whose ``step`` is the folder's, whose ``epoch``/``world_size`` are counts, and whose ``files``
+    map plain file names (no ``/``) to ``{"sha256": 64 hex digits, "bytes": int >= 0}``, ``state_file``
+    among them.
+    """
     try:
         raw = storage.read_bytes(f"{name}/{MANIFEST}")
     except FileNotFoundError:
         raise CheckpointDamaged(f"{name}: no {MANIFEST} (incomplete save)") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointDamaged(f"{name}: {MANIFEST} cannot be read ({e})") from None
     try:
         manifest = json.loads(raw)
-        files = manifest["files"]
-        if not isinstance(files, dict) or manifest["state_file"] not in files:
-            raise ValueError("files does not list state_file")
-        for key in ("step", "epoch", "world_size"):
-            int(manifest[key])
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointDamaged(f"{name}: {MANIFEST} is unreadable ({e})") from None
-    if not isinstance(manifest, dict):
-        raise CheckpointDamaged(f"{name}: {MANIFEST} is not an object")
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+        raise CheckpointDamaged(f"{name}: {MANIFEST} is not JSON ({e})") from None
+    problem = _manifest_problem(manifest, parse_step(name))
+    if problem is not None:
+        raise CheckpointDamaged(f"{name}: {MANIFEST} is malformed ({problem})")
     return manifest
+
+
+def _manifest_problem(manifest: Any, folder_step: int | None) -> str | None:
+    """What is wrong with a parsed manifest, or None when every field the loader relies on is sound."""
+    if not isinstance(manifest, dict):
+        return f"not an object but {type(manifest).__name__}"
+    if not _count(manifest.get("step")) or manifest["step"] != folder_step:
+        return f"step {manifest.get('step')!r} is not the folder's step {folder_step}"
+    if not _count(manifest.get("epoch")):
+        return f"epoch {manifest.get('epoch')!r} is not a count"
+    if not _count(manifest.get("world_size"), 1):
+        return f"world_size {manifest.get('world_size')!r} is not a positive count"
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        return "files is not a non-empty object"
+    for fname, entry in files.items():
+        if not _plain_file_name(fname) or fname == MANIFEST:
+            return f"files names {fname!r}, not a plain file name"
+        if (
+            not isinstance(entry, dict)
+            or not _count(entry.get("bytes"))
+            or not isinstance(entry.get("sha256"), str)
+            or not _SHA256_RE.fullmatch(entry["sha256"])
+        ):
+            return f"files[{fname!r}] is not {{sha256: 64 hex digits, bytes: count}}"
+    if not _plain_file_name(manifest.get("state_file")) or manifest["state_file"] not in files:
+        return f"state_file {manifest.get('state_file')!r} is not one of files"
+    return None
 
 
 def verify_checkpoint(storage: CheckpointStorage, name: str) -> dict[str, Any]:
@@ -200,7 +241,9 @@ def verify_checkpoint(storage: CheckpointStorage, name: str) -> dict[str, Any]:
             size = storage.size(key)
         except FileNotFoundError:
             raise CheckpointDamaged(f"{name}: {fname} is missing") from None
-        if size != int(expect["bytes"]):
+        except ValueError as e:  # the storage refused the key (a link out of the checkpoints)
+            raise CheckpointDamaged(f"{name}: {fname} is not readable here ({e})") from None
+        if size != expect["bytes"]:
             raise CheckpointDamaged(f"{name}: {fname} has {size} bytes, manifest says {expect['bytes']}")
         h = hashlib.sha256()
         with storage.open_read(key) as f:
@@ -211,18 +254,31 @@ def verify_checkpoint(storage: CheckpointStorage, name: str) -> dict[str, Any]:
     return manifest
 
 
-def load_checkpoint(
-    storage: CheckpointStorage, name: str, map_location: Any = "cpu", *, weights_only: bool = False
-) -> LoadedCheckpoint:
-    """Verify and load checkpoint folder ``name``; :class:`CheckpointDamaged` when it fails verification."""
+def load_checkpoint(storage: CheckpointStorage, name: str, map_location: Any = "cpu") -> LoadedCheckpoint:
+    """Verify and load checkpoint folder ``name``; :class:`CheckpointDamaged` when it fails verification.
+
+    The state file is loaded with ``torch.load(weights_only=True)``: tensors, containers and plain
+    values only, never arbitrary objects, so a planted file cannot run code. A file ``torch.load``
+    rejects counts as damaged; an I/O error (other than a missing file) propagates.
+    """
     manifest = verify_checkpoint(storage, name)
     key = f"{name}/{manifest['state_file']}"
-    local = storage.local_path(key)
-    if local is not None:
-        state = torch.load(local, map_location=map_location, weights_only=weights_only)
-    else:
-        with storage.open_read(key) as f:
-            state = torch.load(f, map_location=map_location, weights_only=weights_only)
+    try:
+        local = storage.local_path(key)
+        if local is not None:
+            state = torch.load(local, map_location=map_location, weights_only=True)
+        else:
+            with storage.open_read(key) as f:
+                state = torch.load(f, map_location=map_location, weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointDamaged(f"{name}: {manifest['state_file']} is missing") from None
+    except OSError:
+        raise
+    except Exception as e:  # UnpicklingError (a forbidden global), a zip or format error, ...
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CheckpointDamaged(
+            f"{name}: torch.load(weights_only=True) rejects {manifest['state_file']} ({type(e).__name__}: {first})"
+        ) from None
     return LoadedCheckpoint(
         step=int(manifest["step"]),
         epoch=int(manifest["epoch"]),
@@ -233,24 +289,40 @@ def load_checkpoint(
     )
 
 
-def load_latest(
-    storage: CheckpointStorage, map_location: Any = "cpu", *, weights_only: bool = False
-) -> LoadedCheckpoint | None:
+def read_latest(storage: CheckpointStorage) -> str | None:
+    """The checkpoint folder ``latest`` names; ``None`` when absent, or (with a warning) not a folder name.
+
+    ``latest`` is untrusted input: anything but a ``step-NNNNNNNN`` name (a path, ``..``) is ignored.
+    """
+    latest = storage.get_latest()
+    if latest is not None and parse_step(latest) is None:
+        _log().warning(
+            "checkpoint_latest_invalid",
+            message=f"{LATEST} names {latest[:200]!r}, not a checkpoint folder; ignoring it",
+            latest=latest[:200],
+            path=storage.describe(LATEST),
+        )
+        return None
+    return latest
+
+
+def load_latest(storage: CheckpointStorage, map_location: Any = "cpu") -> LoadedCheckpoint | None:
     """Load the newest verified checkpoint, or ``None`` when the storage holds none.
 
     Tries the folder ``latest`` names first, then every other checkpoint folder, newest step first.
-    Each damaged one (missing manifest, missing/truncated file, SHA-256 mismatch) is skipped with a
+    Each damaged one (missing or malformed manifest, missing/truncated file, SHA-256 mismatch, a file
+    ``torch.load(weights_only=True)`` rejects, a link out of the checkpoints) is skipped with a
     ``checkpoint_damaged_falling_back`` warning that names it, why, and what is tried next; the reasons
-    are also in ``LoadedCheckpoint.skipped``. ``weights_only=False`` by default because the state holds
-    arbitrary small picklable values (RNG states, counters); the file's SHA-256 was checked first.
+    are also in ``LoadedCheckpoint.skipped``. A ``latest`` that is not a checkpoint folder name is
+    ignored with a ``checkpoint_latest_invalid`` warning.
     """
-    latest = storage.get_latest()
+    latest = read_latest(storage)
     others = [n for _, n in reversed(list_checkpoints(storage)) if n != latest]
     candidates = ([latest] if latest else []) + others
     skipped: list[str] = []
     for i, name in enumerate(candidates):
         try:
-            loaded = load_checkpoint(storage, name, map_location, weights_only=weights_only)
+            loaded = load_checkpoint(storage, name, map_location)
         except CheckpointDamaged as e:
             nxt = candidates[i + 1] if i + 1 < len(candidates) else None
             _log().warning(
@@ -281,6 +353,13 @@ def load_latest(
     return None
 
 
+def _has_manifest(storage: CheckpointStorage, name: str) -> bool:
+    try:
+        return storage.exists(f"{name}/{MANIFEST}")
+    except ValueError:  # the storage refuses the folder (a link out of it): garbage
+        return False
+
+
 def prune(storage: CheckpointStorage, keep_last: int | None) -> list[str]:
     """Delete what is no longer needed; return the deleted checkpoint folder names.
 
@@ -292,12 +371,10 @@ def prune(storage: CheckpointStorage, keep_last: int | None) -> list[str]:
     """
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
-    latest = storage.get_latest()
+    latest = read_latest(storage)
     latest_step = parse_step(latest) if latest else None
     found = list_checkpoints(storage)
-    complete = [
-        (s, n) for s, n in found if (latest_step is None or s <= latest_step) and storage.exists(f"{n}/{MANIFEST}")
-    ]
+    complete = [(s, n) for s, n in found if (latest_step is None or s <= latest_step) and _has_manifest(storage, n)]
     newest = complete[::-1] if keep_last is None else complete[::-1][:keep_last]
     keep = {n for _, n in newest} | ({latest} if latest else set())
     deleted = []

@@ -136,11 +136,23 @@ class LocalStorage(CheckpointStorage):
     def __repr__(self) -> str:
         return f"LocalStorage({str(self.root)!r})"
 
-    def _path(self, path: str) -> Path:
+    def _path(self, path: str, *, follow: bool = True) -> Path:
+        """The file of key ``path``; ``ValueError`` when it would lie outside ``root``.
+
+        Besides ``.``/``..`` components, a symbolic link inside ``root`` that points out of it is
+        refused: the folder holding the file must resolve inside ``root``, and so must the file itself
+        when ``follow`` (everything but ``delete``, which removes a link itself, never its target).
+        """
         parts = [p for p in path.split("/") if p]
         if any(p in (".", "..") for p in parts):
             raise ValueError(f"storage key {path!r} must not contain '.' or '..' components")
-        return self.root.joinpath(*parts)
+        p = self.root.joinpath(*parts)
+        if parts:
+            root = self.root.resolve()
+            for check in (p.parent, p) if follow else (p.parent,):
+                if check != self.root and not check.resolve().is_relative_to(root):
+                    raise ValueError(f"storage key {path!r} leads out of {self.root} through a symbolic link")
+        return p
 
     @contextlib.contextmanager
     def open_write(self, path: str) -> Iterator[BinaryIO]:
@@ -177,7 +189,7 @@ class LocalStorage(CheckpointStorage):
             return []
 
     def delete(self, path: str) -> None:
-        p = self._path(path)
+        p = self._path(path, follow=False)
         if p == self.root:
             raise ValueError("refusing to delete the storage root")
         if p.is_dir() and not p.is_symlink():
@@ -187,7 +199,7 @@ class LocalStorage(CheckpointStorage):
                 p.unlink()
 
     def describe(self, path: str = "") -> str:
-        return str(self._path(path))
+        return str(self._path(path, follow=False))
 
     def local_path(self, path: str) -> Path | None:
         return self._path(path)

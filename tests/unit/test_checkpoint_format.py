@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -143,3 +144,130 @@ def test_missing_latest_pointer_still_finds_the_newest_complete_checkpoint(stora
     _write(storage, 2)
     storage.delete("latest")
     assert load_latest(storage).step == 2
+
+
+# ---------------------------------------------------------------- hostile or damaged checkpoints
+
+
+class _RunsCodeWhenUnpickled:
+    """Unpickling this opens (creates) ``path``: stands in for arbitrary code planted in a checkpoint."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _assert_falls_back_to_100(storage, damaged: str = "step-00000200") -> None:
+    with structlog.testing.capture_logs() as logs:
+        loaded = load_latest(storage)
+    assert loaded is not None and loaded.step == 100, loaded
+    assert torch.equal(loaded.state["w"], _state(100)["w"])
+    warnings = [e for e in logs if e["event"] == "checkpoint_damaged_falling_back"]
+    assert [w["damaged"] for w in warnings] == [damaged], logs
+    assert warnings[0]["log_level"] == "warning" and warnings[0]["fallback"] == "step-00000100"
+
+
+def _rewrite_state(storage, name: str, data: bytes) -> None:
+    """Replace ``name``'s state file by ``data`` and make its manifest match (size and SHA-256)."""
+    manifest = json.loads(storage.read_bytes(f"{name}/{MANIFEST}"))
+    storage.write_bytes(f"{name}/{manifest['state_file']}", data)
+    manifest["files"][manifest["state_file"]] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    storage.write_bytes(f"{name}/{MANIFEST}", json.dumps(manifest).encode())
+
+
+def test_a_planted_checkpoint_that_runs_code_when_unpickled_is_never_unpickled(storage, tmp_path):
+    marker = tmp_path / "PWNED"
+    _write(storage, 100)
+    write_checkpoint(
+        storage,
+        {"w": torch.zeros(2), "x": _RunsCodeWhenUnpickled(str(marker))},
+        step=200,
+        epoch=20,
+        world_size=4,
+        config_hash="cfg1",
+    )
+    verify_checkpoint(storage, "step-00000200")  # its manifest matches: only the loader can refuse it
+    _assert_falls_back_to_100(storage)
+    assert not marker.exists(), "the checkpoint was unpickled with arbitrary code"
+
+
+def test_a_state_file_that_torch_load_rejects_falls_back_with_a_warning(storage):
+    _write(storage, 100)
+    _write(storage, 200)
+    _rewrite_state(storage, "step-00000200", b"this is not a torch file")
+    _assert_falls_back_to_100(storage)
+
+
+def _set_manifest(storage, name: str, edit) -> None:
+    manifest = json.loads(storage.read_bytes(f"{name}/{MANIFEST}"))
+    new = edit(manifest)
+    storage.write_bytes(f"{name}/{MANIFEST}", new if isinstance(new, bytes) else json.dumps(new).encode())
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda m: {**m, "files": {m["state_file"]: 5}},
+        lambda m: {**m, "files": {m["state_file"]: {"sha256": 5, "bytes": "x"}}},
+        lambda m: {**m, "files": {m["state_file"]: {"sha256": "ab", "bytes": -1}}},
+        lambda m: {**m, "files": [m["state_file"]]},
+        lambda m: {**m, "state_file": ["state.pt"]},
+        lambda m: {**m, "state_file": "../../outside.pt", "files": {"../../outside.pt": m["files"][m["state_file"]]}},
+        lambda m: {**m, "step": "two hundred"},
+        lambda m: {**m, "step": 100},  # a manifest that does not belong to its folder
+        lambda m: {**m, "world_size": 0},
+        lambda m: [m],
+        lambda m: None,
+        lambda m: b"\xff\xfe not json",
+    ],
+    ids=[
+        "file-entry-int",
+        "file-entry-types",
+        "file-entry-values",
+        "files-list",
+        "state-file-list",
+        "state-file-escapes",
+        "step-str",
+        "step-other-folder",
+        "world-size-zero",
+        "manifest-list",
+        "manifest-null",
+        "manifest-bytes",
+    ],
+)
+def test_a_malformed_manifest_falls_back_to_the_previous_checkpoint_with_a_warning(storage, edit):
+    _write(storage, 100)
+    _write(storage, 200)
+    _set_manifest(storage, "step-00000200", edit)
+    with pytest.raises(CheckpointDamaged):
+        verify_checkpoint(storage, "step-00000200")
+    _assert_falls_back_to_100(storage)
+
+
+@pytest.mark.parametrize("pointer", ["../outside/step-00000300", "/etc", "step-00000200/../../outside", "..", "nope"])
+def test_latest_naming_something_outside_the_checkpoints_is_ignored_with_a_warning(storage, tmp_path, pointer):
+    outside = LocalStorage(tmp_path / "outside")
+    _write(outside, 300)
+    _write(storage, 100)
+    _write(storage, 200)
+    storage.write_bytes("latest", pointer.encode())
+    with structlog.testing.capture_logs() as logs:
+        loaded = load_latest(storage)
+    assert loaded is not None and loaded.step == 200 and loaded.path.startswith(str(storage.root))
+    assert any(e["event"] == "checkpoint_latest_invalid" and e["log_level"] == "warning" for e in logs), logs
+
+
+def test_a_checkpoint_folder_that_is_a_link_out_of_the_checkpoints_is_not_loaded(storage, tmp_path):
+    outside = LocalStorage(tmp_path / "outside")
+    _write(outside, 300)
+    _write(storage, 100)
+    _write(storage, 200)
+    (storage.root / "step-00000300").symlink_to(outside.root / "step-00000300")
+    storage.set_latest("step-00000300")
+    with structlog.testing.capture_logs() as logs:
+        loaded = load_latest(storage)
+    assert loaded is not None and loaded.step == 200
+    warnings = [e for e in logs if e["event"] == "checkpoint_damaged_falling_back"]
+    assert [w["damaged"] for w in warnings] == ["step-00000300"]
