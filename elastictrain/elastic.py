@@ -312,6 +312,7 @@ class ElasticTrainer:
         self._last_log = (time.perf_counter(), 0)
         self.resumed_from: int | None = None
         self._checkpointed_step = -1
+        """Step of the checkpoint this process resumed from (durable already: never written again)."""
         self._start_emitted = False
         self._holds_rank0 = False
         """This process runs rank 0's services (events, tracker, checkpointer, ledger, progress)."""
@@ -730,24 +731,31 @@ class ElasticTrainer:
             self._checkpoint()
         state.check_host_updates()
 
-    def _checkpoint(self, wait: bool = False) -> None:
-        """Checkpoint the *committed* state, labelled with the committed step (not the live one)."""
+    def _checkpoint(self, wait: bool = False) -> bool:
+        """Checkpoint the *committed* state, labelled with the committed step (not the live one).
+
+        Periodic (``wait=False``): skipped while the writer is busy; returns False. Final and SIGTERM
+        (``wait=True``): returns whether the committed step is now durably checkpointed.
+        """
         committed = self.committed.committed_small()
         step, sampler = committed["counters"]["step"], committed["sampler"]
-        if self.checkpointer is None or self._checkpointed_step == step:
-            return
-        self._checkpointed_step = step
-        self.checkpointer.save(
-            self.committed.full_state(),
-            step=step,
-            epoch=sampler["epoch"],
-            world_size=self.ctx.size,
-            config_hash=self.config_hash,
-            meta={"run_id": self.tracker.run_id, "cursor": sampler["cursor"], "config": self.cfg.to_dict()},
-            if_busy="wait" if wait else "skip",
-        )
+        ckpt = self.checkpointer
+        if ckpt is None:
+            return False
+        if step in (self._checkpointed_step, ckpt.stats.last_step):  # loaded at resume, or written
+            return True
+        args: dict[str, Any] = {
+            "step": step,
+            "epoch": sampler["epoch"],
+            "world_size": self.ctx.size,
+            "config_hash": self.config_hash,
+            "meta": {"run_id": self.tracker.run_id, "cursor": sampler["cursor"], "config": self.cfg.to_dict()},
+        }
         if wait:
-            self.checkpointer.wait()
+            return ckpt.save_and_wait(self.committed.full_state(), **args)
+        if ckpt.in_flight_step != step:
+            ckpt.save(self.committed.full_state(), **args, if_busy="skip")
+        return False
 
     def _end_epoch(self, state: ElasticTrainingState) -> None:
         self.watchdog.step_started()
@@ -793,8 +801,11 @@ class ElasticTrainer:
             self._log_metrics()
         self._write_ledger()
         state.save()
-        if self.cfg.checkpoint.enabled:
-            self._checkpoint(wait=True)
+        checkpointed = None
+        if self.cfg.checkpoint.enabled and self.ctx.is_rank0:
+            checkpointed = self._checkpoint(wait=True)
+            if not checkpointed:
+                log.error("the final checkpoint could not be written", step=self.counters.step)
         self.events.emit(
             "done",
             step=self.counters.step,
@@ -802,6 +813,7 @@ class ElasticTrainer:
             world_size=self.ctx.size,
             final_loss=self._last_loss,
             val_accuracy=getattr(self, "last_val_accuracy", None),
+            checkpointed=checkpointed,
         )
 
     def publish_report(self) -> None:
@@ -826,8 +838,7 @@ class ElasticTrainer:
         """After SIGTERM: rank 0 writes the last committed state and waits for it."""
         if not self.ctx.is_rank0 or self.checkpointer is None:
             return False
-        self._checkpoint(wait=True)
-        return self.checkpointer.stats.failures == 0
+        return self._checkpoint(wait=True)
 
     def close(self, status: str) -> None:
         self.watchdog.stop()

@@ -140,6 +140,12 @@ class Checkpointer:
             return self._pending is not None
 
     @property
+    def in_flight_step(self) -> int | None:
+        """Step of the save handed to the writer and not yet reported, if any."""
+        with self._cond:
+            return self._pending.job.step if self._pending is not None else None
+
+    @property
     def stats(self) -> CheckpointStats:
         with self._cond:
             return dataclasses.replace(self._stats)
@@ -207,6 +213,40 @@ class Checkpointer:
             self._thread = threading.Thread(target=self._monitor, name="elastictrain-checkpoint", daemon=True)
             self._thread.start()
         return stall
+
+    def save_and_wait(
+        self,
+        state: dict[str, Any],
+        *,
+        step: int,
+        epoch: int,
+        world_size: int,
+        config_hash: str,
+        meta: dict[str, Any] | None = None,
+        attempts: int = 2,
+    ) -> bool:
+        """Make sure the checkpoint of ``step`` is written; True once it is, False when it could not be.
+
+        Call at the end of training and on SIGTERM, with the last committed state. Waits for a save in
+        flight (which may be this very step); writes ``step`` unless this checkpointer already wrote
+        it, retrying a failed write up to ``attempts`` times in all. Never skips: the answer says
+        whether ``latest`` now names ``step``'s checkpoint as far as this checkpointer knows.
+        """
+        self.wait()
+        for _ in range(max(1, attempts)):
+            if self.stats.last_step == step:
+                return True
+            self.save(
+                state,
+                step=step,
+                epoch=epoch,
+                world_size=world_size,
+                config_hash=config_hash,
+                meta=meta,
+                if_busy="wait",
+            )
+            self.wait()
+        return self.stats.last_step == step
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the in-flight save (if any) is written and reported; False on timeout.
