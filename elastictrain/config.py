@@ -323,6 +323,17 @@ class AuditConfig:
     """Write the sample ids of every committed step under ``run_dir/ledger/`` (proof of exactly-once data)."""
 
 
+_NOT_FINGERPRINTED = (
+    "run_dir",
+    "discovery",
+    "tracking",
+    "checkpoint.writer",
+    "checkpoint.resume",
+    "data.loader_workers",
+)
+"""Config keys :meth:`JobConfig.digest` leaves out: runtime endpoints and knobs, not the training."""
+
+
 @dataclass(kw_only=True, frozen=True, slots=True)
 class JobConfig:
     job: str
@@ -361,8 +372,21 @@ class JobConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def digest(self) -> str:
-        """SHA-256 of the resolved config, for checkpoint manifests."""
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+        """SHA-256 of what defines the training (checkpoint manifests, the ``start`` event).
+
+        The resolved config less where and how the run is hosted: ``run_dir``, the ``discovery`` and
+        ``tracking`` sections (etcd endpoints such as the embedded etcd's random port, the MLflow URI),
+        ``checkpoint.writer``/``checkpoint.resume`` and ``data.loader_workers``. Two launches of the
+        same training therefore share a fingerprint.
+        """
+        d = self.to_dict()
+        for key in _NOT_FINGERPRINTED:
+            *parents, leaf = key.split(".")
+            node = d
+            for p in parents:
+                node = node.get(p, {})
+            node.pop(leaf, None)
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
     def flat(self) -> dict[str, str]:
         """Dotted key -> string value, e.g. for MLflow params."""

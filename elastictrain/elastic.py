@@ -33,7 +33,9 @@ from horovod.common.exceptions import HostsUpdatedInterrupt
 from horovod.runner.elastic.worker import HostUpdateResult
 
 from discovery.logconf import bind, get_logger
-from elastictrain.checkpoint import Checkpointer, LocalStorage, load_latest
+from elastictrain.checkpoint import Checkpointer, LocalStorage, latest_manifest, load_latest
+from elastictrain.checkpoint.resume import META_KEY as RESUME_META_KEY
+from elastictrain.checkpoint.resume import check_resume_inputs
 from elastictrain.config import JobConfig
 from elastictrain.data import build_datasets, load_batches
 from elastictrain.events import NullEventLog, open_event_log
@@ -479,13 +481,36 @@ class ElasticTrainer:
         return min(total, t.max_steps) if t.max_steps else total
 
     # ------------------------------------------------------------------------------------ resume
+    def resume_inputs(self) -> dict[str, Any]:
+        """What a resume must not change (see :mod:`elastictrain.checkpoint.resume`), as this config has it."""
+        cfg = self.cfg
+        return {
+            "training.seed": cfg.training.seed,
+            "data.drop_last": cfg.data.drop_last,
+            "dataset_length": self.planner.num_samples,
+            "model.name": cfg.model.name,
+            "model.num_classes": cfg.model.num_classes,
+            "training.optimizer": cfg.training.optimizer,
+        }
+
     def resume_from_checkpoint(self) -> None:
-        """Rank 0 loads the latest verified checkpoint; the first sync hands it to everyone."""
-        if not (self.cfg.checkpoint.enabled and self.cfg.checkpoint.resume and self.ctx.is_rank0):
+        """Rank 0 loads the latest verified checkpoint; the first sync hands it to everyone.
+
+        Every rank refuses (ConfigError) a resume whose config changes the checkpoint's resume inputs,
+        so the whole job stops with one line instead of rank 0 alone.
+        """
+        if not (self.cfg.checkpoint.enabled and self.cfg.checkpoint.resume):
             return
-        loaded = load_latest(LocalStorage.for_run_dir(self.cfg.run_path), map_location="cpu")
+        storage = LocalStorage.for_run_dir(self.cfg.run_path)
+        if not self.ctx.is_rank0:
+            manifest = latest_manifest(storage)
+            if manifest is not None:
+                check_resume_inputs(manifest, self.resume_inputs(), storage.describe(storage.get_latest() or ""))
+            return
+        loaded = load_latest(storage, map_location="cpu")
         if loaded is None:
             return
+        check_resume_inputs(loaded.manifest, self.resume_inputs(), loaded.path)
         self.committed.load_full_state(loaded.state)
         self.resumed_from = self._checkpointed_step = self.counters.step
         log.info(
@@ -749,7 +774,12 @@ class ElasticTrainer:
             "epoch": sampler["epoch"],
             "world_size": self.ctx.size,
             "config_hash": self.config_hash,
-            "meta": {"run_id": self.tracker.run_id, "cursor": sampler["cursor"], "config": self.cfg.to_dict()},
+            "meta": {
+                "run_id": self.tracker.run_id,
+                "cursor": sampler["cursor"],
+                "config": self.cfg.to_dict(),
+                RESUME_META_KEY: self.resume_inputs(),
+            },
         }
         if wait:
             return ckpt.save_and_wait(self.committed.full_state(), **args)

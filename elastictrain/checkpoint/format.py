@@ -306,6 +306,17 @@ def read_latest(storage: CheckpointStorage) -> str | None:
     return latest
 
 
+def latest_manifest(storage: CheckpointStorage) -> dict[str, Any] | None:
+    """The manifest of the checkpoint ``latest`` names, or ``None`` (no pointer, or unreadable); cheap."""
+    latest = read_latest(storage)
+    if latest is None:
+        return None
+    try:
+        return read_manifest(storage, latest)
+    except CheckpointDamaged:
+        return None
+
+
 def load_latest(storage: CheckpointStorage, map_location: Any = "cpu") -> LoadedCheckpoint | None:
     """Load the newest verified checkpoint, or ``None`` when the storage holds none.
 

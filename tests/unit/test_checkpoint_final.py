@@ -2,78 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from types import SimpleNamespace
 
 import torch
-from torch import nn
 
-from elastictrain.checkpoint import Checkpointer, LocalStorage, load_latest
+from elastictrain.checkpoint import load_latest
 from elastictrain.config import JobConfig
-from elastictrain.elastic import DistContext, ElasticTrainer
-from elastictrain.policy import ScaleRamp
-from elastictrain.sampler import SamplerState
-from elastictrain.state import CommittedState, Counters
+from elastictrain.elastic import ElasticTrainer
+from tests.fixtures.trainer import GatedStorage, trainer
 
 
-class GatedStorage(LocalStorage):
-    """LocalStorage whose writes block while ``gate`` is clear and fail while ``fail`` is set."""
-
-    def __init__(self, root) -> None:
-        super().__init__(root)
-        self.gate = threading.Event()
-        self.gate.set()
-        self.entered = threading.Event()
-        self.fail = False
-
-    @contextlib.contextmanager
-    def open_write(self, path):
-        self.entered.set()
-        assert self.gate.wait(30)
-        if self.fail:
-            raise OSError(28, "No space left on device")
-        with super().open_write(path) as f:
-            yield f
-
-
-class Events:
-    def __init__(self) -> None:
-        self.emitted: list[tuple[str, dict]] = []
-
-    def emit(self, event, **fields) -> None:
-        self.emitted.append((event, fields))
-
-
-def _committed_at(step: int) -> CommittedState:
-    torch.manual_seed(0)
-    model = nn.Linear(3, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
-    st = CommittedState(model, opt, sched, None, SamplerState(), Counters(), ScaleRamp(1, 1, 0, 0))
-    st.counters.step = step
-    st.save()
-    return st
-
-
-def _rank0_trainer(tmp_path, storage, step: int) -> ElasticTrainer:
-    """Rank 0's checkpoint side of a trainer, without Horovod: the committed state is at ``step``."""
-    t = object.__new__(ElasticTrainer)
-    t.cfg = JobConfig(job="final", run_dir=str(tmp_path / "run"))
-    t.ctx = DistContext(rank=0, size=2)
-    t.committed = _committed_at(step)
-    t.counters, t.sampler = t.committed.counters, t.committed.sampler
-    t.config_hash = "h"
-    t.tracker = SimpleNamespace(run_id="r")
-    t.events = Events()
-    t.checkpointer = Checkpointer(storage, writer="thread")
-    t._checkpointed_step = -1
-    t._metrics = {"steps": 0}
-    t.ledger = None
-    t.step_log = t.committed.step_log
-    t._ledger_written = -1
-    t._last_loss = None
-    return t
+def _rank0_trainer(tmp_path, storage, step: int):
+    return trainer(JobConfig(job="final", run_dir=str(tmp_path / "run")), step=step, storage=storage)
 
 
 def _skip_a_periodic_save_of(trainer: ElasticTrainer, storage: GatedStorage) -> None:
