@@ -150,7 +150,7 @@ class ImageTransform:
 
 
 def image_transforms(image_size: int, train: bool, augment: bool) -> SampleTransform:
-    """The transform of :class:`SeededImageFolder`: random-resized-crop + flip for training, resize + center crop else."""
+    """The transform of :class:`SeededImageFolder`: random-resized-crop + flip to train, else resize + center crop."""
     return ImageTransform(image_size, train, augment)
 
 

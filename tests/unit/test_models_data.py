@@ -82,7 +82,7 @@ def test_image_folder_samples_never_reseed_torch_global_generators(tmp_path, mon
     monkeypatch.setattr(torch, "manual_seed", forbidden)
     monkeypatch.setattr(torch.random, "manual_seed", forbidden)
     before = torch.get_rng_state()
-    x, label, index = ds[4]
+    x, _label, index = ds[4]
     assert torch.equal(x, expected) and index == 4 and x.shape == (3, 16, 16)
     assert torch.equal(torch.get_rng_state(), before)  # the global RNG is neither used nor moved
 
