@@ -393,8 +393,8 @@ class ElasticTrainer:
                 on_event=self._on_checkpoint_event,
             )
         if cfg.audit.sample_ledger:
-            # Named by creation time: replay order is the order in which processes held rank 0.
-            self.ledger = SampleLedger(cfg.run_path / "ledger", f"{time.time_ns()}-{os.getpid()}")
+            # The ledger numbers its files in the order in which processes held rank 0 (not by a clock).
+            self.ledger = SampleLedger(cfg.run_path / "ledger", f"{os.getpid()}")
         total = self._total_steps_estimate()
         self.progress = make_progress(
             rank=0, enabled=cfg.tracking.progress_bar, total_steps=total, initial_step=self.counters.step
