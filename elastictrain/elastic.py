@@ -207,8 +207,9 @@ class ElasticTrainingState(State):
 
     def sync(self) -> None:
         c = self.committed
-        steps = hvd.allgather_object(c.counters.step)
-        root = max(range(len(steps)), key=lambda r: (steps[r], -r))
+        # The most advanced commit: the epoch-end commit adds no step, so a step tie goes to the later epoch.
+        positions = hvd.allgather_object((c.counters.step, c.sampler.epoch))
+        root = max(range(len(positions)), key=lambda r: (tuple(positions[r]), -r))
         # Optimizer state layout (which params have which buffers) comes from the root first.
         opt = c.optimizer
         params = [p for g in opt.param_groups for p in g["params"]]
