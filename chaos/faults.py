@@ -259,7 +259,9 @@ def kill_during_commit(
     deadline = time.monotonic() + timeout
 
     def newest() -> tuple[Path | None, int]:
-        files = sorted(ledger_dir.glob("*.jsonl"))
+        from elastictrain.sampler import ledger_files
+
+        files = ledger_files(ledger_dir)
         if not files:
             return None, 0
         with contextlib.suppress(OSError):

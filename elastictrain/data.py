@@ -7,6 +7,7 @@ a rollback. That keeps the ``global`` policy's maths independent of membership.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -58,10 +59,18 @@ class SyntheticImages(Dataset):
         return x, label, index
 
 
-class SeededImageFolder(Dataset):
-    """torchvision ``ImageFolder`` whose transforms draw from a per-(epoch, sample) seed."""
+SampleTransform = Callable[[Any, torch.Generator], torch.Tensor]
+"""A transform that draws all its randomness from the generator it is given (never from torch's global RNG)."""
 
-    def __init__(self, root: str, transform: Callable[[Any], torch.Tensor], seed: int) -> None:
+
+class SeededImageFolder(Dataset):
+    """torchvision ``ImageFolder`` whose transform draws from a generator seeded per (epoch, sample).
+
+    The generator is local to the call: loading a sample never reseeds torch's global (or any CUDA)
+    generator, which ``torch.manual_seed`` would do on every sample.
+    """
+
+    def __init__(self, root: str, transform: SampleTransform, seed: int) -> None:
         from torchvision.datasets import ImageFolder
 
         if not Path(root).is_dir():
@@ -83,21 +92,66 @@ class SeededImageFolder(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int, int]:
         img, label = self.inner[index]
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(sample_seed(self.seed, self.epoch, index))
-            x = self.transform(img)
-        return x, int(label), index
+        g = torch.Generator().manual_seed(sample_seed(self.seed, self.epoch, index))
+        return self.transform(img, g), int(label), index
 
 
-def image_transforms(image_size: int, train: bool, augment: bool) -> Callable[[Any], torch.Tensor]:
-    """The classic ImageNet transforms: random-resized-crop + flip for training, resize + center crop else."""
-    from torchvision import transforms as T
+class ImageTransform:
+    """The classic ImageNet transforms with their randomness drawn from a given generator.
 
-    normalize = T.Normalize(IMAGENET_MEAN, IMAGENET_STD)
-    if train and augment:
-        return T.Compose([T.RandomResizedCrop(image_size), T.RandomHorizontalFlip(), T.ToTensor(), normalize])
-    resize = max(image_size, round(image_size * 256 / 224))
-    return T.Compose([T.Resize(resize), T.CenterCrop(image_size), T.ToTensor(), normalize])
+    Training with ``augment``: random-resized-crop (scale 0.08-1, aspect ratio 3/4-4/3, as torchvision's
+    ``RandomResizedCrop``) and a horizontal flip with probability 1/2; otherwise resize + center crop.
+    Then ``ToTensor`` and the ImageNet normalisation.
+    """
+
+    SCALE = (0.08, 1.0)
+    RATIO = (3 / 4, 4 / 3)
+
+    def __init__(self, image_size: int, train: bool, augment: bool) -> None:
+        self.image_size = image_size
+        self.random = train and augment
+
+    def crop_box(self, width: int, height: int, g: torch.Generator) -> tuple[int, int, int, int]:
+        """(top, left, height, width) of a random-resized crop, drawn from ``g``."""
+        area = height * width
+        log_lo, log_hi = math.log(self.RATIO[0]), math.log(self.RATIO[1])
+        for _ in range(10):
+            u = torch.rand(2, generator=g, dtype=torch.float64).tolist()
+            target_area = area * (self.SCALE[0] + (self.SCALE[1] - self.SCALE[0]) * u[0])
+            aspect = math.exp(log_lo + (log_hi - log_lo) * u[1])
+            w = round(math.sqrt(target_area * aspect))
+            h = round(math.sqrt(target_area / aspect))
+            if 0 < w <= width and 0 < h <= height:
+                top = int(torch.randint(0, height - h + 1, (1,), generator=g))
+                left = int(torch.randint(0, width - w + 1, (1,), generator=g))
+                return top, left, h, w
+        in_ratio = width / height  # fallback: the central crop of the nearest allowed aspect ratio
+        if in_ratio < self.RATIO[0]:
+            w, h = width, round(width / self.RATIO[0])
+        elif in_ratio > self.RATIO[1]:
+            h, w = height, round(height * self.RATIO[1])
+        else:
+            w, h = width, height
+        return (height - h) // 2, (width - w) // 2, h, w
+
+    def __call__(self, img: Any, g: torch.Generator) -> torch.Tensor:
+        from torchvision.transforms import functional as F
+
+        size = self.image_size
+        if self.random:
+            width, height = F.get_image_size(img)
+            top, left, h, w = self.crop_box(width, height, g)
+            img = F.resized_crop(img, top, left, h, w, [size, size], antialias=True)
+            if float(torch.rand(1, generator=g)) < 0.5:
+                img = F.hflip(img)
+        else:
+            img = F.center_crop(F.resize(img, max(size, round(size * 256 / 224)), antialias=True), [size, size])
+        return F.normalize(F.to_tensor(img), IMAGENET_MEAN, IMAGENET_STD)
+
+
+def image_transforms(image_size: int, train: bool, augment: bool) -> SampleTransform:
+    """The transform of :class:`SeededImageFolder`: random-resized-crop + flip to train, else resize + center crop."""
+    return ImageTransform(image_size, train, augment)
 
 
 def build_datasets(cfg: DataConfig, num_classes: int, seed: int) -> tuple[Dataset, Dataset | None]:

@@ -209,8 +209,9 @@ class ElasticTrainingState(State):
 
     def sync(self) -> None:
         c = self.committed
-        steps = hvd.allgather_object(c.counters.step)
-        root = max(range(len(steps)), key=lambda r: (steps[r], -r))
+        # The most advanced commit: the epoch-end commit adds no step, so a step tie goes to the later epoch.
+        positions = hvd.allgather_object((c.counters.step, c.sampler.epoch))
+        root = max(range(len(positions)), key=lambda r: (tuple(positions[r]), -r))
         # Optimizer state layout (which params have which buffers) comes from the root first.
         opt = c.optimizer
         params = [p for g in opt.param_groups for p in g["params"]]
@@ -396,8 +397,8 @@ class ElasticTrainer:
                 on_event=self._on_checkpoint_event,
             )
         if cfg.audit.sample_ledger:
-            # Named by creation time: replay order is the order in which processes held rank 0.
-            self.ledger = SampleLedger(cfg.run_path / "ledger", f"{time.time_ns()}-{os.getpid()}")
+            # The ledger numbers its files in the order in which processes held rank 0 (not by a clock).
+            self.ledger = SampleLedger(cfg.run_path / "ledger", f"{os.getpid()}")
         total = self._total_steps_estimate()
         self.progress = make_progress(
             rank=0, enabled=cfg.tracking.progress_bar, total_steps=total, initial_step=self.counters.step

@@ -242,3 +242,41 @@ def test_step_log_keeps_only_its_last_entries_and_is_off_at_maxlen_zero():
     off = StepLog()
     off.append(1, 0, 0, 1)
     assert off.state_dict() == []
+
+
+def test_ledger_files_replay_in_the_order_rank0_was_held_even_when_the_later_host_clock_is_behind(tmp_path):
+    """Rank 0 moved to a host whose clock is 1 s behind: its file must still be replayed last."""
+    first = SampleLedger(tmp_path, "2000000000-11")  # names as the old scheme made them: <ns>-<pid>
+    first.restore(0)
+    for step in (1, 2, 3):
+        first.record(step, 0, [step * 10])
+    first.close()
+    second = SampleLedger(tmp_path, "1000000000-22")  # the next rank 0, on the slower clock
+    second.restore(2)  # step 3 was rolled back
+    second.record(3, 0, [33])
+    second.close()
+    assert committed_samples(tmp_path) == {0: [10, 20, 33]}
+    from elastictrain.sampler import ledger_files
+
+    assert ledger_files(tmp_path) == [first.path, second.path]
+
+
+def test_a_relaunch_from_an_older_checkpoint_replays_after_the_tenure_it_follows(tmp_path):
+    """A (from 0) dies; B takes over at commit 18 and writes 19-21; the job is preempted and C resumes from
+    the checkpoint of step 12. Ordering the files by their first step (0, 12, 18) would replay B last."""
+    a = SampleLedger(tmp_path, "a")
+    a.restore(0)
+    for step in range(1, 21):
+        a.record(step, 0, [step])
+    a.close()
+    b = SampleLedger(tmp_path, "b")
+    b.restore(18)
+    for step in (19, 20, 21):
+        b.record(step, 0, [100 + step])
+    b.close()
+    c = SampleLedger(tmp_path, "c")
+    c.restore(12)
+    for step in range(13, 16):
+        c.record(step, 0, [200 + step])
+    c.close()
+    assert committed_samples(tmp_path) == {0: [*range(1, 13), 213, 214, 215]}

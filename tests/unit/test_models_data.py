@@ -69,3 +69,34 @@ def test_bf16_autocast_step_on_cpu_learns():
         st = train_step(model, opt, None, [(x[:8], y[:8]), (x[8:], y[8:])], 16, precision=prec, grad_clip_norm=1.0)
         losses.append(float(st.loss_sum) / 16)
     assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+def test_image_folder_samples_never_reseed_torch_global_generators(tmp_path, monkeypatch):
+    write_folder(tmp_path)
+    ds = SeededImageFolder(str(tmp_path), image_transforms(16, train=True, augment=True), seed=3)
+    expected = ds[4][0]
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("torch.manual_seed called while loading a sample (reseeds every CUDA generator)")
+
+    monkeypatch.setattr(torch, "manual_seed", forbidden)
+    monkeypatch.setattr(torch.random, "manual_seed", forbidden)
+    before = torch.get_rng_state()
+    x, _label, index = ds[4]
+    assert torch.equal(x, expected) and index == 4 and x.shape == (3, 16, 16)
+    assert torch.equal(torch.get_rng_state(), before)  # the global RNG is neither used nor moved
+
+
+def test_image_folder_augmentation_varies_over_samples_and_keeps_the_crop_inside_the_image(tmp_path):
+    write_folder(tmp_path, n=12)
+    ds = SeededImageFolder(str(tmp_path), image_transforms(8, train=True, augment=True), seed=0)
+    views = {ds[i % 2][0].sum().item() for i in range(2)} | {ds[1][0].sum().item()}
+    ds.set_epoch(3)
+    views |= {ds[1][0].sum().item()}
+    assert len(views) >= 2
+    crop = image_transforms(8, train=True, augment=True)
+    for k in range(200):
+        top, left, h, w = crop.crop_box(20, 10, torch.Generator().manual_seed(k))
+        assert 0 < h <= 10 and 0 < w <= 20 and top + h <= 10 and left + w <= 20
+    val = SeededImageFolder(str(tmp_path), image_transforms(8, train=False, augment=False), seed=0)
+    assert torch.equal(val[3][0], val[3][0]) and val[3][0].shape == (3, 8, 8)
