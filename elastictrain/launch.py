@@ -44,6 +44,7 @@ import contextlib
 import ctypes
 import enum
 import json
+import math
 import os
 import shlex
 import shutil
@@ -148,8 +149,15 @@ class LaunchOptions:
             raise LaunchError(f"--gloo-timeout-seconds must be >= 1, got {self.gloo_timeout_seconds}")
         if self.max_relaunches < 0:
             raise LaunchError(f"--max-relaunches must be >= 0, got {self.max_relaunches}")
-        if self.wait_hosts_seconds < 0 or self.stop_timeout_seconds < 0:
-            raise LaunchError("--wait-hosts-seconds and --stop-timeout must be >= 0")
+        for name, value in (
+            ("--wait-hosts-seconds", self.wait_hosts_seconds),
+            ("--stop-timeout", self.stop_timeout_seconds),
+            ("--drain-grace", self.drain_grace_seconds),
+            ("--elastic-timeout", self.elastic_timeout_seconds),
+            ("--reset-limit", self.reset_limit),
+        ):
+            if not (math.isfinite(value) and value >= 0):  # NaN fails every comparison: test it first
+                raise LaunchError(f"{name} must be a finite number >= 0, got {value!r}")
 
     @property
     def embedded(self) -> bool:
