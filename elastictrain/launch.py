@@ -63,6 +63,7 @@ from typing import Any, NoReturn
 
 import psutil
 
+from discovery.fileio import write_atomic
 from discovery.record import READY
 from discovery.registry import EtcdRegistry, RegistryError, parse_endpoints
 from elastictrain.config import ConfigError, DiscoveryConfig, JobConfig, load_config
@@ -716,9 +717,7 @@ class Launcher:
             "attempt": self.attempt,
             "hosts": list(self.opts.hosts),
         }
-        tmp = self.run_dir / f".{STATE_FILE}.tmp"
-        tmp.write_text(json.dumps(state, indent=2) + "\n")
-        os.replace(tmp, self.run_dir / STATE_FILE)
+        write_atomic(self.run_dir / STATE_FILE, json.dumps(state, indent=2) + "\n", durable=False)
 
     # -- hosts
     def _listing(self) -> list[Any] | None:
