@@ -37,7 +37,16 @@ from types import FrameType
 from typing import Any, NoReturn
 
 from discovery.logconf import configure_logging, get_logger
-from discovery.record import DEFAULT_PREFIX, DRAINING, READY, HostRecord, MalformedRecord, check_name
+from discovery.record import (
+    DEFAULT_PREFIX,
+    DRAINING,
+    READY,
+    HostRecord,
+    MalformedRecord,
+    check_addr,
+    check_name,
+    check_slots,
+)
 from discovery.registry import (
     EtcdRegistry,
     HostRegistry,
@@ -77,8 +86,11 @@ class AgentConfig:
     def __post_init__(self) -> None:
         check_name("job", self.job)
         check_name("host", self.host)
-        if self.slots < 1:
-            raise ValueError(f"--slots must be >= 1, got {self.slots}")
+        check_addr(self.addr)
+        try:
+            check_slots(self.slots)
+        except ValueError as e:
+            raise ValueError(f"--{e}") from None
         if self.ttl_seconds < 2:
             raise ValueError(f"--ttl must be >= 2 seconds (etcd's minimum lease TTL), got {self.ttl_seconds}")
         if not 0 < self.heartbeat_seconds <= self.ttl_seconds / 3:

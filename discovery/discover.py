@@ -14,6 +14,10 @@ Environment:
   ELASTICTRAIN_DISCOVER_STALENESS seconds the cache may be served during an etcd outage (default 30)
   ELASTICTRAIN_DISCOVER_TIMEOUT   seconds to wait for each etcd endpoint (default 1)
 
+The cache records when it was read by this machine's clocks (monotonic time qualified by the boot
+id, and wall time), never by the file's mtime, which an NFS server stamps with its own clock; its
+lines are validated as host names from etcd are, and invalid ones are skipped with a warning.
+
 Exit codes: 0 hosts printed (from etcd, or from a fresh enough cache during an outage); 1 etcd
 unreachable and no fresh cache; 2 bad environment.
 """
@@ -21,14 +25,23 @@ unreachable and no fresh cache; 2 bad environment.
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import os
 import socket
 import sys
 import time
 
-from discovery.wire import DEFAULT_PREFIX, MalformedRecord, discovery_lines, hosts_prefix, parse_value
+from discovery.fileio import write_atomic
+from discovery.wire import (
+    DEFAULT_PREFIX,
+    MalformedRecord,
+    check_name,
+    check_slots,
+    discovery_lines,
+    drop_case_duplicates,
+    hosts_prefix,
+    parse_value,
+)
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing alone costs ~10 ms
 if TYPE_CHECKING:
@@ -77,8 +90,10 @@ class DiscoverConfig:
         if not endpoints:
             raise ConfigError("ELASTICTRAIN_ETCD is not set (expected http://HOST:PORT[,...])")
         job = env.get("ELASTICTRAIN_JOB", "")
-        if not job or "/" in job:
-            raise ConfigError(f"ELASTICTRAIN_JOB must name the job, got {job!r}")
+        try:
+            check_name("job", job)
+        except ValueError as e:
+            raise ConfigError(f"ELASTICTRAIN_JOB must name the job: {e}") from None
         cache = env.get("ELASTICTRAIN_DISCOVER_CACHE")
         if not cache:
             base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -172,87 +187,151 @@ def fetch(cfg: DiscoverConfig) -> tuple[list[str], list[str]]:
         for key, value in pairs:
             try:
                 records.append(parse_value(key[len(start) :], value))
-            except MalformedRecord as e:
-                warnings.append(f"skipping malformed value at {key}: {e}")
+            except MalformedRecord as e:  # ascii(): a key may hold a newline or a terminal escape
+                warnings.append(f"skipping malformed value at {key!a}: {e}")
+        records, duplicates = drop_case_duplicates(records, lambda r: r["host"])
+        warnings += [f"skipping {w}" for w in duplicates]
         return discovery_lines(records), warnings
     raise EtcdUnreachable("; ".join(errors))
 
 
-def write_cache(path: str, job: str, lines: list[str]) -> None:
-    """Record a successful answer; the file's mtime is the time of the last successful read.
+def boot_id() -> str:
+    """This boot of this machine (Linux), or "" where unknown: it qualifies monotonic stamps."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            return f.read().decode("ascii", "replace").strip()
+    except OSError:
+        return ""
 
-    Unchanged membership only touches the file. A change is written atomically: temp file in the
-    same folder, fsync, ``os.replace``, fsync of the folder.
+
+class Clock:
+    """What a cache stamp is made of: wall time, monotonic time and the boot they belong to."""
+
+    __slots__ = ("boot", "mono", "wall")
+
+    def __init__(self, wall: float, mono: float, boot: str) -> None:
+        self.wall = wall
+        self.mono = mono
+        self.boot = boot
+
+    @classmethod
+    def now(cls) -> Clock:
+        return cls(time.time(), time.monotonic(), boot_id())
+
+
+def write_cache(path: str, job: str, lines: list[str], clock: Clock) -> None:
+    """Record a successful answer and when it was read, by this machine's clocks (not the file's mtime,
+    which a file server stamps with its own clock).
+
+    The file is replaced atomically each time (:func:`discovery.fileio.atomic_file`); only a change
+    of membership is fsynced, since a lost refresh of the stamp only makes the cache look older.
     """
-    payload = json.dumps({"job": job, "hosts": lines}, separators=(",", ":")).encode()
+    stamp = {"wall": clock.wall, "monotonic": clock.mono, "boot_id": clock.boot}
+    payload = json.dumps({"job": job, "hosts": lines, "read_at": stamp}, separators=(",", ":")).encode()
     try:
         with open(path, "rb") as f:
-            if f.read() == payload:
-                os.utime(path)
-                return
-    except OSError:
-        pass
-    folder = os.path.dirname(path) or "."
-    os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.write(fd, payload)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+            old = json.loads(f.read())
+        changed = not isinstance(old, dict) or old.get("job") != job or old.get("hosts") != lines
+    except (OSError, ValueError):
+        changed = True
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    write_atomic(path, payload, durable=changed)
 
 
-def read_cache(path: str, job: str, now: float) -> tuple[list[str], float] | None:
-    """``(lines, age_seconds)`` of the cache, or ``None`` when missing, unreadable or another job's."""
+def cache_age(stamp: object, clock: Clock) -> float | None:
+    """Seconds since the cache's answer was read from etcd, or None when the stamp cannot tell.
+
+    On the boot that wrote it, the monotonic clock measures the age: no change of wall time moves
+    it. Otherwise (after a reboot, or another machine's write) the writer's wall time is compared
+    with ours. An age below zero (a stamp from the future) is not trusted.
+    """
+    if not isinstance(stamp, dict):
+        return None
+    mono, wall = _number(stamp.get("monotonic")), _number(stamp.get("wall"))
+    if clock.boot and stamp.get("boot_id") == clock.boot and mono is not None:
+        age = clock.mono - mono
+    elif wall is not None:
+        age = clock.wall - wall
+    else:
+        return None
+    return age if 0 <= age < float("inf") else None
+
+
+def _number(x: object) -> float | None:
+    """``x`` as a float when it is a JSON number other than NaN, else None."""
+    return float(x) if isinstance(x, int | float) and not isinstance(x, bool) and x == x else None
+
+
+def valid_line(line: object) -> bool:
+    """Whether a cached line is ``host:slots`` with a host name and slots that etcd's values would pass."""
+    if not isinstance(line, str):
+        return False
+    host, sep, slots = line.rpartition(":")
+    if not sep or not slots.isascii() or not slots.isdigit() or len(slots) > 5:
+        return False
     try:
-        age = now - os.stat(path).st_mtime
+        check_name("host", host)
+        check_slots(int(slots))
+    except ValueError:
+        return False
+    return True
+
+
+def read_cache(path: str, job: str, clock: Clock) -> tuple[list[str], float | None, list[str]] | None:
+    """``(lines, age_seconds, warnings)`` of the cache, or ``None`` when missing, unreadable or another job's.
+
+    Lines are validated as host names from etcd are (:func:`valid_line`): the cache sits in a shared
+    folder and horovodrun puts host names into shell commands, so an invalid line is skipped with a
+    warning, never printed. ``age_seconds`` is None when the stamp cannot tell (:func:`cache_age`).
+    """
+    try:
         with open(path, "rb") as f:
             data = json.loads(f.read())
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict) or data.get("job") != job or not isinstance(data.get("hosts"), list):
         return None
-    return [h for h in data["hosts"] if isinstance(h, str)], max(0.0, age)
+    lines, warnings = [], []
+    for line in data["hosts"]:
+        if valid_line(line):
+            lines.append(line)
+        else:
+            warnings.append(f"skipping invalid cached host line {ascii(line)[:120]}")
+    kept, duplicates = drop_case_duplicates(set(lines), lambda line: line.rpartition(":")[0])
+    warnings += [f"skipping cached {w}" for w in duplicates]
+    return sorted(kept), cache_age(data.get("read_at"), clock), warnings
 
 
-def run(env: Mapping[str, str], now: float | None = None) -> tuple[int, list[str], list[str]]:
+def run(env: Mapping[str, str], clock: Clock | None = None) -> tuple[int, list[str], list[str]]:
     """One discovery: ``(exit_code, stdout_lines, stderr_lines)``."""
     try:
         cfg = DiscoverConfig.from_env(env)
     except ConfigError as e:
         return 2, [], [f"{PROG}: error: {e}"]
+    clock = Clock.now() if clock is None else clock
     try:
         lines, warnings = fetch(cfg)
     except EtcdUnreachable as e:
-        cached = read_cache(cfg.cache_path, cfg.job, time.time() if now is None else now)
+        cached = read_cache(cfg.cache_path, cfg.job, clock)
         if cached is None:
             return 1, [], [f"{PROG}: error: etcd unreachable and no cached membership for job {cfg.job!r}: {e}"]
-        cached_lines, age = cached
-        if age > cfg.staleness_seconds:
+        cached_lines, age, cache_warnings = cached
+        if age is None or age > cfg.staleness_seconds:
+            shown = "of unknown age" if age is None else f"{age:.0f}s old"
             return (
                 1,
                 [],
                 [
-                    f"{PROG}: error: etcd unreachable and the cached membership of job {cfg.job!r} is {age:.0f}s "
-                    f"old (> ELASTICTRAIN_DISCOVER_STALENESS={cfg.staleness_seconds:g}s): {e}"
+                    f"{PROG}: error: etcd unreachable and the cached membership of job {cfg.job!r} is {shown} "
+                    f"(> ELASTICTRAIN_DISCOVER_STALENESS={cfg.staleness_seconds:g}s): {e}"
                 ],
             )
-        return 0, cached_lines, [f"{PROG}: warning: etcd unreachable; serving membership cached {age:.1f}s ago"]
+        messages = [f"{PROG}: warning: {w}" for w in cache_warnings]
+        messages.append(f"{PROG}: warning: etcd unreachable; serving membership cached {age:.1f}s ago")
+        return 0, cached_lines, messages
     messages = [f"{PROG}: warning: {w}" for w in warnings]
     try:
-        write_cache(cfg.cache_path, cfg.job, lines)
+        write_cache(cfg.cache_path, cfg.job, lines, clock)
     except OSError as e:
         messages.append(f"{PROG}: warning: cannot write cache {cfg.cache_path}: {e}")
     return 0, lines, messages

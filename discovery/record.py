@@ -8,10 +8,14 @@ from dataclasses import asdict, dataclass, replace
 from discovery.wire import (
     DEFAULT_PREFIX,
     DRAINING,
+    MAX_SLOTS,
     READY,
     STATES,
     MalformedRecord,
+    check_addr,
     check_name,
+    check_slots,
+    drop_case_duplicates,
     host_key,
     hosts_prefix,
     parse_value,
@@ -20,11 +24,15 @@ from discovery.wire import (
 __all__ = [
     "DEFAULT_PREFIX",
     "DRAINING",
+    "MAX_SLOTS",
     "READY",
     "STATES",
     "HostRecord",
     "MalformedRecord",
+    "check_addr",
     "check_name",
+    "check_slots",
+    "drop_case_duplicates",
     "host_key",
     "hosts_prefix",
 ]
@@ -51,8 +59,10 @@ class HostRecord:
         check_name("host", self.host)
         if self.state not in STATES:
             raise ValueError(f"state must be one of {STATES}, got {self.state!r}")
-        if isinstance(self.slots, bool) or not isinstance(self.slots, int) or self.slots < 1:
-            raise ValueError(f"slots must be a positive integer, got {self.slots!r}")
+        check_slots(self.slots)
+        check_addr(self.addr)
+        if not 0 <= self.registered_at < 1e11:
+            raise ValueError(f"registered_at must be a finite Unix time >= 0, got {self.registered_at!r}")
 
     def with_state(self, state: str) -> HostRecord:
         return replace(self, state=state)

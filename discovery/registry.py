@@ -17,7 +17,15 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from discovery.record import DEFAULT_PREFIX, HostRecord, MalformedRecord, check_name, host_key, hosts_prefix
+from discovery.record import (
+    DEFAULT_PREFIX,
+    HostRecord,
+    MalformedRecord,
+    check_name,
+    drop_case_duplicates,
+    host_key,
+    hosts_prefix,
+)
 
 T = TypeVar("T")
 
@@ -56,6 +64,13 @@ class Listing:
     entries: list[Entry] = field(default_factory=list)
     malformed: list[str] = field(default_factory=list)
     """One message per skipped value, naming the host and what is wrong."""
+
+    @classmethod
+    def of(cls, entries: list[Entry], malformed: list[str]) -> Listing:
+        """A listing of parsed ``entries``, with hosts that differ only in case reduced to one
+        (:func:`discovery.wire.drop_case_duplicates`, the rule ``discover.sh`` applies too)."""
+        kept, duplicates = drop_case_duplicates(entries, lambda e: e.record.host)
+        return cls(kept, [*malformed, *duplicates])
 
 
 class HostRegistry(abc.ABC):
@@ -237,16 +252,17 @@ class InMemoryRegistry(HostRegistry):
     def list_hosts(self) -> Listing:
         self._check()
         start = hosts_prefix(self.prefix, self.job)
-        listing = Listing()
+        entries: list[Entry] = []
+        malformed: list[str] = []
         for key in sorted(k for k in self.store.keys if k.startswith(start)):
             value, mod_revision, lease_id = self.store.keys[key]
             try:
                 record = HostRecord.from_json(key[len(start) :], value)
             except MalformedRecord as e:
-                listing.malformed.append(str(e))
+                malformed.append(str(e))
                 continue
-            listing.entries.append(Entry(record, mod_revision, lease_id))
-        return listing
+            entries.append(Entry(record, mod_revision, lease_id))
+        return Listing.of(entries, malformed)
 
     def compare_and_set(self, entry: Entry, record: HostRecord) -> bool:
         self._check()
@@ -419,16 +435,17 @@ class EtcdRegistry(HostRegistry):
     def list_hosts(self) -> Listing:
         start = hosts_prefix(self.prefix, self.job)
         result = self._run(lambda c: c.get_prefix(start.encode()), "Range over prefix")
-        listing = Listing()
+        entries: list[Entry] = []
+        malformed: list[str] = []
         for kv in sorted(result, key=lambda kv: kv.key):
             host = kv.key.decode(errors="replace")[len(start) :]
             try:
                 record = HostRecord.from_json(host, kv.value)
             except MalformedRecord as e:
-                listing.malformed.append(str(e))
+                malformed.append(str(e))
                 continue
-            listing.entries.append(Entry(record, int(kv.mod_revision), int(kv.lease)))
-        return listing
+            entries.append(Entry(record, int(kv.mod_revision), int(kv.lease)))
+        return Listing.of(entries, malformed)
 
     def compare_and_set(self, entry: Entry, record: HostRecord) -> bool:
         key = self.key(record.host).encode()

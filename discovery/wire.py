@@ -11,25 +11,69 @@ from collections.abc import Iterable
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing alone costs ~10 ms
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any
 
 READY = "ready"
 DRAINING = "draining"
 STATES = (READY, DRAINING)
 DEFAULT_PREFIX = "/elastictrain"
+_MAX_TIME = 1e11
+"""Upper bound of a Unix time (year 5138): anything above it (inf included) is garbage."""
 
 # Horovod splits discovery lines on ':' and puts host names in ssh and Gloo addresses: keep them plain.
-_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+_ALNUM = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
+_NAME_CHARS = _ALNUM | frozenset("._-")
+# An address is a host name, an IPv4 address or an IPv6 address (brackets and a zone index allowed).
+_ADDR_CHARS = _NAME_CHARS | frozenset(":[]%")
+MAX_NAME_LENGTH = 253
+"""Longest job, host or address (a DNS name's limit)."""
+MAX_SLOTS = 4096
+"""Most slots one host may advertise (an upper bound against a garbage value, far above any machine)."""
 
 
 class MalformedRecord(ValueError):
     """A value under the hosts prefix that is not a valid host record (readers skip it)."""
 
 
-def check_name(kind: str, value: str) -> str:
-    """Return ``value`` if it is a valid job or host name, else raise ``ValueError`` naming it."""
-    if not value or not value[0].isalnum() or not _NAME_CHARS.issuperset(value):
-        raise ValueError(f"invalid {kind} name {value!r}: use letters, digits, '.', '_' or '-'")
+def check_name(kind: str, value: object) -> str:
+    """Return ``value`` if it is a valid job or host name, else raise ``ValueError`` naming it.
+
+    The one rule for job and host names everywhere (config, launcher, agent, registry, discovery):
+    1 to 253 ASCII letters, digits, '.', '_' or '-', starting with a letter or digit. So a name is
+    never a path component like ``..``, never read as a flag (``-x``), and is safe in etcd keys,
+    ``host:slots`` lines, ssh arguments and terminals.
+    """
+    if (
+        not isinstance(value, str)
+        or not value
+        or len(value) > MAX_NAME_LENGTH
+        or value[0] not in _ALNUM
+        or not _NAME_CHARS.issuperset(value)
+    ):
+        shown = ascii(value)[:80]
+        raise ValueError(
+            f"invalid {kind} name {shown}: use 1 to {MAX_NAME_LENGTH} ASCII letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return value
+
+
+def check_addr(value: object) -> str:
+    """Return ``value`` if it is a plausible host name or IP address, else raise ``ValueError``.
+
+    Characters are limited to those of names and IP addresses (no spaces, control characters or
+    terminal escapes), since ``hosts list`` prints the address as stored.
+    """
+    if not isinstance(value, str) or not value or len(value) > MAX_NAME_LENGTH or not _ADDR_CHARS.issuperset(value):
+        raise ValueError(f"invalid address {ascii(value)[:80]}: expected a host name or an IP address")
+    return value
+
+
+def check_slots(value: object) -> int:
+    """Return ``value`` if it is an integer in ``[1, MAX_SLOTS]``, else raise ``ValueError``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SLOTS:
+        raise ValueError(f"slots must be an integer in [1, {MAX_SLOTS}], got {ascii(value)[:40]}")
     return value
 
 
@@ -54,25 +98,56 @@ def parse_value(host: str, raw: bytes | str) -> dict[str, Any]:
         check_name("host", host)
     except ValueError as e:
         raise MalformedRecord(str(e)) from None
-    slots = data.get("slots")
-    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-        raise MalformedRecord(f"host {host!r}: slots must be a positive integer, got {slots!r}")
+    try:
+        slots = check_slots(data.get("slots"))
+        addr = check_addr(data.get("addr", host))
+    except ValueError as e:
+        raise MalformedRecord(f"host {host!r}: {e}") from None
     state = data.get("state", READY)
     if state not in STATES:
-        raise MalformedRecord(f"host {host!r}: state must be one of {STATES}, got {state!r}")
-    try:
-        pid = int(data.get("pid", 0))
-        registered_at = float(data.get("registered_at", 0.0))
-    except (TypeError, ValueError) as e:
-        raise MalformedRecord(f"host {host!r}: {e}") from None
+        raise MalformedRecord(f"host {host!r}: state must be one of {STATES}, got {ascii(state)[:40]}")
+    pid = data.get("pid", 0)
+    if isinstance(pid, bool) or not isinstance(pid, int) or not 0 <= pid < 1 << 32:
+        raise MalformedRecord(f"host {host!r}: pid must be an integer in [0, 2**32), got {ascii(pid)[:40]}")
+    registered_at = data.get("registered_at", 0.0)
+    # json.loads accepts NaN and Infinity; a non-finite time would make every comparison false.
+    if (
+        isinstance(registered_at, bool)
+        or not isinstance(registered_at, int | float)
+        or not 0 <= registered_at < _MAX_TIME
+    ):
+        raise MalformedRecord(
+            f"host {host!r}: registered_at must be a finite Unix time >= 0, got {ascii(registered_at)[:40]}"
+        )
     return {
         "host": host,
         "slots": slots,
-        "addr": str(data.get("addr", host)),
+        "addr": addr,
         "state": state,
         "pid": pid,
-        "registered_at": registered_at,
+        "registered_at": float(registered_at),
     }
+
+
+def drop_case_duplicates(items: Iterable[Any], name: Callable[[Any], str]) -> tuple[list[Any], list[str]]:
+    """Keep one item per host name compared without case; return ``(kept, warnings)`` in name order.
+
+    Host names are DNS names, which ignore case, so ``Node1`` and ``node1`` are one machine: listing
+    both would start two sets of workers there under names Horovod treats as different hosts. Of
+    names that differ only in case, the first in byte order (the order of etcd's keys) is kept and
+    each other one is skipped with a warning. Every reader (``discover.sh``, the registry, so the
+    launcher and ``hosts list``) applies this same rule.
+    """
+    kept: dict[str, Any] = {}
+    warnings: list[str] = []
+    for item in sorted(items, key=name):
+        folded = name(item).lower()
+        first = kept.get(folded)
+        if first is None:
+            kept[folded] = item
+        else:
+            warnings.append(f"host {name(item)!r}: differs from {name(first)!r} only in case (one machine)")
+    return list(kept.values()), warnings
 
 
 def discovery_lines(records: Iterable[dict[str, Any]]) -> list[str]:

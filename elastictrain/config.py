@@ -22,6 +22,8 @@ from typing import Any, Literal
 
 import yaml
 
+from discovery.wire import check_name
+
 ETCD_ENV = "ELASTICTRAIN_ETCD"
 
 
@@ -354,11 +356,10 @@ class JobConfig:
     audit: AuditConfig = field(default_factory=AuditConfig)
 
     def __post_init__(self) -> None:
-        _check(
-            bool(self.job) and all(c.isalnum() or c in "-_." for c in self.job),
-            "job",
-            f"must be a non-empty name of letters, digits, '-', '_' or '.', got {self.job!r}",
-        )
+        try:
+            check_name("job", self.job)
+        except ValueError as e:
+            raise ConfigError(f"job: {e}") from None
         _check(bool(self.run_dir), "run_dir", "must not be empty")
 
     @property

@@ -32,6 +32,7 @@ from horovod.common.elastic import State
 from horovod.common.exceptions import HostsUpdatedInterrupt
 from horovod.runner.elastic.worker import HostUpdateResult
 
+from discovery.fileio import write_atomic
 from discovery.logconf import bind, get_logger
 from elastictrain.checkpoint import Checkpointer, LocalStorage, latest_manifest, load_latest
 from elastictrain.checkpoint.resume import META_KEY as RESUME_META_KEY
@@ -406,9 +407,7 @@ class ElasticTrainer:
         self.tracker.log_params(cfg.flat())
         config_file = cfg.run_path / "config.yaml"  # the resolved config, next to the run and in MLflow
         config_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = config_file.with_name(f".config.yaml.{os.getpid()}")
-        tmp.write_text(cfg.to_yaml())
-        os.replace(tmp, config_file)
+        write_atomic(config_file, cfg.to_yaml(), durable=False)
         self.tracker.log_artifact(config_file)
         self.tracker.set_tags(
             {

@@ -187,13 +187,39 @@ def open_event_log(run_dir: str | os.PathLike[str], rank: int) -> EventLog | Nul
     return EventLog(Path(run_dir) / EVENTS_FILE) if rank == 0 else NullEventLog()
 
 
-def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+def event_problem(record: object) -> str | None:
+    """Why a parsed line is not a usable event, or None: ``event`` a string, ``ts`` a finite number,
+    and ``step``, ``epoch`` and ``world_size`` integers where present (the fields every reader uses)."""
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    if not isinstance(record.get("event"), str):
+        return "event must be a string"
+    ts = record.get("ts")
+    if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts):
+        return f"ts must be a finite number, got {ascii(ts)[:40]}"
+    for key in ("step", "epoch", "world_size"):
+        value = record.get(key)
+        if key in record and (isinstance(value, bool) or not isinstance(value, int)):
+            return f"{key} must be an integer, got {ascii(value)[:40]}"
+    return None
+
+
+def read_events(
+    path: str | os.PathLike[str], on_skip: Callable[[int, str], None] | None = None
+) -> list[dict[str, Any]]:
     """Every well-formed event of ``path`` in file order.
 
-    A malformed line (the final line of a writer that was killed mid-write, or a line an old writer
-    left half-written before a relaunch) is skipped; one that is not the last is also logged. Raises
-    ``FileNotFoundError`` when the file does not exist.
+    A line that does not parse (the final line of a writer that was killed mid-write, or a line an
+    old writer left half-written before a relaunch) is skipped; one that is not the last is also
+    reported. A line that parses but has fields of the wrong type (:func:`event_problem`) is skipped
+    and always reported. ``on_skip(line_number, reason)`` receives each report (default: a
+    structlog warning). Raises ``FileNotFoundError`` when the file does not exist.
     """
+    if on_skip is None:
+
+        def on_skip(line: int, reason: str) -> None:
+            log.warning("events_malformed_line", path=str(path), line=line, reason=reason)
+
     data = Path(path).read_bytes()
     lines = data.split(b"\n")
     events: list[dict[str, Any]] = []
@@ -206,10 +232,12 @@ def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         try:
             record = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
-            record = None
-        if not isinstance(record, dict) or not isinstance(record.get("event"), str):
             if i != last:
-                log.warning("events_malformed_line", path=str(path), line=i + 1)
+                on_skip(i + 1, "not JSON")
+            continue
+        problem = event_problem(record)
+        if problem is not None:
+            on_skip(i + 1, problem)
             continue
         events.append(record)
     return events

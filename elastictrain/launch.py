@@ -44,6 +44,7 @@ import contextlib
 import ctypes
 import enum
 import json
+import math
 import os
 import shlex
 import shutil
@@ -62,6 +63,7 @@ from typing import Any, NoReturn
 
 import psutil
 
+from discovery.fileio import write_atomic
 from discovery.record import READY
 from discovery.registry import EtcdRegistry, RegistryError, parse_endpoints
 from elastictrain.config import ConfigError, DiscoveryConfig, JobConfig, load_config
@@ -148,8 +150,15 @@ class LaunchOptions:
             raise LaunchError(f"--gloo-timeout-seconds must be >= 1, got {self.gloo_timeout_seconds}")
         if self.max_relaunches < 0:
             raise LaunchError(f"--max-relaunches must be >= 0, got {self.max_relaunches}")
-        if self.wait_hosts_seconds < 0 or self.stop_timeout_seconds < 0:
-            raise LaunchError("--wait-hosts-seconds and --stop-timeout must be >= 0")
+        for name, value in (
+            ("--wait-hosts-seconds", self.wait_hosts_seconds),
+            ("--stop-timeout", self.stop_timeout_seconds),
+            ("--drain-grace", self.drain_grace_seconds),
+            ("--elastic-timeout", self.elastic_timeout_seconds),
+            ("--reset-limit", self.reset_limit),
+        ):
+            if not (math.isfinite(value) and value >= 0):  # NaN fails every comparison: test it first
+                raise LaunchError(f"{name} must be a finite number >= 0, got {value!r}")
 
     @property
     def embedded(self) -> bool:
@@ -708,9 +717,7 @@ class Launcher:
             "attempt": self.attempt,
             "hosts": list(self.opts.hosts),
         }
-        tmp = self.run_dir / f".{STATE_FILE}.tmp"
-        tmp.write_text(json.dumps(state, indent=2) + "\n")
-        os.replace(tmp, self.run_dir / STATE_FILE)
+        write_atomic(self.run_dir / STATE_FILE, json.dumps(state, indent=2) + "\n", durable=False)
 
     # -- hosts
     def _listing(self) -> list[Any] | None:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from discovery.fileio import atomic_file, write_atomic
 from elastictrain.events import EVENTS_FILE, read_events
 
 if TYPE_CHECKING:
@@ -241,10 +242,8 @@ def build_figure(events: Sequence[dict[str, Any]], summary: dict[str, Any] | Non
 
 
 def write_png(fig: Figure, out: str | os.PathLike[str]) -> None:
-    out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp.{os.getpid()}.png")
-    fig.savefig(tmp, dpi=100)
-    os.replace(tmp, out)
+    with atomic_file(out, durable=False) as f:
+        fig.savefig(f, format="png", dpi=100)
 
 
 def _fmt(value: Any, unit: str = "") -> str:
@@ -292,17 +291,20 @@ def format_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def report(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> dict[str, Any]:
-    """Write ``report.png`` (or ``out``) and ``report.json`` for ``run_dir``; return the summary."""
+def report(
+    run_dir: str | os.PathLike[str],
+    out: str | os.PathLike[str] | None = None,
+    events: Sequence[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Write ``report.png`` (or ``out``) and ``report.json`` for ``run_dir``; return the summary.
+    ``events``: the run's events when already read (default: read ``events.jsonl``)."""
     run_dir = Path(run_dir)
-    events = read_events(run_dir / EVENTS_FILE)
+    events = read_events(run_dir / EVENTS_FILE) if events is None else events
     summary = summarize(events)
     png = Path(out) if out is not None else run_dir / REPORT_PNG
     write_png(build_figure(events, summary), png)
     summary["png"] = str(png)
-    tmp = run_dir / f".{REPORT_JSON}.tmp.{os.getpid()}"
-    tmp.write_text(json.dumps(summary, indent=2) + "\n")
-    os.replace(tmp, run_dir / REPORT_JSON)
+    write_atomic(run_dir / REPORT_JSON, json.dumps(summary, indent=2) + "\n", durable=False)
     return summary
 
 
@@ -317,11 +319,16 @@ def main(argv: list[str]) -> int:
     if not run_dir.is_dir():
         sys.stderr.write(f"elastictrain report: --run-dir {run_dir}: not a directory\n")
         return 2
+
+    def skipped(line: int, reason: str) -> None:
+        sys.stderr.write(f"elastictrain report: warning: {events_path} line {line}: {reason}; skipped\n")
+
     try:
-        if not read_events(events_path):
+        events = read_events(events_path, on_skip=skipped)
+        if not events:
             sys.stderr.write(f"elastictrain report: {events_path}: no events yet\n")
             return 2
-        summary = report(run_dir, args.out)
+        summary = report(run_dir, args.out, events)
     except FileNotFoundError:
         sys.stderr.write(f"elastictrain report: {events_path}: not found (is {run_dir} a run_dir?)\n")
         return 2

@@ -120,15 +120,18 @@ def summarize_status(events: Sequence[dict[str, Any]], checkpoint: dict[str, Any
     return out
 
 
-def read_status(run_dir: str | Path, now: float | None = None) -> dict[str, Any]:
-    """The status of ``run_dir``. Raises :class:`StatusError` when it is not a readable run dir."""
+def read_status(
+    run_dir: str | Path, now: float | None = None, on_skip: Callable[[int, str], None] | None = None
+) -> dict[str, Any]:
+    """The status of ``run_dir``. Raises :class:`StatusError` when it is not a readable run dir.
+    ``on_skip``: told of each unusable line of events.jsonl (:func:`elastictrain.events.read_events`)."""
     run_dir = Path(run_dir)
     now = time.time() if now is None else now
     if not run_dir.is_dir():
         raise StatusError(f"--run-dir {run_dir}: not a directory")
     events_path = run_dir / EVENTS_FILE
     try:
-        events = read_events(events_path)
+        events = read_events(events_path, on_skip)
     except FileNotFoundError:
         events = []
     except OSError as e:
@@ -245,8 +248,12 @@ def main(
     if bool(args.etcd) != bool(args.job):
         sys.stderr.write("elastictrain status: --etcd and --job go together (both or neither)\n")
         return 2
+
+    def skipped(line: int, reason: str) -> None:
+        sys.stderr.write(f"elastictrain status: warning: {EVENTS_FILE} line {line}: {reason}; skipped\n")
+
     try:
-        st = read_status(args.run_dir)
+        st = read_status(args.run_dir, on_skip=skipped)
     except StatusError as e:
         sys.stderr.write(f"elastictrain status: {e}\n")
         return 2

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from discovery import fileio
+from discovery.fileio import temp_path
 from discovery.logconf import get_logger
 
 if TYPE_CHECKING:
@@ -277,8 +279,7 @@ def _create_sqlite_store_atomically(tracking_uri: str) -> None:
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.creating.{os.getpid()}")
-    tmp.unlink(missing_ok=True)
+    tmp = Path(temp_path(path))  # unpredictable: sqlite follows a symlink planted at a guessable name
     store = SqlAlchemyStore(f"{prefix}{tmp}", str(path.parent / "mlartifacts"))
     store.engine.dispose()
     os.replace(tmp, path)
@@ -298,18 +299,9 @@ def resolve_tracking_uri(
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Temp file in the same folder, fsync, rename over ``path``, fsync the folder."""
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    """Temp file in the same folder, fsync, rename over ``path``, fsync the folder
+    (:func:`discovery.fileio.write_atomic`)."""
+    fileio.write_atomic(path, text)
 
 
 def read_run_id(run_dir: str | os.PathLike[str]) -> str | None:

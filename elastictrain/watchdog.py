@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from discovery.fileio import write_atomic
 from discovery.logconf import get_logger
 
 log = get_logger("elastictrain.watchdog")
@@ -105,9 +106,7 @@ class FailureMarker:
     def record(self, host: str) -> None:
         with contextlib.suppress(OSError):
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
-            tmp.write_text(f"{time.time()} {host}\n")
-            os.replace(tmp, self.path)
+            write_atomic(self.path, f"{time.time()} {host}\n", durable=False)
 
     def last(self) -> float | None:
         try:

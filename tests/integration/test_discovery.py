@@ -140,7 +140,7 @@ def test_garbage_value_is_skipped_with_a_warning(etcd_server: EtcdServer, tmp_pa
     asyncio.run(put_garbage())
     out = discover(etcd_server.endpoint, tmp_path / "cache.json")
     assert (out.returncode, out.stdout) == (0, "ok:3\n")
-    assert "skipping malformed value at /elastictrain/itest/hosts/junk" in out.stderr
+    assert "skipping malformed value at '/elastictrain/itest/hosts/junk'" in out.stderr
     listed = hosts(etcd_server, "list")
     assert listed.returncode == 0 and "ok" in listed.stdout and "junk" in listed.stderr
 
@@ -189,3 +189,60 @@ def test_bad_timing_flags_exit_2_with_one_line() -> None:
         "elastictrain agent: error: --heartbeat must be > 0 and <= ttl/3 = 1s so that two missed heartbeats "
         "do not expire the lease, got 2"
     ]
+
+
+def put_raw(etcd: EtcdServer, pairs: dict[bytes, bytes]) -> None:
+    import asyncio
+
+    import aetcd
+
+    async def put() -> None:
+        host, port = etcd.endpoint.removeprefix("http://").split(":")
+        async with aetcd.Client(host=host, port=int(port)) as client:
+            for key, value in pairs.items():
+                await client.put(key, value)
+
+    asyncio.run(put())
+
+
+def test_hostile_values_in_etcd_are_skipped_and_never_reach_the_terminal(
+    etcd_server: EtcdServer, tmp_path: Path
+) -> None:
+    prefix = f"/elastictrain/{JOB}/hosts/".encode()
+    put_raw(etcd_server, {
+        prefix + b"ok": b'{"slots": 2, "addr": "10.0.0.1", "state": "ready", "registered_at": 1700000000}',
+        prefix + b"OK": b'{"slots": 1, "addr": "10.0.0.1", "state": "ready"}',  # the same machine as "ok"
+        prefix + b"nan": b'{"slots": 1, "addr": "10.0.0.2", "registered_at": NaN}',
+        prefix + b"inf": b'{"slots": 1, "addr": "10.0.0.3", "registered_at": Infinity}',
+        prefix + b"ansi": b'{"slots": 1, "addr": "\\u001b[2J\\u001b]0;pwned\\u0007"}',
+        prefix + b"huge": b'{"slots": 100000000000000000000000, "addr": "10.0.0.4"}',
+        prefix + b"x\ndiscover: fake line": b'{"slots": 1, "addr": "10.0.0.5"}',
+    })  # fmt: skip
+    out = discover(etcd_server.endpoint, tmp_path / "cache.json")
+    assert (out.returncode, out.stdout) == (0, "OK:1\n"), out.stderr
+    warnings = out.stderr.splitlines()
+    assert len(warnings) == 6 and all(
+        w.startswith("discover: warning: skipping ") and w.isprintable() for w in warnings
+    )
+    listed = hosts(etcd_server, "list")
+    assert listed.returncode == 0, listed.stderr
+    rows = listed.stdout.splitlines()
+    assert [r.split()[0] for r in rows] == ["HOST", "OK"], listed.stdout
+    assert "100000000000000000000000" not in listed.stdout and "\x1b" not in listed.stdout + listed.stderr
+    assert len(listed.stderr.splitlines()) == 6 and "Traceback" not in listed.stderr
+
+
+def test_a_poisoned_cache_is_not_served_when_etcd_is_down(etcd_server: EtcdServer, tmp_path: Path) -> None:
+    import json
+
+    cache = tmp_path / "cache.json"
+    with EtcdRegistry(etcd_server.endpoint, JOB) as registry:
+        registry.register(HostRecord(host="node-a", slots=1, addr="127.0.0.1"), registry.grant_lease(60))
+    assert discover(etcd_server.endpoint, cache).stdout == "node-a:1\n"
+    data = json.loads(cache.read_text())
+    data["hosts"].append("x;touch /tmp/PWNED;:1")
+    cache.write_text(json.dumps(data))
+    etcd_server.stop()
+    out = discover(etcd_server.endpoint, cache)
+    assert (out.returncode, out.stdout) == (0, "node-a:1\n")
+    assert "skipping invalid cached host line 'x;touch /tmp/PWNED;:1'" in out.stderr

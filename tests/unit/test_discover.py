@@ -54,34 +54,124 @@ def test_malformed_values_are_skipped_with_a_warning(monkeypatch: pytest.MonkeyP
     assert len(err) == 3 and all(line.startswith("discover: warning: skipping malformed value") for line in err)
 
 
+def stamp(cache: Path) -> dict:
+    return json.loads(cache.read_text())["read_at"]
+
+
 def test_outage_serves_the_cache_within_the_window_then_fails(
     monkeypatch: pytest.MonkeyPatch, env: dict[str, str]
 ) -> None:
     fake_etcd(monkeypatch, [(PREFIX + "a", value(1)), (PREFIX + "b", value(2))])
-    assert discover.run(env)[0] == 0
-    cache = Path(env["ELASTICTRAIN_DISCOVER_CACHE"])
-    written = cache.stat().st_mtime
+    assert discover.run(env, discover.Clock(1000.0, 50.0, "boot-1"))[0] == 0
     fake_etcd(monkeypatch, None)
-    code, out, err = discover.run(env, now=written + 29)
+    code, out, err = discover.run(env, discover.Clock(1000.0, 50.0 + 29, "boot-1"))
     assert (code, out) == (0, ["a:1", "b:2"])
     assert err == ["discover: warning: etcd unreachable; serving membership cached 29.0s ago"]
-    code, out, err = discover.run(env, now=written + 31)
+    code, out, err = discover.run(env, discover.Clock(1000.0, 50.0 + 31, "boot-1"))
     assert (code, out) == (1, [])
     assert len(err) == 1 and "cached membership of job 'job1' is 31s old" in err[0]
 
 
-def test_unchanged_membership_only_touches_the_cache(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
+def test_cache_age_ignores_the_files_mtime_that_a_skewed_nfs_server_sets(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str]
+) -> None:
     fake_etcd(monkeypatch, [(PREFIX + "a", value(1))])
-    discover.run(env)
+    assert discover.run(env, discover.Clock(5000.0, 100.0, "boot-1"))[0] == 0
     cache = Path(env["ELASTICTRAIN_DISCOVER_CACHE"])
-    os.utime(cache, (1.0, 1.0))
-    inode = cache.stat().st_ino
-    discover.run(env)
-    assert cache.stat().st_ino == inode and cache.stat().st_mtime > 1.0
+    fake_etcd(monkeypatch, None)
+    for server_skew in (-3600.0, +3600.0):  # the file server's clock an hour behind, then ahead
+        os.utime(cache, (5000.0 + server_skew, 5000.0 + server_skew))
+        code, out, err = discover.run(env, discover.Clock(5010.0, 110.0, "boot-1"))
+        assert (code, out) == (0, ["a:1"]) and err[-1].endswith("cached 10.0s ago")
+    # Our own wall clock stepped an hour back (NTP): the monotonic clock of the same boot still says 40s.
+    code, out, err = discover.run(env, discover.Clock(5000.0 - 3600, 140.0, "boot-1"))
+    assert code == 1 and "is 40s old" in err[0]
+    # After a reboot the monotonic stamp means nothing: the writer's wall time is used.
+    code, out, err = discover.run(env, discover.Clock(5020.0, 3.0, "boot-2"))
+    assert (code, out) == (0, ["a:1"]) and err[-1].endswith("cached 20.0s ago")
+    # A stamp from the future is not trusted.
+    code, out, err = discover.run(env, discover.Clock(4000.0, 3.0, "boot-2"))
+    assert code == 1 and "of unknown age" in err[0]
+
+
+def test_each_answer_restamps_the_cache_and_leaves_no_temp_file(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str]
+) -> None:
+    fake_etcd(monkeypatch, [(PREFIX + "a", value(1))])
+    discover.run(env, discover.Clock(1.0, 1.0, "b"))
+    cache = Path(env["ELASTICTRAIN_DISCOVER_CACHE"])
+    discover.run(env, discover.Clock(2.0, 2.0, "b"))
+    assert stamp(cache) == {"wall": 2.0, "monotonic": 2.0, "boot_id": "b"}
     fake_etcd(monkeypatch, [(PREFIX + "a", value(1)), (PREFIX + "b", value(1))])
-    discover.run(env)
-    assert json.loads(cache.read_text()) == {"job": "job1", "hosts": ["a:1", "b:1"]}
+    discover.run(env, discover.Clock(3.0, 3.0, "b"))
+    data = json.loads(cache.read_text())
+    assert (data["job"], data["hosts"]) == ("job1", ["a:1", "b:1"])
     assert [p.name for p in cache.parent.iterdir()] == [cache.name], "no temp file left behind"
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "x;touch /tmp/PWNED;:1",
+        "$(reboot):1",
+        "a b:1",
+        "-oProxyCommand=x:1",
+        "h:0",
+        "h:99999999",
+        "h:1 ",
+        "h",
+        7,
+        None,
+        "h:\u0661",
+    ],
+)
+def test_a_cached_line_that_etcd_would_refuse_is_never_printed(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], line: object
+) -> None:
+    fake_etcd(monkeypatch, [(PREFIX + "good", value(1))])
+    clock = discover.Clock(1000.0, 50.0, "boot-1")
+    discover.run(env, clock)
+    cache = Path(env["ELASTICTRAIN_DISCOVER_CACHE"])
+    data = json.loads(cache.read_text())
+    data["hosts"].append(line)
+    cache.write_text(json.dumps(data))
+    fake_etcd(monkeypatch, None)
+    code, out, err = discover.run(env, clock)
+    assert (code, out) == (0, ["good:1"])
+    assert err[0].startswith("discover: warning: skipping invalid cached host line") and len(err) == 2
+    assert all(line.isprintable() for line in err)
+
+
+def test_a_cache_without_a_stamp_is_not_served(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
+    cache = Path(env["ELASTICTRAIN_DISCOVER_CACHE"])
+    cache.parent.mkdir(parents=True)
+    cache.write_text(json.dumps({"job": "job1", "hosts": ["a:1"]}))
+    fake_etcd(monkeypatch, None)
+    code, out, err = discover.run(env)
+    assert (code, out) == (1, []) and "of unknown age" in err[0]
+
+
+def test_a_bad_key_warning_escapes_its_newline_and_terminal_escapes(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str]
+) -> None:
+    fake_etcd(monkeypatch, [(PREFIX + "ok", value(1)),
+                            (PREFIX + "x\ndiscover: warning: all good\x1b[2J", value(1))])  # fmt: skip
+    code, out, err = discover.run(env)
+    assert (code, out) == (0, ["ok:1"])
+    assert len(err) == 1 and err[0].isprintable() and "\\n" in err[0] and "\\x1b" in err[0]
+
+
+def test_hosts_differing_only_in_case_are_listed_once(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
+    fake_etcd(monkeypatch, [(PREFIX + "node1", value(1)), (PREFIX + "Node1", value(2)), (PREFIX + "node2", value(1))])
+    code, out, err = discover.run(env)
+    assert (code, out) == (0, ["Node1:2", "node2:1"])
+    assert err == ["discover: warning: skipping host 'node1': differs from 'Node1' only in case (one machine)"]
+
+
+@pytest.mark.parametrize("job", ["..", "-x", "caf\u00e9", "a/b", "a\nb"])
+def test_a_job_name_outside_the_one_rule_exits_2(env: dict[str, str], job: str) -> None:
+    code, out, err = discover.run({**env, "ELASTICTRAIN_JOB": job})
+    assert (code, out) == (2, []) and len(err) == 1 and "invalid job name" in err[0] and err[0].isprintable()
 
 
 def test_outage_without_a_cache_fails_with_one_line(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:

@@ -93,6 +93,16 @@ def test_printed_command_can_be_pasted_into_a_shell() -> None:
         (["--etcd", "ftp://x:1"], "--etcd"),
         (["--etcd", "http://e:2379", "--hosts", "localhost"], "--hosts applies to the embedded mode only"),
         (["--hosts", "localhost,localhost"], "duplicate"),
+        (["--wait-hosts-seconds", "nan"], "--wait-hosts-seconds must be a finite number >= 0, got nan"),
+        (["--wait-hosts-seconds", "inf"], "--wait-hosts-seconds must be a finite number >= 0, got inf"),
+        (["--wait-hosts-seconds", "-1"], "--wait-hosts-seconds must be a finite number >= 0, got -1.0"),
+        (["--stop-timeout", "nan"], "--stop-timeout must be a finite number >= 0"),
+        (["--stop-timeout=-inf"], "--stop-timeout must be a finite number >= 0"),
+        (["--drain-grace", "nan"], "--drain-grace must be a finite number >= 0"),
+        (["--drain-grace", "inf"], "--drain-grace must be a finite number >= 0"),
+        (["--drain-grace", "-0.5"], "--drain-grace must be a finite number >= 0"),
+        (["--elastic-timeout", "-1"], "--elastic-timeout must be a finite number >= 0"),
+        (["--reset-limit", "-3"], "--reset-limit must be a finite number >= 0"),
     ],
 )
 def test_bad_flags_are_one_clear_error(argv: list[str], message: str) -> None:
@@ -100,6 +110,31 @@ def test_bad_flags_are_one_clear_error(argv: list[str], message: str) -> None:
         launch.parse(["--config", str(DEMO), *argv])
     assert message in str(e.value)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--elastic-timeout", "nan"],
+        ["--reset-limit", "inf"],
+        ["--stop-timeout", "nan"],
+        ["--job", ".."],
+        ["--job=-x"],
+        ["--job", "caf\u00e9"],
+        ["--set", "job=a/b"],
+    ],
+)
+def test_bad_launch_input_exits_2_with_one_line_and_no_traceback(
+    argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    try:
+        code = launch.main(["--config", str(DEMO), "--set", f"run_dir={tmp_path / 'run'}", *argv])
+    except SystemExit as e:  # argparse's own one-line errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and err.startswith("elastictrain launch: "), err
+    assert not (tmp_path / "run").exists(), "nothing is created for a refused launch"
 
 
 def test_a_host_that_is_not_this_machine_is_refused_in_the_embedded_mode(monkeypatch: pytest.MonkeyPatch) -> None:

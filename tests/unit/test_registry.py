@@ -129,6 +129,64 @@ def test_malformed_values_are_reported_not_raised_when_listing(registry: InMemor
         registry.get("garbage")
 
 
+@pytest.mark.parametrize(
+    ("value", "complaint"),
+    [
+        (b'{"slots": 1, "addr": "10.0.0.1", "registered_at": NaN}', "registered_at must be a finite Unix time"),
+        (b'{"slots": 1, "addr": "10.0.0.1", "registered_at": Infinity}', "registered_at must be a finite Unix time"),
+        (b'{"slots": 1, "addr": "10.0.0.1", "registered_at": -Infinity}', "registered_at must be a finite Unix time"),
+        (b'{"slots": 1, "addr": "10.0.0.1", "registered_at": "yesterday"}', "registered_at must be a finite"),
+        (b'{"slots": 1, "addr": "\\u001b[2J\\u001b[31mpwned"}', "invalid address"),
+        (b'{"slots": 1, "addr": "a b"}', "invalid address"),
+        (b'{"slots": 1, "addr": 7}', "invalid address"),
+        (b'{"slots": 100000000000000000000000, "addr": "10.0.0.1"}', "slots must be an integer in [1, 4096]"),
+        (b'{"slots": 4097, "addr": "10.0.0.1"}', "slots must be an integer in [1, 4096]"),
+        (b'{"slots": 1, "addr": "10.0.0.1", "pid": "12; rm"}', "pid must be an integer"),
+    ],
+)
+def test_hostile_values_are_skipped_with_a_message_that_stays_on_one_line(
+    registry: InMemoryRegistry, value: bytes, complaint: str
+) -> None:
+    registry.register(rec("good"), registry.grant_lease(10))
+    registry.put_raw("evil", value)
+    listing = registry.list_hosts()
+    assert [e.record.host for e in listing.entries] == ["good"]
+    (message,) = listing.malformed
+    assert complaint in message and "evil" in message
+    assert message.isprintable(), "no newline, escape or other control character reaches a terminal"
+
+
+def test_a_value_at_the_bounds_is_accepted(registry: InMemoryRegistry) -> None:
+    registry.put_raw("big", b'{"slots": 4096, "addr": "fe80::1%eth0", "registered_at": 1.7e9, "pid": 4194304}')
+    (entry,) = registry.list_hosts().entries
+    assert (entry.record.slots, entry.record.addr) == (4096, "fe80::1%eth0")
+
+
+def test_hosts_that_differ_only_in_case_are_listed_once_with_a_warning(registry: InMemoryRegistry) -> None:
+    lease = registry.grant_lease(10)
+    for host in ("node1", "NODE1", "Node1", "node2"):
+        assert registry.register(rec(host), lease)
+    listing = registry.list_hosts()
+    assert [e.record.host for e in listing.entries] == ["NODE1", "node2"], "the first key in byte order wins"
+    assert len(listing.malformed) == 2
+    assert all("differs from 'NODE1' only in case" in m for m in listing.malformed)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"addr": "x\ny"},
+        {"slots": 10**23},
+        {"slots": 0},
+        {"registered_at": float("nan")},
+        {"registered_at": float("inf")},
+    ],
+)
+def test_an_agent_cannot_write_a_record_readers_would_refuse(kwargs: dict) -> None:
+    with pytest.raises(ValueError):
+        HostRecord(**{"host": "h", "slots": 1, "addr": "10.0.0.1", **kwargs})
+
+
 def test_jobs_and_prefixes_do_not_see_each_other(registry: InMemoryRegistry, clock: FakeClock) -> None:
     other_job = InMemoryRegistry("job2", clock=clock, store=registry.store)
     other_prefix = InMemoryRegistry("job1", "/other", clock=clock, store=registry.store)
@@ -158,7 +216,7 @@ def test_record_round_trips_through_json() -> None:
     assert b'"host"' not in r.to_json(), "the key names the host"
 
 
-@pytest.mark.parametrize("bad", ["", "a:b", "a/b", "-x", "h o"])
+@pytest.mark.parametrize("bad", ["", "a:b", "a/b", "-x", "h o", "..", ".hidden", "caf\u00e9", "x" * 254, "a\nb"])
 def test_invalid_host_names_are_rejected(bad: str) -> None:
     with pytest.raises(ValueError, match="invalid host name"):
         rec(bad)

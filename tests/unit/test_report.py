@@ -171,3 +171,32 @@ def test_report_command_on_a_bad_run_dir_says_so_in_one_line_and_exits_2(
     assert main(["--run-dir", str(run_dir)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(run_dir) in err
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"ts": "soon", "event": "metrics", "step": 10, "epoch": 0, "world_size": 2},
+        {"event": "metrics", "step": 10, "epoch": 0, "world_size": 2},
+        {"ts": T0 + 5, "event": "reset", "step": "ten", "epoch": 0, "world_size": 2},
+        {"ts": T0 + 5, "event": "metrics", "step": 10, "epoch": 0, "world_size": [2]},
+        {"ts": T0 + 5, "event": 7, "step": 10, "epoch": 0, "world_size": 2},
+    ],
+)
+def test_report_skips_a_well_formed_line_with_wrong_types_and_warns(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], bad: dict[str, Any]
+) -> None:
+    run_dir = tmp_path / "run"
+    write_events(run_dir, [RUN_WITH_A_RESET[0], bad, *RUN_WITH_A_RESET[1:]])
+    assert main(["--run-dir", str(run_dir), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["goodput"] == pytest.approx(40.0 / 60.0), "the other events count as before"
+    (warning,) = captured.err.splitlines()
+    assert warning.startswith("elastictrain report: warning: ") and "line 2: " in warning and "skipped" in warning
+
+
+def test_report_leaves_no_temp_file_in_the_run_dir(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    write_events(run_dir, RUN_WITH_A_RESET)
+    assert main(["--run-dir", str(run_dir), "--json"]) == 0
+    assert sorted(p.name for p in run_dir.iterdir()) == [EVENTS_FILE, "report.json", "report.png"]

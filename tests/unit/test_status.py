@@ -144,3 +144,17 @@ def test_a_finished_run_stays_done_when_bookkeeping_events_follow_done(tmp_path)
     with contextlib.redirect_stdout(buf):
         assert main(["--run-dir", str(tmp_path), "--json"]) == 0
     assert json.loads(buf.getvalue())["state"] == "done"
+
+
+def test_status_skips_a_well_formed_line_with_wrong_types_and_warns(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = make_run_dir(tmp_path, checkpoint=False)
+    lines = (run_dir / EVENTS_FILE).read_text().splitlines(keepends=True)
+    bad = json.dumps({"ts": "late", "event": "metrics", "step": 99, "epoch": 0, "world_size": 2}) + "\n"
+    (run_dir / EVENTS_FILE).write_text("".join([lines[0], bad, *lines[1:]]))
+    assert main(["--run-dir", str(run_dir), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["step"] == 30
+    (warning,) = captured.err.splitlines()
+    assert warning.startswith("elastictrain status: warning: events.jsonl line 2: ts must be a finite number")
