@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from discovery import discover
+from discovery import discover, hosts_cli
 from discovery.endpoints import Endpoint, EtcdAccess, parse_endpoints, read_password
 from elastictrain.config import ConfigError, config_from_dict
 
@@ -138,3 +138,19 @@ def test_config_uses_the_same_parser() -> None:
     assert SECRET not in str(err.value)
     with pytest.raises(ConfigError, match=r"discovery\.etcd: invalid etcd endpoint"):
         config_from_dict({**base, "discovery": {"etcd": ["http://x:1/path"]}}, env={})
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        (["--etcd", f"https://root:{SECRET}@127.0.0.1:2379"], "credentials do not belong"),
+        (["--etcd", "https://127.0.0.1:2379", "--user", "u"], "--user and --password-file go together"),
+    ],
+)
+def test_hosts_cli_refuses_bad_access_with_one_line(
+    extra: list[str], match: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        hosts_cli.main([*extra, "--job", "j", "list"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and match in err and SECRET not in err
