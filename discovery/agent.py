@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, NoReturn
 
+from discovery import endpoints
 from discovery.logconf import configure_logging, get_logger
 from discovery.record import (
     DEFAULT_PREFIX,
@@ -52,7 +53,6 @@ from discovery.registry import (
     HostRegistry,
     LeaseLost,
     RegistryError,
-    parse_endpoints,
 )
 
 PROG = "elastictrain agent"
@@ -441,7 +441,7 @@ def _number(kind: type) -> Callable[[str], float]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="Register this host in etcd for a job; drain on SIGTERM.")
-    p.add_argument("--etcd", required=True, metavar="URL", help="etcd endpoint(s), http://HOST:PORT[,...]")
+    p.add_argument("--etcd", required=True, metavar="URL", help="etcd endpoint(s), http(s)://HOST:PORT[,...]")
     p.add_argument("--job", required=True, help="job name")
     p.add_argument("--host", default=None, help="host name to register (default: this machine's hostname)")
     p.add_argument("--addr", default=None, help="address to record (default: resolved from --host)")
@@ -480,6 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("ELASTICTRAIN_ETCD_PREFIX") or DEFAULT_PREFIX,
         help="etcd key prefix (default $ELASTICTRAIN_ETCD_PREFIX or /elastictrain)",
     )
+    endpoints.add_arguments(p)
     return p
 
 
@@ -511,18 +512,19 @@ def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        parse_endpoints(args.etcd)
+        access = endpoints.from_args(args, os.environ).check(endpoints.parse_endpoints(args.etcd))
         cfg = config_from_args(args)
     except ValueError as e:
         parser.error(str(e))
     configure_logging(job=cfg.job, host=cfg.host)
     signals = Signals()
     signals.install()  # before the first request, so a SIGTERM during start-up drains too
-    registry = EtcdRegistry(args.etcd, cfg.job, cfg.prefix, timeout_seconds=cfg.request_timeout_seconds)
+    registry = EtcdRegistry(args.etcd, cfg.job, cfg.prefix, timeout_seconds=cfg.request_timeout_seconds, access=access)
     agent = Agent(cfg, registry, signals=signals)
     get_logger("agent").info(
         "agent starting",
         etcd=args.etcd,
+        etcd_access=access.describe(),
         slots=cfg.slots,
         ttl=cfg.ttl_seconds,
         heartbeat=cfg.heartbeat_seconds,

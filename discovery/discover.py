@@ -2,11 +2,16 @@
 
 horovodrun runs it every second, so start-up time is the budget: it imports only light standard
 modules (no ``typing``, ``dataclasses``, ``urllib`` or gRPC) and reads etcd through its v3 JSON
-gateway, ``POST /v3/kv/range``, in one HTTP/1.0 exchange on a plain socket. stdout gets sorted
+gateway, ``POST /v3/kv/range``, in one HTTP/1.0 exchange on a socket (TLS for ``https://`` endpoints,
+``ssl`` imported only then). With a user, it first logs in (``POST /v3/auth/authenticate``) and sends
+the token it gets in the ``Authorization`` header; the token lives only as long as the call. stdout gets sorted
 ``host:slots`` lines and nothing else; warnings and errors go to stderr, one line each.
 
 Environment:
-  ELASTICTRAIN_ETCD               etcd endpoints, ``http://HOST:PORT[,...]`` (required)
+  ELASTICTRAIN_ETCD               etcd endpoints, ``http(s)://HOST:PORT[,...]`` (required)
+  ELASTICTRAIN_ETCD_CACERT        CA bundle of etcd's server certificates (https; default: system store)
+  ELASTICTRAIN_ETCD_CERT          client certificate (with ELASTICTRAIN_ETCD_KEY, its key)
+  ELASTICTRAIN_ETCD_USER          etcd user (with ELASTICTRAIN_ETCD_PASSWORD_FILE, a file holding its password)
   ELASTICTRAIN_JOB                job name (required)
   ELASTICTRAIN_ETCD_PREFIX        key prefix (default ``/elastictrain``)
   ELASTICTRAIN_DISCOVER_CACHE     cache file
@@ -31,6 +36,7 @@ import socket
 import sys
 import time
 
+from discovery.endpoints import Endpoint, EtcdAccess, parse_endpoints
 from discovery.fileio import write_atomic
 from discovery.wire import (
     DEFAULT_PREFIX,
@@ -46,6 +52,7 @@ from discovery.wire import (
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing alone costs ~10 ms
 if TYPE_CHECKING:
     from collections.abc import Mapping
+    from typing import Any
 
 PROG = "discover"
 DEFAULT_STALENESS_SECONDS = 30.0
@@ -64,19 +71,21 @@ class EtcdUnreachable(RuntimeError):
 class DiscoverConfig:
     """Settings of one call, from the environment (a plain class: ``dataclasses`` is slow to import)."""
 
-    __slots__ = ("cache_path", "endpoints", "job", "prefix", "staleness_seconds", "timeout_seconds")
+    __slots__ = ("access", "cache_path", "endpoints", "job", "prefix", "staleness_seconds", "timeout_seconds")
 
     def __init__(
         self,
         *,
-        endpoints: list[tuple[str, int]],
+        endpoints: list[Endpoint],
         job: str,
         cache_path: str,
         prefix: str = DEFAULT_PREFIX,
         staleness_seconds: float = DEFAULT_STALENESS_SECONDS,
         timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
+        access: EtcdAccess | None = None,
     ) -> None:
         self.endpoints = endpoints
+        self.access = access or EtcdAccess()
         self.job = job
         self.cache_path = cache_path
         self.prefix = prefix
@@ -86,9 +95,16 @@ class DiscoverConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> DiscoverConfig:
         spec = env.get("ELASTICTRAIN_ETCD", "")
-        endpoints = [_parse_endpoint(e.strip()) for e in spec.split(",") if e.strip()]
-        if not endpoints:
-            raise ConfigError("ELASTICTRAIN_ETCD is not set (expected http://HOST:PORT[,...])")
+        if not spec.strip():
+            raise ConfigError("ELASTICTRAIN_ETCD is not set (expected http(s)://HOST:PORT[,...])")
+        try:
+            endpoints = parse_endpoints(spec)
+        except ValueError as e:
+            raise ConfigError(f"ELASTICTRAIN_ETCD: {e}") from None
+        try:
+            access = EtcdAccess.from_env(env).check(endpoints, names="env")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         job = env.get("ELASTICTRAIN_JOB", "")
         try:
             check_name("job", job)
@@ -105,16 +121,8 @@ class DiscoverConfig:
             prefix=env.get("ELASTICTRAIN_ETCD_PREFIX") or DEFAULT_PREFIX,
             staleness_seconds=_seconds(env, "ELASTICTRAIN_DISCOVER_STALENESS", DEFAULT_STALENESS_SECONDS),
             timeout_seconds=_seconds(env, "ELASTICTRAIN_DISCOVER_TIMEOUT", DEFAULT_TIMEOUT_SECONDS),
+            access=access,
         )
-
-
-def _parse_endpoint(spec: str) -> tuple[str, int]:
-    rest = spec[len("http://") :] if spec.startswith("http://") else spec
-    rest = rest.rstrip("/")
-    host, _, port = rest.rpartition(":") if ":" in rest else (rest, "", "2379")
-    if ("://" in spec and not spec.startswith("http://")) or not host or "/" in rest or not port.isdigit():
-        raise ConfigError(f"ELASTICTRAIN_ETCD has an invalid endpoint {spec!r} (expected http://HOST:PORT)")
-    return host, int(port)
 
 
 def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
@@ -130,16 +138,53 @@ def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
     return value
 
 
-def _post(host: str, port: int, path: str, body: bytes, timeout: float) -> bytes:
+class Session:
+    """How one call talks to etcd's gateway: the TLS context (built once) and the log-in token per endpoint."""
+
+    __slots__ = ("_context", "access", "timeout")
+
+    def __init__(self, access: EtcdAccess, timeout: float) -> None:
+        self.access = access
+        self.timeout = timeout
+        self._context: object = None
+
+    def context(self) -> object:
+        if self._context is None:
+            import ssl  # only for https: it costs a few ms of start-up
+
+            ctx = ssl.create_default_context(cafile=self.access.cacert)
+            if self.access.cert:
+                ctx.load_cert_chain(self.access.cert, self.access.key)
+            self._context = ctx
+        return self._context
+
+    def post(self, ep: Endpoint, path: str, payload: object, token: str | None = None) -> Any:
+        return json.loads(_post(ep, path, json.dumps(payload).encode(), self.timeout, self, token))
+
+    def token(self, ep: Endpoint) -> str | None:
+        """Log in when a user is set: the token for ``ep``'s requests (None without a user)."""
+        if not self.access.user:
+            return None
+        password = self.access.password()
+        reply = self.post(ep, "/v3/auth/authenticate", {"name": self.access.user, "password": password})
+        token = reply.get("token") if isinstance(reply, dict) else None
+        if not isinstance(token, str) or not token or not token.isprintable() or len(token) > 4096:
+            raise ValueError("etcd's log-in reply has no valid token")
+        return token
+
+
+def _post(ep: Endpoint, path: str, body: bytes, timeout: float, session: Session, token: str | None) -> bytes:
     """One HTTP/1.0 POST (so the reply is never chunked and ends at EOF); the reply body."""
     deadline = time.monotonic() + timeout
+    auth = f"Authorization: {token}\r\n" if token else ""
     request = (
-        f"POST {path} HTTP/1.0\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+        f"POST {path} HTTP/1.0\r\nHost: {ep.netloc}\r\nContent-Type: application/json\r\n{auth}"
         f"Content-Length: {len(body)}\r\n\r\n"
     ).encode() + body
     chunks: list[bytes] = []
     size = 0
-    with socket.create_connection((host, port), timeout=timeout) as sock:
+    with socket.create_connection((ep.host, ep.port), timeout=timeout) as raw:
+        sock = session.context().wrap_socket(raw, server_hostname=ep.host) if ep.tls else raw  # type: ignore[attr-defined]
         sock.sendall(request)
         while True:
             remaining = deadline - time.monotonic()
@@ -157,16 +202,29 @@ def _post(host: str, port: int, path: str, body: bytes, timeout: float) -> bytes
     head, sep, payload = reply.partition(b"\r\n\r\n")
     status = head.split(b"\r\n", 1)[0].split(b" ", 2)
     if not sep or len(status) < 2 or status[1] != b"200":
-        raise ValueError(f"HTTP status {b' '.join(status[1:]).decode(errors='replace') or 'missing'}")
+        raise ValueError(f"HTTP status {b' '.join(status[1:]).decode(errors='replace') or 'missing'}{_why(payload)}")
     return payload
 
 
-def range_prefix(host: str, port: int, prefix: str, timeout: float) -> list[tuple[str, bytes]]:
+def _why(payload: bytes) -> str:
+    """``: <etcd's error message>`` from an error reply, printable ASCII only and short (the reply is untrusted)."""
+    try:
+        reply = json.loads(payload)
+        message = reply.get("error") or reply.get("message")
+    except (ValueError, AttributeError):
+        return ""
+    if not isinstance(message, str):
+        return ""
+    clean = "".join(ch if ch.isascii() and ch.isprintable() else "?" for ch in message[:200])
+    return f": {clean}" if clean else ""
+
+
+def range_prefix(session: Session, ep: Endpoint, prefix: str) -> list[tuple[str, bytes]]:
     """``(key, value)`` pairs under ``prefix`` from one endpoint's JSON gateway (etcd >= 3.4)."""
     start = prefix.encode()
     end = start[:-1] + bytes([start[-1] + 1])  # the prefix ends in '/', so no carry
-    body = json.dumps({"key": base64.b64encode(start).decode(), "range_end": base64.b64encode(end).decode()}).encode()
-    reply = json.loads(_post(host, port, "/v3/kv/range", body, timeout))
+    body = {"key": base64.b64encode(start).decode(), "range_end": base64.b64encode(end).decode()}
+    reply = session.post(ep, "/v3/kv/range", body, session.token(ep))
     return [
         (base64.b64decode(kv["key"]).decode(errors="replace"), base64.b64decode(kv.get("value", "")))
         for kv in reply.get("kvs", [])
@@ -176,12 +234,13 @@ def range_prefix(host: str, port: int, prefix: str, timeout: float) -> list[tupl
 def fetch(cfg: DiscoverConfig) -> tuple[list[str], list[str]]:
     """``(lines, warnings)`` from the first endpoint that answers; :class:`EtcdUnreachable` if none."""
     start = hosts_prefix(cfg.prefix, cfg.job)
+    session = Session(cfg.access, cfg.timeout_seconds)
     errors: list[str] = []
-    for host, port in cfg.endpoints:
+    for ep in cfg.endpoints:
         try:
-            pairs = range_prefix(host, port, start, cfg.timeout_seconds)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # timeouts are OSErrors
-            errors.append(f"http://{host}:{port}: {type(e).__name__}: {e}")
+            pairs = range_prefix(session, ep, start)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # timeouts and TLS errors are OSErrors
+            errors.append(f"{ep.url}: {type(e).__name__}: {e}")
             continue
         records, warnings = [], []
         for key, value in pairs:

@@ -15,6 +15,7 @@ import sys
 import time
 from typing import NoReturn
 
+from discovery import endpoints
 from discovery.record import DEFAULT_PREFIX, DRAINING, READY, MalformedRecord
 from discovery.registry import EtcdRegistry, HostNotFound, HostRegistry, Listing, RegistryError, set_state
 
@@ -28,7 +29,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="List, drain, undrain or remove the hosts of a job.")
-    p.add_argument("--etcd", required=True, metavar="URL", help="etcd endpoint(s), http://HOST:PORT[,...]")
+    p.add_argument("--etcd", required=True, metavar="URL", help="etcd endpoint(s), http(s)://HOST:PORT[,...]")
     p.add_argument("--job", required=True, help="job name")
     p.add_argument(
         "--prefix",
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="etcd key prefix (default $ELASTICTRAIN_ETCD_PREFIX or /elastictrain)",
     )
     p.add_argument("--timeout", type=float, default=3.0, metavar="SECONDS", help="deadline per etcd request")
+    endpoints.add_arguments(p)
     sub = p.add_subparsers(dest="action", metavar="ACTION", required=True, parser_class=_Parser)
     sub.add_parser("list", help="table of hosts: host, slots, state, age")
     for name, help_ in (
@@ -89,7 +91,8 @@ def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        registry = EtcdRegistry(args.etcd, args.job, args.prefix, timeout_seconds=args.timeout)
+        access = endpoints.from_args(args, os.environ)
+        registry = EtcdRegistry(args.etcd, args.job, args.prefix, timeout_seconds=args.timeout, access=access)
     except ValueError as e:
         parser.error(str(e))
     try:

@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
+from discovery.endpoints import EtcdAccess, parse_endpoints
 from discovery.record import (
     DEFAULT_PREFIX,
     HostRecord,
@@ -315,37 +315,28 @@ class _MemStore:
 # etcd v3 (aetcd)
 
 
-def parse_endpoints(spec: str) -> list[tuple[str, int]]:
-    """``http://h1:2379,http://h2:2379`` (scheme optional) -> ``[(h1, 2379), (h2, 2379)]``."""
-    out: list[tuple[str, int]] = []
-    for part in spec.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        url = urlsplit(part if "://" in part else f"http://{part}")
-        if url.scheme != "http" or not url.hostname:
-            raise ValueError(f"invalid etcd endpoint {part!r}: expected http://HOST:PORT")
-        try:
-            port = url.port or 2379
-        except ValueError:
-            raise ValueError(f"invalid etcd endpoint {part!r}: bad port") from None
-        out.append((url.hostname, port))
-    if not out:
-        raise ValueError(f"invalid etcd endpoints {spec!r}: expected http://HOST:PORT[,...]")
-    return out
-
-
 class EtcdRegistry(HostRegistry):
     """The registry on etcd v3 through ``aetcd``, with a synchronous facade.
 
     Each call is bounded by ``timeout_seconds``; a timeout or a connection failure raises
     :class:`RegistryUnavailable`, after which the next call reconnects (to the next endpoint when
-    several are given).
+    several are given). ``access`` adds TLS (``https://`` endpoints: the CA file, a client
+    certificate) and etcd's user authentication; the password is read from its file at each
+    connection, and an auth token etcd no longer knows (it restarted) is renewed by logging in again.
     """
 
-    def __init__(self, endpoints: str, job: str, prefix: str = DEFAULT_PREFIX, *, timeout_seconds: float = 2.0) -> None:
+    def __init__(
+        self,
+        endpoints: str,
+        job: str,
+        prefix: str = DEFAULT_PREFIX,
+        *,
+        timeout_seconds: float = 2.0,
+        access: EtcdAccess | None = None,
+    ) -> None:
         super().__init__(job, prefix)
         self.endpoints = parse_endpoints(endpoints)
+        self.access = (access or EtcdAccess()).check(self.endpoints)
         self.timeout_seconds = timeout_seconds
         self._endpoint_index = 0
         self._loop = asyncio.new_event_loop()
@@ -353,42 +344,59 @@ class EtcdRegistry(HostRegistry):
 
     @property
     def endpoint(self) -> str:
-        host, port = self.endpoints[self._endpoint_index]
-        return f"http://{host}:{port}"
+        return self.endpoints[self._endpoint_index].url
 
     def _connect(self) -> Any:
-        import aetcd  # deferred: grpc takes ~100 ms to import
-
         if self._client is None:
-            host, port = self.endpoints[self._endpoint_index]
-            self._client = aetcd.Client(
-                host=host,
-                port=port,
+            endpoint = self.endpoints[self._endpoint_index]
+            try:
+                password = self.access.password()
+            except ValueError as e:
+                raise RegistryError(str(e)) from None
+            self._client = _client_class()(
+                host=endpoint.host,
+                port=endpoint.port,
+                username=self.access.user,
+                password=password,
                 timeout=max(1, round(self.timeout_seconds)),
                 # Reconnect soon after an outage instead of gRPC's default backoff of up to 2 min.
                 options={"grpc.initial_reconnect_backoff_ms": 100, "grpc.max_reconnect_backoff_ms": 1000},
+                tls=self.access if endpoint.tls else None,
             )
         return self._client
 
-    def _reset(self) -> None:
+    def _reset(self, *, next_endpoint: bool = True) -> None:
         client, self._client = self._client, None
         if client is not None:
             with contextlib.suppress(Exception):  # closing a broken channel may fail in many ways
                 self._loop.run_until_complete(asyncio.wait_for(client.close(), 1.0))
-        self._endpoint_index = (self._endpoint_index + 1) % len(self.endpoints)
+        if next_endpoint:
+            self._endpoint_index = (self._endpoint_index + 1) % len(self.endpoints)
 
     def _run(self, make: Callable[[Any], Coroutine[Any, Any, T]], what: str) -> T:
         import aetcd
 
-        client = self._connect()
-        try:
-            return self._loop.run_until_complete(asyncio.wait_for(make(client), self.timeout_seconds))
-        except (TimeoutError, asyncio.TimeoutError, aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError) as e:
-            endpoint = self.endpoint
-            self._reset()
-            raise RegistryUnavailable(f"etcd at {endpoint} did not answer {what}: {_describe(e)}") from None
-        except aetcd.ClientError as e:
-            raise RegistryError(f"etcd at {self.endpoint} failed {what}: {_describe(e)}") from None
+        for attempt in (1, 2):
+            client = self._connect()
+            try:
+                return self._loop.run_until_complete(asyncio.wait_for(make(client), self.timeout_seconds))
+            except (TimeoutError, asyncio.TimeoutError, aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError) as e:
+                endpoint = self.endpoint
+                self._reset()
+                raise RegistryUnavailable(f"etcd at {endpoint} did not answer {what}: {_describe(e)}") from None
+            except aetcd.exceptions.UnauthenticatedError as e:
+                # An auth token etcd no longer knows (it restarted, or the token expired): log in again, once.
+                self._reset(next_endpoint=False)
+                if attempt == 2:
+                    raise RegistryError(f"etcd at {self.endpoint} refused {what}: {_describe(e)}") from None
+            except aetcd.ClientError as e:
+                if not client.connected:  # the log-in itself failed: drop the half-open channel
+                    self._reset(next_endpoint=False)
+                raise RegistryError(f"etcd at {self.endpoint} failed {what}: {_describe(e)}") from None
+            except OSError as e:  # a TLS file vanished or became unreadable
+                self._reset(next_endpoint=False)
+                raise RegistryError(f"etcd at {self.endpoint}: cannot read a TLS file: {e}") from None
+        raise AssertionError("unreachable")
 
     def grant_lease(self, ttl_seconds: int) -> int:
         lease = self._run(lambda c: c.lease(ttl_seconds), "LeaseGrant")
@@ -481,3 +489,74 @@ class EtcdRegistry(HostRegistry):
 def _describe(e: BaseException) -> str:
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+_CLIENT_CLASS: Any = None
+
+
+def _client_class() -> Any:
+    """``aetcd.Client`` that can also speak TLS (aetcd 1.0 opens plaintext channels only); built on first use."""
+    global _CLIENT_CLASS
+    if _CLIENT_CLASS is None:
+        import aetcd  # deferred: grpc takes ~100 ms to import
+        import grpc
+        from aetcd import rpc, watcher
+
+        class Client(aetcd.Client):
+            """Opens a TLS channel when given ``tls``; logs in with the user name and password when given.
+
+            Replaces ``aetcd.Client.connect`` as a whole (aetcd 1.0 has no hook for the channel) and leaves
+            the same attributes set; a failed log-in closes its channel.
+            """
+
+            def __init__(self, *args: Any, tls: EtcdAccess | None = None, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                self._tls = tls
+
+            @property
+            def connected(self) -> bool:
+                return bool(self._connected.is_set())
+
+            async def connect(self) -> None:
+                if self._connected.is_set():
+                    return
+                target = f"[{self._host}]:{self._port}" if ":" in self._host else f"{self._host}:{self._port}"
+                options = list(self._options.items())
+                if self._tls is not None:
+                    credentials = grpc.ssl_channel_credentials(
+                        root_certificates=_read(self._tls.cacert),
+                        private_key=_read(self._tls.key),
+                        certificate_chain=_read(self._tls.cert),
+                    )
+                    channel = rpc.secure_channel(target, credentials, options=options)
+                else:
+                    channel = rpc.insecure_channel(target, options=options)
+                metadata = None
+                try:
+                    if self._username is not None:
+                        request = rpc.AuthenticateRequest(name=self._username, password=self._password)
+                        reply = await rpc.AuthStub(channel).Authenticate(request, timeout=self._timeout)
+                        metadata = (("token", reply.token),)
+                except BaseException as e:
+                    await channel.close()
+                    if isinstance(e, rpc.AioRpcError):
+                        aetcd.exceptions._handle_exception(e)
+                    raise
+                self.channel, self.metadata = channel, metadata
+                self.auth_stub = rpc.AuthStub(channel)
+                self.kvstub = rpc.KVStub(channel)
+                self.clusterstub = rpc.ClusterStub(channel)
+                self.leasestub = rpc.LeaseStub(channel)
+                self.maintenancestub = rpc.MaintenanceStub(channel)
+                self._watcher = watcher.Watcher(rpc.WatchStub(channel), timeout=self._timeout, metadata=metadata)
+                self._connected.set()
+
+        _CLIENT_CLASS = Client
+    return _CLIENT_CLASS
+
+
+def _read(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        return f.read()

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import yaml
 
+from discovery.endpoints import parse_endpoints
 from discovery.wire import check_name
 
 ETCD_ENV = "ELASTICTRAIN_ETCD"
@@ -292,7 +293,8 @@ class TrackingConfig:
 @dataclass(kw_only=True, frozen=True, slots=True)
 class DiscoveryConfig:
     etcd: tuple[str, ...] = ()
-    """etcd endpoints (``http://host:port``); defaults to ``ELASTICTRAIN_ETCD`` (comma separated)."""
+    """etcd endpoints (``http(s)://host:port``, IPv6 in brackets); defaults to ``ELASTICTRAIN_ETCD`` (comma
+    separated). Credentials never go in a URL: see ``--user`` and ``--password-file``."""
     prefix: str = "/elastictrain"
     """Key prefix; hosts live under ``<prefix>/<job>/hosts/<host>``."""
     ttl_seconds: float = 10.0
@@ -311,12 +313,11 @@ class DiscoveryConfig:
             f"must be in (0, ttl_seconds/3 = {self.ttl_seconds / 3:g}], got {self.heartbeat_seconds}",
         )
         _check(self.cache_staleness_seconds >= 0, "discovery.cache_staleness_seconds", "must be >= 0")
-        for ep in self.etcd:
-            _check(
-                ep.startswith(("http://", "https://")) or ":" in ep,
-                "discovery.etcd",
-                f"endpoint {ep!r} is not host:port or http(s)://host:port",
-            )
+        if self.etcd:
+            try:
+                parse_endpoints(",".join(self.etcd))
+            except ValueError as e:
+                raise ConfigError(f"discovery.etcd: {e}") from None
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

@@ -63,9 +63,11 @@ from typing import Any, NoReturn
 
 import psutil
 
+from discovery import endpoints as etcd_endpoints
+from discovery.endpoints import EtcdAccess
 from discovery.fileio import write_atomic
 from discovery.record import READY
-from discovery.registry import EtcdRegistry, RegistryError, parse_endpoints
+from discovery.registry import EtcdRegistry, RegistryError, RegistryUnavailable
 from elastictrain.config import ConfigError, DiscoveryConfig, JobConfig, load_config
 from elastictrain.config_cli import report_config_error
 
@@ -109,6 +111,9 @@ class LaunchOptions:
     max_np: int = 1
     etcd: str | None = None
     """The cluster's etcd endpoints; None means an embedded etcd and local agents."""
+    etcd_access: EtcdAccess | None = None
+    """TLS files and credentials for the cluster's etcd (``--cacert`` ...), passed to discover.sh as
+    ``ELASTICTRAIN_ETCD_*`` paths and the user name; the password stays in its file."""
     hosts: tuple[str, ...] = ()
     """Logical hosts to run agents for in the embedded mode."""
     extra: tuple[str, ...] = ()
@@ -226,6 +231,8 @@ def launch_env(
     }
     if prefix and prefix != "/elastictrain":
         env["ELASTICTRAIN_ETCD_PREFIX"] = prefix
+    if opts.etcd_access is not None:
+        env.update(opts.etcd_access.env())
     if opts.embedded:
         # Logical hosts share this machine's cores; Horovod's local_size is 1 on each, so say it here.
         env["OMP_NUM_THREADS"] = str(max(1, (cores or usable_cores()) // opts.max_np))
@@ -601,7 +608,13 @@ class Launcher:
             except LaunchError as e:
                 self.out(f"error: {e}")
                 return EXIT_USAGE
-        self.registry = EtcdRegistry(self.etcd_endpoint, self.cfg.job, self.cfg.discovery.prefix, timeout_seconds=2.0)
+        self.registry = EtcdRegistry(
+            self.etcd_endpoint,
+            self.cfg.job,
+            self.cfg.discovery.prefix,
+            timeout_seconds=2.0,
+            access=self.opts.etcd_access,
+        )
         relaunches = 0
         while True:
             if not self._wait_for_hosts():
@@ -776,9 +789,12 @@ class Launcher:
         )
         cmd = horovodrun_command(self.opts, self.horovodrun)
         self.out(f"attempt {self.attempt}: {format_command(env, cmd)}")
+        # The launcher's own ELASTICTRAIN_ETCD_* settings reach discover.sh only through ``env`` (none in the
+        # embedded mode, whose etcd is plain loopback).
+        inherited = {k: v for k, v in os.environ.items() if k not in etcd_endpoints.ENV_VARS}
         self.hvd_proc = subprocess.Popen(
             cmd,
-            env={**os.environ, **env, LAUNCH_ID_ENV: self.launch_id},
+            env={**inherited, **env, LAUNCH_ID_ENV: self.launch_id},
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
@@ -939,6 +955,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-relaunches", type=int, default=5, help="relaunches after preemptions (5)")
     p.add_argument("--stop-timeout", type=float, default=60.0, metavar="S", help="SIGTERM to SIGKILL of workers (60)")
     p.add_argument("--drain-grace", type=float, default=10.0, metavar="S", help="embedded agents' drain grace (10)")
+    etcd_endpoints.add_arguments(p)  # --cacert --cert --key --user --password-file, for --etcd
     return p
 
 
@@ -970,13 +987,23 @@ def parse(argv: Sequence[str]) -> tuple[LaunchOptions, JobConfig]:
     if args.max_np is None and max_np < min_np:
         max_np = min_np  # --min-np above the config's max_np raises the default max
     hosts: tuple[str, ...] = ()
+    access: EtcdAccess | None = None
     if args.etcd is not None:
         if args.hosts is not None:
             raise LaunchError("--hosts applies to the embedded mode only (with --etcd every node runs its agent)")
         try:
-            parse_endpoints(args.etcd)
+            parsed = etcd_endpoints.parse_endpoints(args.etcd)
         except ValueError as e:
             raise LaunchError(f"--etcd: {e}") from None
+        try:
+            access = etcd_endpoints.from_args(args, os.environ).check(parsed)
+        except ValueError as e:
+            raise LaunchError(str(e)) from None
+    elif not etcd_endpoints.from_args(args, {}).empty:
+        raise LaunchError(
+            "--cacert, --cert, --key, --user and --password-file apply with --etcd only "
+            "(the embedded etcd listens on loopback without TLS or auth)"
+        )
     else:
         local = local_addresses()
         if args.hosts is not None:
@@ -994,6 +1021,7 @@ def parse(argv: Sequence[str]) -> tuple[LaunchOptions, JobConfig]:
         min_np=min_np,
         max_np=max_np,
         etcd=args.etcd,
+        etcd_access=access,
         hosts=hosts,
         extra=tuple(extra),
         gloo_timeout_seconds=args.gloo_timeout_seconds,
@@ -1013,15 +1041,16 @@ def parse(argv: Sequence[str]) -> tuple[LaunchOptions, JobConfig]:
     return opts, cfg
 
 
-def check_etcd(endpoints: str, job: str, prefix: str, timeout_seconds: float = 3.0) -> None:
+def check_etcd(
+    endpoints: str, job: str, prefix: str, timeout_seconds: float = 3.0, access: EtcdAccess | None = None
+) -> None:
     """Raise :class:`LaunchError` unless the cluster's etcd answers a range request."""
-    registry = EtcdRegistry(endpoints, job, prefix, timeout_seconds=timeout_seconds)
+    registry = EtcdRegistry(endpoints, job, prefix, timeout_seconds=timeout_seconds, access=access)
     try:
         registry.list_hosts()
     except RegistryError as e:
-        raise LaunchError(
-            f"--etcd {endpoints}: unreachable ({str(e).splitlines()[0] if str(e) else 'no answer'})"
-        ) from None
+        how = "unreachable" if isinstance(e, RegistryUnavailable) else "refused the job's hosts range"
+        raise LaunchError(f"--etcd {endpoints}: {how} ({str(e).splitlines()[0] if str(e) else 'no answer'})") from None
     finally:
         with contextlib.suppress(Exception):
             registry.close()
@@ -1033,7 +1062,7 @@ def main(argv: list[str]) -> int:
         if find_horovodrun() is None:
             raise LaunchError("horovodrun not found next to this Python or on PATH (run `make setup`)")
         if opts.etcd is not None:
-            check_etcd(opts.etcd, cfg.job, cfg.discovery.prefix)
+            check_etcd(opts.etcd, cfg.job, cfg.discovery.prefix, access=opts.etcd_access)
     except ConfigError as e:
         report_config_error(e, PROG)
         return EXIT_USAGE

@@ -117,7 +117,9 @@ def test_timing_rules_are_validated(kw: dict[str, object], match: str) -> None:
         (["--job", "j"], "the following arguments are required: --etcd"),
         (["--etcd", "http://127.0.0.1:1", "--job", "j", "--ttl", "6", "--heartbeat", "5"], "--heartbeat must be"),
         (["--etcd", "http://127.0.0.1:1", "--job", "j", "--slots", "zero"], "positive integer or 'auto'"),
-        (["--etcd", "https://127.0.0.1:1", "--job", "j"], "invalid etcd endpoint"),
+        (["--etcd", "ftp://127.0.0.1:1", "--job", "j"], "invalid etcd endpoint"),
+        (["--etcd", "https://u:pw@127.0.0.1:1", "--job", "j"], "credentials do not belong"),
+        (["--etcd", "https://127.0.0.1:1", "--job", "j", "--cert", "/nonexistent"], "--cert and --key go together"),
     ],
 )
 def test_cli_misuse_exits_2_with_one_line(argv: list[str], match: str, capsys: pytest.CaptureFixture[str]) -> None:

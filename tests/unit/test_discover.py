@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from discovery import discover
+from discovery.endpoints import Endpoint
 from discovery.hosts_cli import format_age, format_table
 from discovery.record import DRAINING, HostRecord
 from discovery.registry import Entry, Listing
@@ -31,7 +32,7 @@ def env(tmp_path: Path) -> dict[str, str]:
 
 
 def fake_etcd(monkeypatch: pytest.MonkeyPatch, pairs: list[tuple[str, bytes]] | None) -> None:
-    def range_prefix(host: str, port: int, prefix: str, timeout: float) -> list[tuple[str, bytes]]:
+    def range_prefix(session: discover.Session, ep: Endpoint, prefix: str) -> list[tuple[str, bytes]]:
         assert prefix == PREFIX
         if pairs is None:
             raise ConnectionRefusedError("connection refused")
@@ -192,7 +193,7 @@ def test_a_cache_of_another_job_is_not_served(monkeypatch: pytest.MonkeyPatch, e
     ("change", "match"),
     [
         ({"ELASTICTRAIN_ETCD": ""}, "ELASTICTRAIN_ETCD is not set"),
-        ({"ELASTICTRAIN_ETCD": "https://x:1"}, "invalid endpoint"),
+        ({"ELASTICTRAIN_ETCD": "ftp://x:1"}, "invalid etcd endpoint"),
         ({"ELASTICTRAIN_JOB": ""}, "ELASTICTRAIN_JOB must name the job"),
         ({"ELASTICTRAIN_DISCOVER_STALENESS": "soon"}, "ELASTICTRAIN_DISCOVER_STALENESS must be a number"),
     ],
@@ -206,7 +207,7 @@ def test_default_cache_path_follows_xdg(env: dict[str, str]) -> None:
     del env["ELASTICTRAIN_DISCOVER_CACHE"]
     cfg = discover.DiscoverConfig.from_env({**env, "XDG_CACHE_HOME": "/c"})
     assert cfg.cache_path == "/c/elastictrain/discover-job1.json"
-    assert cfg.endpoints == [("127.0.0.1", 2379)]
+    assert cfg.endpoints == [Endpoint("http", "127.0.0.1", 2379)]
 
 
 def test_hosts_table_has_host_slots_state_age() -> None:

@@ -10,7 +10,6 @@ from discovery.registry import (
     InMemoryRegistry,
     LeaseLost,
     RegistryUnavailable,
-    parse_endpoints,
     set_state,
 )
 
@@ -220,11 +219,3 @@ def test_record_round_trips_through_json() -> None:
 def test_invalid_host_names_are_rejected(bad: str) -> None:
     with pytest.raises(ValueError, match="invalid host name"):
         rec(bad)
-
-
-def test_parse_endpoints() -> None:
-    assert parse_endpoints("http://127.0.0.1:2379,10.0.0.2") == [("127.0.0.1", 2379), ("10.0.0.2", 2379)]
-    with pytest.raises(ValueError, match="invalid etcd endpoint"):
-        parse_endpoints("https://x:1")
-    with pytest.raises(ValueError, match="invalid etcd endpoints"):
-        parse_endpoints(" , ")
