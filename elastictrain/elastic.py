@@ -39,7 +39,7 @@ from elastictrain.config import JobConfig
 from elastictrain.data import build_datasets, load_batches
 from elastictrain.events import NullEventLog, open_event_log
 from elastictrain.models import build_model
-from elastictrain.policy import ScaleRamp, batch_plan, lr_scale, schedule_factor
+from elastictrain.policy import ScaleRamp, batch_plan, lr_scale, schedule_factor, training_complete
 from elastictrain.progress import NullProgress, Progress, make_progress
 from elastictrain.sampler import (
     ExactlyOncePlanner,
@@ -609,8 +609,7 @@ class ElasticTrainer:
 
     def _training_complete(self) -> bool:
         """Every epoch trained, or ``max_steps`` reached (by the committed position the loop stands at)."""
-        t = self.cfg.training
-        return self.sampler.epoch >= t.epochs or (t.max_steps is not None and self.counters.step >= t.max_steps)
+        return training_complete(self.cfg.training, self.sampler.epoch, self.counters.step)
 
     def _run_epoch_part(self, state: ElasticTrainingState, global_batch: int, micro_batch: int) -> None:
         """Steps until the epoch ends, max_steps, or a stop; the plans are fixed for this world size."""

@@ -128,3 +128,31 @@ def test_a_resume_at_another_world_size_is_a_start_with_the_old_size_not_a_reset
     assert starts[1]["world_size"] == 1
     assert events(run, "reset") == [], events(run, "reset")
     assert max(e["step"] for e in events(run)) == 12
+
+
+def test_launching_a_completed_run_dir_says_so_and_exits_0_without_starting_anything(tmp_path):
+    run = tmp_path / "run"
+    cfg = config(run)
+    first = run_worker(cfg, [])
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = (run / "events.jsonl").read_bytes()
+    config_file = tmp_path / "job.yaml"
+    config_file.write_text(json.dumps(cfg))  # JSON is YAML
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    launch = subprocess.run(
+        [sys.executable, "-m", "elastictrain.cli", "launch", "--config", str(config_file), "--min-np", "1"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert launch.returncode == 0, launch.stdout[-2000:] + launch.stderr[-2000:]
+    assert "run complete" in launch.stdout and "epoch 1 of 1" in launch.stdout, launch.stdout
+    assert (run / "events.jsonl").read_bytes() == before  # no worker ran
+    assert not (run / "etcd").exists() and not (run / "launch.json").exists()
+    # more epochs is not complete: the same check says so
+    from elastictrain.config import config_from_dict
+    from elastictrain.launch import run_complete
+
+    assert run_complete(config_from_dict({**cfg, "training": {**cfg["training"], "epochs": 2}})) is None
