@@ -20,6 +20,7 @@ import math
 import os
 import signal
 import socket
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ from elastictrain.config import JobConfig
 from elastictrain.data import build_datasets, load_batches
 from elastictrain.events import NullEventLog, open_event_log
 from elastictrain.models import build_model
-from elastictrain.policy import ScaleRamp, batch_plan, lr_scale, schedule_factor
+from elastictrain.policy import ScaleRamp, batch_plan, lr_scale, schedule_factor, training_complete
 from elastictrain.progress import NullProgress, Progress, make_progress
 from elastictrain.sampler import (
     ExactlyOncePlanner,
@@ -147,6 +148,8 @@ class ElasticTrainingState(State):
         self.stop_requested = stop_requested
         self.failure: tuple[str, float] | None = None
         """(reason, unix time) of the failure or host notice that caused the current reset."""
+        self.failure_error = ""
+        """First line of the error of that failure (empty for a host notice)."""
         self.lost_steps = 0
         self.last_commit_seconds = 0.0
         self.last_progress_ts = time.time()
@@ -171,6 +174,9 @@ class ElasticTrainingState(State):
         if self.stop_requested():
             raise StopRequested
         self.on_failure()
+        if self.failure is None:
+            error = sys.exc_info()[1]  # restore() runs inside Horovod's `except HorovodInternalError`
+            self.failure_error = str(error).strip().splitlines()[0][:300] if error and str(error).strip() else ""
         self.failure = self.failure or ("worker_failed", self.last_progress_ts)
         failed_at = self.committed.counters.step
         self.committed.restore()
@@ -185,6 +191,7 @@ class ElasticTrainingState(State):
                 raise StopRequested from None
             self.on_failure_notice()
             self.failure = ("hosts_removed" if e.skip_sync else "hosts_changed", time.time())
+            self.failure_error = ""
             self.lost_steps = 0
             raise
 
@@ -317,7 +324,8 @@ class ElasticTrainer:
         self.resumed_from: int | None = None
         self._checkpointed_step = -1
         """Step of the checkpoint this process resumed from (durable already: never written again)."""
-        self._start_emitted = False
+        self.resumed_world_size: int | None = None
+        """World size recorded in the checkpoint this process resumed from (rank 0)."""
         self._holds_rank0 = False
         """This process runs rank 0's services (events, tracker, checkpointer, ledger, progress)."""
         self._last_loss: float | None = None
@@ -445,7 +453,6 @@ class ElasticTrainer:
         """
         log.info("rank 0 moved to another worker; closing this worker's rank-0 services")
         self._holds_rank0 = False
-        self._start_emitted = False  # a later turn as rank 0 starts with a `start` event again
         self.progress.close()
         self.progress = NullProgress()
         if self.checkpointer is not None:
@@ -513,6 +520,11 @@ class ElasticTrainer:
         check_resume_inputs(loaded.manifest, self.resume_inputs(), loaded.path)
         self.committed.load_full_state(loaded.state)
         self.resumed_from = self._checkpointed_step = self.counters.step
+        # World size 0 means "no step has run in this start of the job": after the sync every rank sees that
+        # this is a start (one `start` event, no `reset`), whatever size the checkpoint was written at.
+        self.resumed_world_size, self.counters.world_size = self.counters.world_size or None, 0
+        if self._training_complete():
+            log.info("run already complete; nothing to train", step=self.counters.step, epoch=self.sampler.epoch)
         log.info(
             "resumed from checkpoint",
             path=str(loaded.path),
@@ -539,6 +551,7 @@ class ElasticTrainer:
         bind(job=cfg.job, step=c.step)
         self._become_rank0()
         new_size = self.ctx.size
+        starting = c.world_size == 0  # synced: no step has run at any size since the job (re)started
         if c.world_size != new_size:
             old = c.world_size
             current = self.ramp.at(c.step) if old else lr_scale(cfg.elastic, new_size)
@@ -548,12 +561,25 @@ class ElasticTrainer:
                 reason, ts = self.state.failure or ("hosts_changed", time.time())
                 self._pending_reset = {"old_size": old, "new_size": new_size, "reason": reason, "failure_ts": ts}
             c.world_size = new_size
+            # Part of the committed state at once: a rollback before the next commit must not bring back
+            # the size before this reset (a 2 -> 1 shrink right after a 3 -> 2 reset is not 3 -> 1).
+            self.state.save()
         elif self.state.failure is not None:
             reason, ts = self.state.failure
             self._pending_reset = {"old_size": new_size, "new_size": new_size, "reason": reason, "failure_ts": ts}
         if self._pending_reset is not None:
             self._pending_reset["lost_steps"] = self.state.lost_steps
+            self.events.emit(  # by whoever holds rank 0 now (the one that saw it may be dead), at its time
+                "failure",
+                step=c.step,
+                epoch=self.sampler.epoch,
+                world_size=self._pending_reset["old_size"],
+                ts=self._pending_reset["failure_ts"],
+                reason=self._pending_reset["reason"],
+                error=self.state.failure_error,
+            )
         self.state.failure = None
+        self.state.failure_error = ""
         self.state.lost_steps = 0
         if self.ledger is not None:
             # Steps after the commit were rolled back; steps up to it that a dead rank 0 never wrote are
@@ -565,8 +591,7 @@ class ElasticTrainer:
         self._metrics = self._zero_metrics()
         self._last_log = (time.perf_counter(), c.step)
         hosts = self._hosts = sorted(set(hvd.allgather_object(self.ctx.host)))  # a collective: every rank
-        if not self._start_emitted:  # once per rank-0 process; later resets are `reset` events
-            self._start_emitted = self.ctx.is_rank0
+        if starting:  # once per start of the job (fresh or resumed); a new rank 0 after a reset is a `reset`
             self.events.emit(
                 "start",
                 step=c.step,
@@ -574,6 +599,7 @@ class ElasticTrainer:
                 world_size=new_size,
                 hosts=hosts,
                 resumed_from_step=self.resumed_from,
+                resumed_world_size=self.resumed_world_size,
                 config_hash=self.config_hash,
                 run_id=self.tracker.run_id,
                 attempt=self.attempt,
@@ -592,20 +618,23 @@ class ElasticTrainer:
         self.watchdog.snapshot_ring()
         state.last_progress_ts = time.time()
         self._after_sync()
-        cfg, c, t = self.cfg, self.counters, self.cfg.training
+        cfg, t = self.cfg, self.cfg.training
         while True:
             if self.stop_requested:
                 raise StopRequested
-            if t.max_steps is not None and c.step >= t.max_steps:
+            # Checked before anything runs: a reset or a resume may land exactly on the final commit.
+            if self._training_complete():
                 break
             plan_b = batch_plan(cfg.elastic, cfg.data.batch_size, t.grad_accumulation, self.ctx.size)
             if self.planner.epoch_done(self.sampler, plan_b.global_batch):
                 self._end_epoch(state)
-                if self.sampler.epoch >= t.epochs:
-                    break
                 continue
             self._run_epoch_part(state, plan_b.global_batch, plan_b.micro_batch)
         self._finish(state)
+
+    def _training_complete(self) -> bool:
+        """Every epoch trained, or ``max_steps`` reached (by the committed position the loop stands at)."""
+        return training_complete(self.cfg.training, self.sampler.epoch, self.counters.step)
 
     def _run_epoch_part(self, state: ElasticTrainingState, global_batch: int, micro_batch: int) -> None:
         """Steps until the epoch ends, max_steps, or a stop; the plans are fixed for this world size."""

@@ -33,7 +33,9 @@ log = get_logger("elastictrain.events")
 class EventSink(Protocol):
     """What the worker calls; :class:`EventLog` on rank 0, :class:`NullEventLog` elsewhere."""
 
-    def emit(self, event: str, *, step: int, epoch: int, world_size: int, **fields: Any) -> None: ...
+    def emit(
+        self, event: str, *, step: int, epoch: int, world_size: int, ts: float | None = None, **fields: Any
+    ) -> None: ...
 
     def flush(self, timeout: float | None = None) -> bool: ...
 
@@ -108,9 +110,13 @@ class EventLog:
         except OSError as e:  # pragma: no cover - unreadable file; appending still works
             log.warning("events_check_failed", path=str(self.path), error=str(e))
 
-    def emit(self, event: str, *, step: int, epoch: int, world_size: int, **fields: Any) -> None:
-        """Record ``event`` now (``ts`` is taken here, not when the line is written)."""
-        line = encode_event(event, ts=self._clock(), step=step, epoch=epoch, world_size=world_size, fields=fields)
+    def emit(
+        self, event: str, *, step: int, epoch: int, world_size: int, ts: float | None = None, **fields: Any
+    ) -> None:
+        """Record ``event`` now (``ts`` is taken here, not when the line is written; pass ``ts`` for an event
+        that happened earlier, such as a failure written by the rank 0 that recovered from it)."""
+        when = self._clock() if ts is None else ts
+        line = encode_event(event, ts=when, step=step, epoch=epoch, world_size=world_size, fields=fields)
         with self._cond:
             if self._closed:
                 log.debug("event_after_close", event_name=event)
@@ -172,7 +178,9 @@ def _close_at_exit(ref: weakref.ref[EventLog]) -> None:
 class NullEventLog:
     """The event log of ranks other than 0: every call does nothing."""
 
-    def emit(self, event: str, *, step: int, epoch: int, world_size: int, **fields: Any) -> None:
+    def emit(
+        self, event: str, *, step: int, epoch: int, world_size: int, ts: float | None = None, **fields: Any
+    ) -> None:
         pass
 
     def flush(self, timeout: float | None = None) -> bool:

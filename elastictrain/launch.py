@@ -1056,9 +1056,39 @@ def check_etcd(
             registry.close()
 
 
+def run_complete(cfg: JobConfig) -> str | None:
+    """One line saying that the run_dir's latest checkpoint already holds the whole training, else None.
+
+    The workers would resume from that checkpoint and train nothing; a damaged one (the workers fall back
+    to an older one) or a longer training (more epochs, a higher ``max_steps``) is not complete.
+    """
+    if not (cfg.checkpoint.enabled and cfg.checkpoint.resume):
+        return None
+    from elastictrain.policy import training_complete
+    from elastictrain.status import latest_checkpoint
+
+    ck = latest_checkpoint(cfg.run_path, time.time())
+    if not ck or ck.get("error") or not isinstance(ck.get("step"), int) or not isinstance(ck.get("epoch"), int):
+        return None
+    if not training_complete(cfg.training, ck["epoch"], ck["step"]):
+        return None
+    from elastictrain.checkpoint import CheckpointDamaged, LocalStorage, verify_checkpoint
+
+    try:
+        verify_checkpoint(LocalStorage.for_run_dir(cfg.run_path), str(ck["name"]))
+    except (CheckpointDamaged, OSError, ValueError):
+        return None
+    t = cfg.training
+    target = f"epoch {ck['epoch']} of {t.epochs}" + (f", step {ck['step']} of {t.max_steps}" if t.max_steps else "")
+    return f"run complete: {cfg.run_path} already holds the whole training ({target}); nothing to train"
+
+
 def main(argv: list[str]) -> int:
     try:
         opts, cfg = parse(argv)
+        if (complete := run_complete(cfg)) is not None:
+            print(f"{PROG}: {complete}", flush=True)
+            return 0
         if find_horovodrun() is None:
             raise LaunchError("horovodrun not found next to this Python or on PATH (run `make setup`)")
         if opts.etcd is not None:

@@ -29,7 +29,7 @@ class Counters:
     samples: int = 0
     """Training samples consumed by completed steps, over all epochs."""
     world_size: int = 0
-    """World size the last step ran at (detects resizes after a sync)."""
+    """World size the last step ran at (detects resizes after a sync); 0 until the first step of a start or resume."""
     resets: int = 0
 
     def state_dict(self) -> dict[str, int]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.events import EVENTS_FILE, EventLog, NullEventLog, open_event_log, read_events
+from elastictrain.events import EVENTS_FILE, EventLog, NullEventLog, encode_event, open_event_log, read_events
 
 
 def test_emitted_events_are_written_as_one_json_object_per_line_with_the_common_fields(tmp_path: Path) -> None:
@@ -84,11 +84,17 @@ def test_non_finite_floats_are_written_as_null(tmp_path: Path) -> None:
     assert ev["loss"] is None and ev["lr"] is None and ev["hist"] == [1.0, None]
 
 
-def test_a_field_may_not_shadow_a_common_field(tmp_path: Path) -> None:
-    log = EventLog(tmp_path / EVENTS_FILE)
+def test_a_field_may_not_shadow_a_common_field() -> None:
     with pytest.raises(ValueError, match="reserved"):
-        log.emit("metrics", step=1, epoch=0, world_size=1, ts=3.0)
+        encode_event("metrics", ts=1.0, step=1, epoch=0, world_size=1, fields={"ts": 3.0})
+
+
+def test_an_event_that_happened_earlier_keeps_its_own_time(tmp_path: Path) -> None:
+    log = EventLog(tmp_path / EVENTS_FILE, clock=lambda: 100.0)
+    log.emit("failure", step=1, epoch=0, world_size=2, ts=42.5, reason="worker_failed", error="")
+    log.emit("reset", step=1, epoch=0, world_size=1)
     log.close()
+    assert [(e["event"], e["ts"]) for e in read_events(tmp_path / EVENTS_FILE)] == [("failure", 42.5), ("reset", 100.0)]
 
 
 def test_reader_skips_a_torn_final_line(tmp_path: Path) -> None:

@@ -1,0 +1,158 @@
+"""What the run log says about resets, failures, starts and resumes, and that a finished run trains no more.
+
+The real worker (``elastictrain.elastic.run``) runs in one process under real single-rank Horovod, with
+scripted interruptions (``tests/integration/workers/scripted_trainer.py``): a ``HorovodInternalError``
+inside a chosen step, a ``HostsUpdatedInterrupt`` at a chosen commit, and the world size and rank the
+worker sees after each. That makes the exact moments reproducible which real kills hit only by chance.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastictrain.events import read_events
+from elastictrain.sampler import committed_samples
+from tests.harness.elastic_job import job_config
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parents[2]
+NUM_SAMPLES = 480  # batch 16: 30 steps per epoch at world size 1, 15 at 2, 10 at 3
+
+
+def config(run_dir: Path, **overrides: Any) -> dict[str, Any]:
+    base = {
+        "data__num_samples": NUM_SAMPLES,
+        "data__num_val_samples": 32,
+        "training__epochs": 1,
+        "checkpoint__every_steps": 1000,
+        **overrides,
+    }
+    return job_config(run_dir, **base)
+
+
+def run_worker(cfg: dict[str, Any], script: list[dict[str, Any]], timeout: float = 180) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "tests.integration.workers.scripted_trainer", json.dumps(cfg), json.dumps(script)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def events(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
+    evs = read_events(run_dir / "events.jsonl")
+    return [e for e in evs if kind is None or e["event"] == kind]
+
+
+def test_a_host_notice_at_the_final_epoch_end_does_not_train_another_epoch(tmp_path):
+    cfg = config(tmp_path / "run")
+    proc = run_worker(cfg, [{"kind": "notice_at_epoch_end", "epoch": 1, "size": 1}])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "run"
+    assert sorted(committed_samples(run / "ledger")) == [0], "trained into an epoch past training.epochs"
+    assert max(e["step"] for e in events(run)) == 30
+    assert len(events(run, "epoch_end")) == 1 and len(events(run, "done")) == 1
+
+
+def test_a_completed_run_dir_started_again_trains_nothing_and_exits_0(tmp_path):
+    cfg = config(tmp_path / "run")
+    first = run_worker(cfg, [])
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = run_worker(cfg, [])
+    assert again.returncode == 0, again.stderr[-3000:]
+    run = tmp_path / "run"
+    assert sorted(committed_samples(run / "ledger")) == [0]
+    assert max(e["step"] for e in events(run)) == 30
+    assert "run already complete" in again.stdout + again.stderr
+
+
+def test_failures_are_logged_and_a_shrink_after_a_reset_names_the_size_it_left(tmp_path):
+    """3 workers; a host change at step 3 leaves 2; a worker dies in step 5, leaving 1."""
+    cfg = config(tmp_path / "run")
+    script = [
+        {"kind": "initial", "size": 3},
+        {"kind": "notice", "step": 3, "size": 2},
+        {"kind": "failure", "step": 5, "size": 1},
+    ]
+    proc = run_worker(cfg, script)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "run"
+    assert len(events(run, "start")) == 1
+    failures = events(run, "failure")
+    assert [f["reason"] for f in failures] == ["hosts_changed", "worker_failed"], failures
+    assert "scripted: a peer died" in failures[1]["error"]
+    resets = [(r["old_size"], r["new_size"], r["reason"], r["lost_steps"]) for r in events(run, "reset")]
+    assert resets == [(3, 2, "hosts_changed", 0), (2, 1, "worker_failed", 1)], resets
+    for failure, reset in zip(failures, events(run, "reset"), strict=True):  # each failure before its reset
+        assert failure["ts"] <= reset["ts"]
+    per_epoch = committed_samples(run / "ledger")
+    assert sorted(per_epoch[0]) == list(range(NUM_SAMPLES))
+
+
+def test_rank0_moving_away_and_back_writes_no_second_start(tmp_path):
+    cfg = config(tmp_path / "run")
+    script = [
+        {"kind": "initial", "size": 2},
+        {"kind": "notice", "step": 3, "size": 2, "rank": 1},  # rank 0 is another process now
+        {"kind": "notice", "step": 6, "size": 2, "rank": 0},  # and this one again
+    ]
+    proc = run_worker(cfg, script)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "run"
+    assert len(events(run, "start")) == 1, events(run, "start")
+    from elastictrain.status import read_status
+
+    assert read_status(run)["attempts"] == 1
+
+
+def test_a_resume_at_another_world_size_is_a_start_with_the_old_size_not_a_reset(tmp_path):
+    run = tmp_path / "run"
+    first = run_worker(config(run, training__max_steps=6), [{"kind": "initial", "size": 2}])
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run_worker(config(run, training__max_steps=12), [])
+    assert second.returncode == 0, second.stderr[-3000:]
+    starts = events(run, "start")
+    assert len(starts) == 2
+    assert starts[1]["resumed_from_step"] == 6 and starts[1]["resumed_world_size"] == 2, starts[1]
+    assert starts[1]["world_size"] == 1
+    assert events(run, "reset") == [], events(run, "reset")
+    assert max(e["step"] for e in events(run)) == 12
+
+
+def test_launching_a_completed_run_dir_says_so_and_exits_0_without_starting_anything(tmp_path):
+    run = tmp_path / "run"
+    cfg = config(run)
+    first = run_worker(cfg, [])
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = (run / "events.jsonl").read_bytes()
+    config_file = tmp_path / "job.yaml"
+    config_file.write_text(json.dumps(cfg))  # JSON is YAML
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    launch = subprocess.run(
+        [sys.executable, "-m", "elastictrain.cli", "launch", "--config", str(config_file), "--min-np", "1"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert launch.returncode == 0, launch.stdout[-2000:] + launch.stderr[-2000:]
+    assert "run complete" in launch.stdout and "epoch 1 of 1" in launch.stdout, launch.stdout
+    assert (run / "events.jsonl").read_bytes() == before  # no worker ran
+    assert not (run / "etcd").exists() and not (run / "launch.json").exists()
+    # more epochs is not complete: the same check says so
+    from elastictrain.config import config_from_dict
+    from elastictrain.launch import run_complete
+
+    assert run_complete(config_from_dict({**cfg, "training": {**cfg["training"], "epochs": 2}})) is None

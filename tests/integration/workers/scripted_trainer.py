@@ -1,0 +1,79 @@
+"""The real worker (``elastictrain.elastic.run``) under real single-rank Horovod, with scripted interruptions.
+
+Usage: python -m tests.integration.workers.scripted_trainer CONFIG_JSON SCRIPT_JSON
+
+No horovodrun: one process, ``hvd.init()`` of size 1. The script makes the worker believe in other world
+sizes and ranks (``hvd.size``/``hvd.rank`` as the worker module sees them; every collective still runs
+for real on one process) and raises what Horovod raises when a peer dies or hosts change:
+
+* ``{"kind": "failure", "step": S, "size": N, "rank": R}``: ``HorovodInternalError`` inside step S.
+* ``{"kind": "notice", "step": S, "size": N, "rank": R}``: ``HostsUpdatedInterrupt`` at the commit of step S.
+* ``{"kind": "notice_at_epoch_end", "epoch": E, "size": N}``: the same, at the commit that ends epoch E - 1
+  (the sampler already stands at epoch E).
+
+``{"size": N, "rank": R}`` as the script's first entry (``kind: "initial"``) sets the world before the start.
+Exit code: the worker's.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import horovod.torch as hvd
+from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+
+from elastictrain import elastic
+from elastictrain.config import config_from_dict
+
+
+def main(config_json: str, script_json: str) -> int:
+    cfg = config_from_dict(json.loads(config_json))
+    script: list[dict[str, Any]] = json.loads(script_json)
+    world = {"size": 1, "rank": 0}
+    if script and script[0].get("kind") == "initial":
+        first = script.pop(0)
+        world.update({k: first[k] for k in ("size", "rank") if k in first})
+    hvd.size = lambda: world["size"]  # as elastic.py sees them (DistContext.refresh)
+    hvd.rank = lambda: world["rank"]
+    pending = list(script)
+
+    def fire(kind: str, **where: int) -> dict[str, Any] | None:
+        for item in pending:
+            if item["kind"] == kind and all(item.get(k) == v for k, v in where.items()):
+                pending.remove(item)
+                world["size"], world["rank"] = item.get("size", world["size"]), item.get("rank", 0)
+                return item
+        return None
+
+    real_train_step = elastic.train_step
+
+    class Scripted(elastic.ElasticTrainer):
+        def __init__(self, cfg: Any) -> None:
+            super().__init__(cfg)
+            trainer, state = self, self.state
+            real_check = state._check_host_updates
+
+            def train_step(*args: Any, **kwargs: Any) -> Any:
+                if fire("failure", step=trainer.counters.step + 1):
+                    raise HorovodInternalError("scripted: a peer died")
+                return real_train_step(*args, **kwargs)
+
+            def check_host_updates() -> None:
+                hit = fire("notice", step=trainer.counters.step)
+                if hit is None and trainer.sampler.cursor == 0:  # the commit that ends an epoch
+                    hit = fire("notice_at_epoch_end", epoch=trainer.sampler.epoch)
+                if hit:
+                    raise HostsUpdatedInterrupt(False)
+                real_check()
+
+            elastic.train_step = train_step
+            state._check_host_updates = check_host_updates
+
+    elastic.ElasticTrainer = Scripted  # type: ignore[misc]
+    return elastic.run(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))
