@@ -43,6 +43,8 @@ import argparse
 import contextlib
 import ctypes
 import enum
+import errno
+import fcntl
 import json
 import math
 import os
@@ -66,7 +68,7 @@ import psutil
 from discovery import endpoints as etcd_endpoints
 from discovery.endpoints import EtcdAccess
 from discovery.fileio import write_atomic
-from discovery.record import READY
+from discovery.record import READY, check_name
 from discovery.registry import EtcdRegistry, RegistryError, RegistryUnavailable
 from elastictrain.config import ConfigError, DiscoveryConfig, JobConfig, load_config
 from elastictrain.config_cli import report_config_error
@@ -74,6 +76,8 @@ from elastictrain.config_cli import report_config_error
 PROG = "elastictrain launch"
 REPO = Path(__file__).resolve().parents[1]
 DISCOVER_SCRIPT = REPO / "discovery" / "discover.sh"
+LOCK_FILE = "launch.lock"
+"""``run_dir/launch.lock``: flock'ed by the launcher for its whole life (one job per run_dir); names pid and host."""
 STATE_FILE = "launch.json"
 """``run_dir/launch.json``: pids, etcd endpoint and hosts of the running launcher (for operators and the demo)."""
 LAUNCH_ID_ENV = "ELASTICTRAIN_LAUNCH_ID"
@@ -408,6 +412,97 @@ class HostWatch:
 # processes
 
 
+class RunDirLock:
+    """The exclusive ``flock`` on ``run_dir/launch.lock`` that makes one launcher the only driver of a run_dir.
+
+    The lock belongs to the open file, which the launcher keeps until it exits (children never inherit it:
+    the descriptor is close-on-exec), so it ends with the launcher however that ends, SIGKILL included.
+
+    On a local filesystem this is exact. On NFS, Linux implements ``flock`` with the server's byte-range
+    locks (NLM for NFSv3, the protocol's own locks for NFSv4), so two launchers on two machines exclude
+    each other as long as the mount has locking (not ``nolock`` or ``local_lock=flock|all``, which keep
+    locks on one client). When the launcher's machine dies or is cut off from the server, the server
+    frees the lock only after the client's lease runs out (NFSv4: about 90 s) or its lock manager
+    recovers; a launcher cut off longer than that may have lost its lock without knowing.
+    """
+
+    def __init__(self, fd: int, path: Path) -> None:
+        self.fd = fd
+        self.path = path
+
+    @classmethod
+    def acquire(cls, run_dir: Path) -> RunDirLock:
+        """Take the lock (creating run_dir and the lock file if needed); :class:`LaunchError` naming the
+        holder when another launcher has it. Nothing else in run_dir is read or written."""
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path = run_dir / LOCK_FILE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(fd, 512, 0).decode("utf-8", "replace").strip()
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise LaunchError(f"run_dir {run_dir}: cannot lock {path.name}: {e.strerror}") from None
+            raise LaunchError(
+                f"run_dir {run_dir} is driven by a live launcher ({_describe_holder(holder)}); "
+                "stop it first or use another run_dir"
+            ) from None
+        info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started_at": time.time()}) + "\n"
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, info.encode(), 0)
+        return cls(fd, path)
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # closing the file ends the flock
+            self.fd = -1
+
+
+def _describe_holder(text: str) -> str:
+    try:
+        info = json.loads(text)
+        return f"pid {int(info['pid'])} on {check_name('host', info['host'])}"
+    except (ValueError, KeyError, TypeError):
+        return "holder unknown"
+
+
+def etcd_data_dir_in_use(data_dir: Path) -> bool:
+    """Whether a running etcd has ``data_dir`` open: its bbolt database holds an exclusive ``flock``
+    (on NFS as on a local disk, see :class:`RunDirLock`). The probe takes a shared lock and releases it."""
+    try:
+        fd = os.open(data_dir / "member" / "snap" / "db", os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int) -> Callable[[], None]:
+    """A ``preexec_fn`` that makes the child receive ``sig`` when the launcher dies, SIGKILL and OOM included.
+
+    Linux delivers it when the thread that forked the child exits; the launcher starts every process
+    from its main thread. A launcher that died between fork and ``prctl`` is caught by the parent check.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded before the fork: the child only calls it
+    parent = os.getpid()
+
+    def preexec() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), sig)
+
+    return preexec
+
+
 def _set_child_subreaper() -> None:
     """Orphaned descendants (e.g. a worker whose horovodrun middleman died) re-parent to us, so we find them."""
     with contextlib.suppress(Exception):
@@ -653,6 +748,11 @@ class Launcher:
         if not os.access(binary, os.X_OK):
             raise LaunchError(f"etcd binary not found ({binary}); install etcd-server or pass --etcd URL")
         data_dir = self.run_dir / "etcd"
+        if etcd_data_dir_in_use(data_dir):
+            raise LaunchError(
+                f"{data_dir} is in use by a running etcd (left by a launcher that died?); stop it "
+                f"(its pid is etcd_pid in {self.run_dir / STATE_FILE}) and launch again"
+            )
         shutil.rmtree(data_dir, ignore_errors=True)  # membership is ephemeral; stale leases only delay agents
         client, peer = free_port(), free_port()
         self.etcd_endpoint = f"http://127.0.0.1:{client}"
@@ -669,7 +769,8 @@ class Launcher:
             "--initial-cluster-state", "new",
             "--log-level", "warn",
         ]  # fmt: skip
-        self.etcd_proc = self._spawn(args, self.run_dir / "logs" / "etcd.log")
+        # SIGTERM: etcd shuts down cleanly (and fast) when the launcher dies.
+        self.etcd_proc = self._spawn(args, self.run_dir / "logs" / "etcd.log", parent_death_signal=signal.SIGTERM)
         deadline = time.monotonic() + 30
         while not etcd_healthy(self.etcd_endpoint):
             if self.etcd_proc.poll() is not None:
@@ -702,7 +803,15 @@ class Launcher:
             self.start_agent(host)
         self.out(f"agents for {', '.join(self.opts.hosts)} (1 slot each)")
 
-    def _spawn(self, args: list[str], log_path: Path, env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
+    def _spawn(
+        self,
+        args: list[str],
+        log_path: Path,
+        env: Mapping[str, str] | None = None,
+        *,
+        parent_death_signal: int = signal.SIGKILL,
+    ) -> subprocess.Popen[bytes]:
+        """Start a service process (etcd, an agent); it gets ``parent_death_signal`` if the launcher dies."""
         full_env = {**os.environ, **(env or {}), LAUNCH_ID_ENV: self.launch_id}
         with log_path.open("ab") as log:
             # A new session: Ctrl-C in a terminal reaches only the launcher, which stops the rest in order.
@@ -713,6 +822,7 @@ class Launcher:
                 stderr=subprocess.STDOUT,
                 env=full_env,
                 start_new_session=True,
+                preexec_fn=die_with_parent(parent_death_signal),
             )
         self.tracker.add(proc)
         return proc
@@ -797,6 +907,9 @@ class Launcher:
             env={**inherited, **env, LAUNCH_ID_ENV: self.launch_id},
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            # If the launcher dies, horovodrun dies at once; its middlemen then end the workers (SIGTERM, then
+            # SIGKILL after 5 s), as they do whenever horovodrun is killed.
+            preexec_fn=die_with_parent(signal.SIGKILL),
         )
         self.tracker.add(self.hvd_proc)
         self._write_state()
@@ -1099,9 +1212,17 @@ def main(argv: list[str]) -> int:
     except LaunchError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    launcher = Launcher(opts, cfg, horovodrun=runner_command())
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, launcher.on_signal)
-    code = launcher.run()
-    print(f"{PROG}: exit {code}", flush=True)
-    return code
+    try:
+        lock = RunDirLock.acquire(cfg.run_path.resolve())
+    except LaunchError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        launcher = Launcher(opts, cfg, horovodrun=runner_command())
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, launcher.on_signal)
+        code = launcher.run()
+        print(f"{PROG}: exit {code}", flush=True)
+        return code
+    finally:
+        lock.release()

@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from elastictrain.launch import EXIT_STOPPED, LAUNCH_ID_ENV, STATE_FILE, is_worker
+from tests.fixtures.etcd import ETCD_BIN, EtcdServer
 from tests.fixtures.procs import REPO, VENV_BIN, ProcessGroup, free_port, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -248,6 +249,58 @@ def test_sigterm_to_the_launcher_checkpoints_the_last_commit_exits_143_and_leave
     # The state inside (not the manifest's label, see the report on elastic.py) is the last commit's.
     assert loaded.state["counters"]["step"] == last_commit, (loaded.path, loaded.state["counters"], last_commit)
     assert not job_processes(state["launch_id"]), "a process of the job remains"
+
+
+@needs_horovod
+def test_a_second_launch_is_refused_and_a_sigkilled_launcher_takes_every_process_with_it(
+    procs: ProcessGroup, tmp_path: Path
+) -> None:
+    config = write_config(tmp_path, "launch-lock", max_steps=100_000)
+    launch = Launch(procs, config, tmp_path)
+    run_dir = launch.run_dir
+    wait_until(lambda: any(e["event"] == "commit" for e in events(run_dir)), 120, interval=0.1,
+               what=f"a first commit; log: {launch.log()}")  # fmt: skip
+    state = launch_state(run_dir)
+    assert state is not None and state["horovodrun_pid"], state
+    before = (run_dir / STATE_FILE).read_text(), sorted(p.name for p in (run_dir / "etcd").rglob("*"))
+
+    # A second launcher on the same run_dir: one line, exit 2, and the running job is untouched.
+    second = subprocess.run(
+        [str(ELASTICTRAIN), "launch", "--config", str(config), "--hosts", HOSTS],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path, check=False,
+    )  # fmt: skip
+    assert second.returncode == 2 and second.stdout == "", second
+    (line,) = second.stderr.strip().splitlines()
+    assert f"is driven by a live launcher (pid {launch.proc.pid} on " in line, line
+    assert ((run_dir / STATE_FILE).read_text(), sorted(p.name for p in (run_dir / "etcd").rglob("*"))) == before
+    assert launch.proc.poll() is None and psutil.pid_exists(state["etcd_pid"])
+
+    # The launcher is SIGKILLed (OOM, a force-deleted pod): etcd, agents, horovodrun and workers end too.
+    mine = job_processes(state["launch_id"])
+    assert len([p for p in mine if is_worker(p)]) == 2 and len(mine) >= 5, [p.cmdline() for p in mine]
+    launch.proc.kill()
+    launch.wait(timeout=10)
+    wait_until(lambda: not job_processes(state["launch_id"]), 30, interval=0.2,
+               what="every process of the SIGKILLed launcher to end")  # fmt: skip
+    assert not launch.left_behind(), launch.left_behind()
+
+
+@needs_horovod
+def test_a_relaunch_never_wipes_the_data_dir_of_a_live_etcd(tmp_path: Path, procs: ProcessGroup) -> None:
+    """An etcd left running on run_dir/etcd (its launcher died where no parent-death signal reached it)."""
+    if not os.access(ETCD_BIN, os.X_OK):
+        pytest.skip(f"etcd binary not found at {ETCD_BIN}")
+    config = write_config(tmp_path, "launch-orphan-etcd", max_steps=10)
+    run_dir = tmp_path / "run"
+    orphan = EtcdServer(run_dir / "etcd", tmp_path / "orphan-etcd.log")
+    orphan.start()
+    try:
+        launch = Launch(procs, config, tmp_path)
+        assert launch.wait(timeout=60) == 2, launch.log()
+        assert "is in use by a running etcd" in launch.log()
+        assert orphan.healthy() and (run_dir / "etcd" / "member" / "snap" / "db").exists()
+    finally:
+        orphan.kill()
 
 
 @pytest.mark.parametrize(

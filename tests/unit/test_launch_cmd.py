@@ -5,6 +5,8 @@ No process is started here: parsing, command building and :func:`decide_after_ex
 
 from __future__ import annotations
 
+import fcntl
+import os
 import signal
 import socket
 from pathlib import Path
@@ -321,3 +323,40 @@ def test_a_horovodrun_that_kept_no_worker_alive_is_relaunched_not_called_a_crash
 def test_stall_deadline_covers_gloo_timeout_cooldown_and_startup():
     opts = launch.LaunchOptions(config=Path("c.yaml"), min_np=2, max_np=3)
     assert opts.stall_seconds == opts.gloo_timeout_seconds + opts.blacklist_cooldown[1] + 60
+
+
+def test_one_launcher_per_run_dir_and_the_refusal_names_the_holder(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    first = launch.RunDirLock.acquire(run_dir)
+    try:
+        before = sorted(p.name for p in run_dir.iterdir())
+        with pytest.raises(LaunchError) as e:
+            launch.RunDirLock.acquire(run_dir)  # another open file: flock excludes it as it would another process
+        assert f"is driven by a live launcher (pid {os.getpid()} on {socket.gethostname()})" in str(e.value)
+        assert "\n" not in str(e.value)
+        assert sorted(p.name for p in run_dir.iterdir()) == before == [launch.LOCK_FILE]
+    finally:
+        first.release()
+    launch.RunDirLock.acquire(run_dir).release()  # free again once the holder is gone
+
+
+def test_the_lock_file_is_not_inherited_by_children(tmp_path: Path) -> None:
+    lock = launch.RunDirLock.acquire(tmp_path)
+    try:
+        assert not os.get_inheritable(lock.fd)
+        assert fcntl.fcntl(lock.fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+    finally:
+        lock.release()
+
+
+def test_a_data_dir_whose_database_is_locked_belongs_to_a_live_etcd(tmp_path: Path) -> None:
+    data_dir = tmp_path / "etcd"
+    assert not launch.etcd_data_dir_in_use(data_dir), "no data dir: nothing to protect"
+    db = data_dir / "member" / "snap" / "db"
+    db.parent.mkdir(parents=True)
+    db.write_bytes(b"")
+    assert not launch.etcd_data_dir_in_use(data_dir), "a dead etcd's data dir may be wiped"
+    with db.open("rb") as held:  # what a running etcd (bbolt) holds on its database
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        assert launch.etcd_data_dir_in_use(data_dir)
+    assert db.exists()
