@@ -207,12 +207,13 @@ def _post(ep: Endpoint, path: str, body: bytes, timeout: float, session: Session
 
 
 def _why(payload: bytes) -> str:
-    """``: <etcd's error message>`` from an error reply, printable ASCII only and short (the reply is untrusted)."""
+    """``: <etcd's reason>`` from an error reply (its JSON ``error``, else its first line), printable ASCII only
+    and short: the reply is untrusted."""
     try:
         reply = json.loads(payload)
-        message = reply.get("error") or reply.get("message")
-    except (ValueError, AttributeError):
-        return ""
+        message = reply.get("error") or reply.get("message") if isinstance(reply, dict) else None
+    except ValueError:
+        message = payload[:300].decode("ascii", errors="replace").strip().split("\n", 1)[0]
     if not isinstance(message, str):
         return ""
     clean = "".join(ch if ch.isascii() and ch.isprintable() else "?" for ch in message[:200])

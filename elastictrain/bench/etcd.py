@@ -1,5 +1,5 @@
 """A real single-member etcd on free ports (loopback unless told) with its own data dir (the discovery benchmark, and
-the integration tests through ``tests/fixtures/etcd.py``).
+the integration tests through ``tests/fixtures/etcd.py``), plain or with TLS and client-certificate auth.
 
 :class:`EtcdServer` can be stopped, restarted (same ports and data dir, or a wiped one), paused
 (SIGSTOP) and resumed; :meth:`EtcdServer.kill` ends it by pid.
@@ -12,9 +12,11 @@ import json
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from elastictrain.bench.procs import free_port
@@ -28,21 +30,51 @@ class EtcdError(RuntimeError):
     """etcd did not start or did not become healthy in time."""
 
 
-class EtcdServer:
-    """One single-member etcd on ``host`` (default ``127.0.0.1``); ``endpoint`` stays the same across restarts."""
+@dataclass(frozen=True, slots=True)
+class ServerTls:
+    """PEM files of an etcd that serves TLS and requires client certificates (``--client-cert-auth``)."""
 
-    def __init__(self, data_dir: Path, log_path: Path, binary: str = ETCD_BIN, host: str = "127.0.0.1") -> None:
+    ca: Path
+    """CA that signed the server and the client certificates."""
+    cert: Path
+    """Server certificate; it also needs the clientAuth usage, for etcd's own gateway connection."""
+    key: Path
+    client_cert: Path
+    """A client certificate, for the health check."""
+    client_key: Path
+
+
+class EtcdServer:
+    """One single-member etcd on ``host`` (default ``127.0.0.1``; ``::1`` works); ``endpoint`` stays the same across
+    restarts. With ``tls`` the client URL is ``https://`` and every client must present a certificate."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        log_path: Path,
+        binary: str = ETCD_BIN,
+        host: str = "127.0.0.1",
+        tls: ServerTls | None = None,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
         self.binary = binary
         self.data_dir = data_dir
         self.log_path = log_path
         self.host = host
+        self.tls = tls
+        self.extra_args = extra_args
+        """More etcd flags, e.g. ``("--auth-token-ttl", "1")``."""
         self.client_port = free_port(host)
         self.peer_port = free_port(host)
         self.proc: subprocess.Popen | None = None
 
     @property
+    def _netloc_host(self) -> str:
+        return f"[{self.host}]" if ":" in self.host else self.host
+
+    @property
     def endpoint(self) -> str:
-        return f"http://{self.host}:{self.client_port}"
+        return f"{'https' if self.tls else 'http'}://{self._netloc_host}:{self.client_port}"
 
     @property
     def pid(self) -> int | None:
@@ -55,7 +87,7 @@ class EtcdServer:
         if wipe:
             shutil.rmtree(self.data_dir, ignore_errors=True)
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        peer = f"http://{self.host}:{self.peer_port}"
+        peer = f"http://{self._netloc_host}:{self.peer_port}"
         args = [
             self.binary,
             "--name", "test",
@@ -68,6 +100,14 @@ class EtcdServer:
             "--initial-cluster-state", "new",
             "--log-level", "warn",
         ]  # fmt: skip
+        if self.tls is not None:
+            args += [
+                "--cert-file", str(self.tls.cert),
+                "--key-file", str(self.tls.key),
+                "--trusted-ca-file", str(self.tls.ca),
+                "--client-cert-auth",
+            ]  # fmt: skip
+        args += self.extra_args
         log = self.log_path.open("ab")
         try:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -87,8 +127,12 @@ class EtcdServer:
             time.sleep(0.05)
 
     def healthy(self, timeout: float = 0.5) -> bool:
+        context = None
+        if self.tls is not None:
+            context = ssl.create_default_context(cafile=str(self.tls.ca))
+            context.load_cert_chain(str(self.tls.client_cert), str(self.tls.client_key))
         try:
-            with urllib.request.urlopen(f"{self.endpoint}/health", timeout=timeout) as resp:
+            with urllib.request.urlopen(f"{self.endpoint}/health", timeout=timeout, context=context) as resp:
                 return json.loads(resp.read()).get("health") == "true"
         except (OSError, ValueError):
             return False

@@ -24,7 +24,7 @@ class BenchError(RuntimeError):
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that is free now on ``host`` (the caller binds it soon after)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
