@@ -10,7 +10,9 @@
 #   VENV                   venv folder (default: .venv)
 #   ELASTICTRAIN_CACHE     wheel cache (default: ${XDG_CACHE_HOME:-~/.cache}/elastictrain)
 #   CUDA_HOME              CUDA toolkit root (default: first real toolkit under /usr/local/cuda*)
-#   NCCL_HOME              NCCL root with include/nccl.h and lib/libnccl.so* (default: system, then torch's pip NCCL)
+#   NCCL_HOME              NCCL root with include/nccl.h and lib/libnccl.so* (default: the NCCL torch loads, i.e.
+#                          torch's pip nvidia-nccl package; then the system's)
+#   ELASTICTRAIN_EXTRAS    extras installed with the project (default: test,dev; empty for a runtime image)
 #   ELASTICTRAIN_GPU_OPS   auto (default) | NCCL | none. auto = NCCL when a CUDA toolkit, NCCL and a GPU are present.
 set -euo pipefail
 
@@ -21,6 +23,7 @@ PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 CACHE=${ELASTICTRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/elastictrain}
 GPU_OPS=${ELASTICTRAIN_GPU_OPS:-auto}
+EXTRAS=${ELASTICTRAIN_EXTRAS-test,dev}
 
 say() { printf '[setup] %s\n' "$*"; }
 die() { printf 'elastictrain setup: %s\n' "$*" >&2; exit 1; }
@@ -113,7 +116,9 @@ fi
 find_nccl_home() {
   if [ -n "${NCCL_HOME:-}" ]; then echo "$NCCL_HOME"; return; fi
   local d
-  for d in /usr /usr/local/nccl "$CUDA_DIR" "$SITE/nvidia/nccl"; do
+  # torch's pip NCCL first: Horovod's NCCL ops must use the libnccl.so.2 torch already loaded (torch's RPATH
+  # names site-packages/nvidia/nccl/lib), not another version from the system or the CUDA image.
+  for d in "$SITE/nvidia/nccl" /usr /usr/local/nccl "$CUDA_DIR"; do
     [ -n "$d" ] && [ -f "$d/include/nccl.h" ] && { echo "$d"; return; }
   done
 }
@@ -186,10 +191,11 @@ else
 fi
 
 # ---------------------------------------------------------------- the project
-if [ "$(cat "$VENV/.project-stamp" 2>/dev/null)" != "$(sha256sum pyproject.toml | cut -c1-16)" ] || [ -z "$(pkg_version elastictrain)" ]; then
-  say "installing elastictrain (editable) with test and dev extras"
-  "${PIP[@]}" install -q -c constraints/torch.txt -e '.[test,dev]'
-  sha256sum pyproject.toml | cut -c1-16 >"$VENV/.project-stamp"
+PROJECT_STAMP="$(sha256sum pyproject.toml | cut -c1-16) extras=$EXTRAS"
+if [ "$(cat "$VENV/.project-stamp" 2>/dev/null)" != "$PROJECT_STAMP" ] || [ -z "$(pkg_version elastictrain)" ]; then
+  say "installing elastictrain (editable) with extras [${EXTRAS}]"
+  "${PIP[@]}" install -q -c constraints/torch.txt -e ".${EXTRAS:+[$EXTRAS]}"
+  echo "$PROJECT_STAMP" >"$VENV/.project-stamp"
 fi
 
 "$VENV/bin/horovodrun" --check-build
