@@ -185,3 +185,19 @@ def test_config_validate_reports_a_bad_task_in_one_line_with_exit_2(tmp_path):
     assert proc.stderr.strip() == (
         "elastictrain: config error: task: module 'mymodel' has no function 'build' (did you mean 'biuld'?)"
     )
+
+
+def test_export_of_a_run_without_checkpoints_is_one_line_with_exit_2(tmp_path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "elastictrain.cli",
+        "export",
+        "--run-dir",
+        str(tmp_path),
+        "--out",
+        str(tmp_path / "m.pt"),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc
+    assert "no checkpoints/ folder" in proc.stderr and not (tmp_path / "m.pt").exists()
