@@ -26,6 +26,22 @@ from discovery.endpoints import parse_endpoints
 from discovery.wire import check_name
 
 ETCD_ENV = "ELASTICTRAIN_ETCD"
+DEFAULT_TASK = "elastictrain.tasks.image:build"
+"""The task of a config without ``task``: the built-in image classifier (:mod:`elastictrain.tasks.image`)."""
+IMAGE_TASK_KEYS = {
+    "model.name": "model",
+    "model.num_classes": "num_classes",
+    "model.channels_last": "channels_last",
+    "data.kind": "data",
+    "data.path": "path",
+    "data.val_path": "val_path",
+    "data.image_size": "image_size",
+    "data.num_samples": "num_samples",
+    "data.num_val_samples": "num_val_samples",
+    "data.augment": "augment",
+    "training.label_smoothing": "label_smoothing",
+}
+"""Keys of the built-in image task that configs wrote before the Task API -> their name in ``task_args``."""
 
 
 class ConfigError(ValueError):
@@ -38,50 +54,19 @@ def _check(cond: bool, path: str, msg: str) -> None:
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
-class ModelConfig:
-    name: str = "small_cnn"
-    """``small_cnn`` (built in, for CPU runs) or a torchvision classification architecture (resnet18, resnet50, ...)."""
-    num_classes: int = 10
-    """Size of the classifier head."""
-    channels_last: bool = False
-    """Use the channels-last memory format (faster convolutions on GPUs with tensor cores)."""
-
-    def __post_init__(self) -> None:
-        _check(self.num_classes >= 2, "model.num_classes", f"must be >= 2, got {self.num_classes}")
-        _check(bool(self.name), "model.name", "must not be empty")
-
-
-@dataclass(kw_only=True, frozen=True, slots=True)
 class DataConfig:
-    kind: Literal["synthetic", "image_folder"] = "synthetic"
-    """``synthetic``: a deterministic generated dataset; ``image_folder``: torchvision ImageFolder at ``path``."""
-    path: str | None = None
-    """Training images (ImageFolder layout: one sub-folder per class); required for ``image_folder``."""
-    val_path: str | None = None
-    """Validation images; none means no validation for ``image_folder``."""
-    image_size: int = 32
-    """Side of the (square) training crop in pixels."""
+    """How the engine feeds the task's data (what the data is belongs to the task: ``task_args``)."""
+
     batch_size: int = 32
     """Samples per worker per step under the ``per_worker`` policy (ignored by ``global``)."""
-    num_samples: int = 2048
-    """Training samples of the synthetic dataset."""
-    num_val_samples: int = 512
-    """Validation samples of the synthetic dataset."""
-    augment: bool = True
-    """Random-resized-crop and flip for training (the classic ImageNet transforms); off gives resize + center crop."""
     loader_workers: int = 0
     """DataLoader worker processes per training process."""
     drop_last: bool = False
     """Drop the final short step of an epoch (otherwise it runs with fewer samples; no sample is padded)."""
 
     def __post_init__(self) -> None:
-        _check(self.image_size >= 8, "data.image_size", f"must be >= 8, got {self.image_size}")
         _check(self.batch_size >= 1, "data.batch_size", f"must be >= 1, got {self.batch_size}")
-        _check(self.num_samples >= 1, "data.num_samples", f"must be >= 1, got {self.num_samples}")
-        _check(self.num_val_samples >= 0, "data.num_val_samples", f"must be >= 0, got {self.num_val_samples}")
         _check(self.loader_workers >= 0, "data.loader_workers", f"must be >= 0, got {self.loader_workers}")
-        if self.kind == "image_folder":
-            _check(self.path is not None, "data.path", "is required when data.kind is image_folder")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -136,7 +121,6 @@ class TrainingConfig:
     """Seed of model init, data order and augmentation."""
     log_every_steps: int = 10
     """Steps between metric logs (the only steps that call ``.item()`` or a metric collective)."""
-    label_smoothing: float = 0.0
 
     def __post_init__(self) -> None:
         _check(self.epochs >= 1, "training.epochs", f"must be >= 1, got {self.epochs}")
@@ -153,7 +137,6 @@ class TrainingConfig:
             f"must be >= 1, got {self.grad_accumulation}",
         )
         _check(self.log_every_steps >= 1, "training.log_every_steps", f"must be >= 1, got {self.log_every_steps}")
-        _check(0.0 <= self.label_smoothing < 1.0, "training.label_smoothing", "must be in [0, 1)")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -345,7 +328,11 @@ class JobConfig:
     """Where checkpoints, events.jsonl, the ledger and the local MLflow store live (shared storage on a cluster)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto``: CUDA when available, else CPU."""
-    model: ModelConfig = field(default_factory=ModelConfig)
+    task: str = DEFAULT_TASK
+    """``module:function`` returning an :class:`elastictrain.Task` (imported in every worker, and by launch to check
+    it); the default is the built-in image classifier."""
+    task_args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the task's function: ``build(**task_args)``."""
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
@@ -362,6 +349,12 @@ class JobConfig:
         except ValueError as e:
             raise ConfigError(f"job: {e}") from None
         _check(bool(self.run_dir), "run_dir", "must not be empty")
+        module, sep, func = self.task.partition(":")
+        _check(
+            bool(sep and module and func.isidentifier() and all(p.isidentifier() for p in module.split("."))),
+            "task",
+            f"must be 'module:function' (e.g. mypkg.lm:build), got {self.task!r}",
+        )
 
     @property
     def run_path(self) -> Path:
@@ -455,6 +448,10 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
             extra = f" (did you mean {hint[0]!r}?)" if hint else ""
             raise ConfigError(f"{path}: must be one of {', '.join(repr(a) for a in allowed)}, got {value!r}{extra}")
         return value
+    if origin is dict:
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{path}: must be a mapping of names to values, got {value!r}")
+        return dict(value)
     if origin is tuple:
         (item,) = typing.get_args(tp)[:1]
         if isinstance(value, str) and item is str:
@@ -535,10 +532,56 @@ def config_from_dict(
         if raw["discovery"] is None:
             raw["discovery"] = {}
         raw["discovery"]["etcd"] = env[ETCD_ENV]
+    _move_image_task_keys(raw)
     for assignment in overrides:
-        apply_override(raw, assignment)
+        apply_override(raw, _image_task_override(assignment, raw.get("task", DEFAULT_TASK)))
+    _move_image_task_keys(raw)
     cfg: JobConfig = _build(JobConfig, raw, "")
     return cfg
+
+
+def build_section(cls: Any, data: Mapping[str, Any], path: str) -> Any:
+    """Parse ``data`` into the frozen dataclass ``cls`` with the same strict rules as the job config (unknown keys
+    with a did-you-mean, types, ranges); error paths start with ``path`` (e.g. ``task_args``)."""
+    return _build(cls, data, path)
+
+
+def _image_task_override(assignment: str, task: Any) -> str:
+    """``--set model.name=x`` -> ``--set task_args.model=x`` for the image task (an override wins over the file)."""
+    key, sep, value = assignment.partition("=")
+    arg = IMAGE_TASK_KEYS.get(key.strip())
+    return f"task_args.{arg}{sep}{value}" if sep and arg and task == DEFAULT_TASK else assignment
+
+
+def _move_image_task_keys(raw: dict[str, Any]) -> None:
+    """Move the built-in image task's keys of configs written before the Task API (``model.name``, ``data.kind``,
+    ...) into ``task_args``. With another task they are an error naming the new place."""
+    task = raw.get("task", DEFAULT_TASK)
+    for dotted, arg in IMAGE_TASK_KEYS.items():
+        section, key = dotted.split(".")
+        node = raw.get(section)
+        if not isinstance(node, dict) or key not in node:
+            continue
+        if task != DEFAULT_TASK:
+            raise ConfigError(
+                f"{dotted}: belongs to the built-in image task; task {task} takes its settings in task_args"
+            )
+        args = raw.get("task_args")
+        if args is None:
+            args = raw["task_args"] = {}
+        if not isinstance(args, dict):
+            continue  # reported by the parser
+        if arg in args:
+            raise ConfigError(f"{dotted}: set twice (also as task_args.{arg}); keep task_args.{arg}")
+        args[arg] = node.pop(key)
+    model = raw.get("model")
+    if isinstance(model, dict):
+        for key in model:
+            names = [d.split(".")[1] for d in IMAGE_TASK_KEYS if d.startswith("model.")]
+            hint = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
+            extra = f" (did you mean 'model.{hint[0]}'?)" if hint else ""
+            raise ConfigError(f"model.{key}: unknown key{extra}")
+        del raw["model"]
 
 
 def load_config(

@@ -1,11 +1,15 @@
-"""``elastictrain config show --config X [--set k=v ...]``: print the resolved config as YAML."""
+"""``elastictrain config show|validate --config X [--set k=v ...]``: print the resolved config as YAML, or check it.
+
+Both check the task too (import it and build it on the meta device; :func:`elastictrain.task.validate_task`):
+a bad task is one line and exit code 2. ``show --no-task-check`` prints the config without importing the task.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from elastictrain.config import ConfigError, load_config
+from elastictrain.config import ConfigError, JobConfig, load_config
 
 
 class UsageError(Exception):
@@ -37,15 +41,32 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def check_task(cfg: JobConfig, config_path: str) -> str:
+    """Import and dry-run the config's task (see :func:`elastictrain.task.validate_task`); one line about it.
+    Raises :class:`ConfigError`."""
+    from elastictrain.task import add_import_paths, describe, validate_task  # torch: only when asked
+
+    add_import_paths(config_path)
+    return describe(validate_task(cfg))
+
+
 def main(argv: list[str]) -> int:
     p = OneLineParser(prog="elastictrain config")
     sub = p.add_subparsers(dest="action", required=True)
-    show = sub.add_parser("show", help="print the resolved config as YAML")
+    show = sub.add_parser("show", help="print the resolved config as YAML (after checking its task)")
     add_config_args(show)
+    show.add_argument("--no-task-check", action="store_true", help="do not import and dry-run the task")
+    validate = sub.add_parser("validate", help="check the config and its task; print one line")
+    add_config_args(validate)
     args = p.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.action == "validate" or not args.no_task_check:
+            about = check_task(cfg, args.config)
     except ConfigError as e:
         return report_config_error(e)
-    sys.stdout.write(cfg.to_yaml())
+    if args.action == "validate":
+        print(f"config ok: task {cfg.task}: {about}")
+    else:
+        sys.stdout.write(cfg.to_yaml())
     return 0

@@ -1,4 +1,4 @@
-"""Datasets that return ``(image, label, sample_id)``, with augmentation seeded per sample.
+"""The image task's datasets (``(image, label)`` samples), with augmentation seeded per sample, and the loader.
 
 Randomness in a sample's transform comes from ``(seed, epoch, sample_id)``, not from the process's
 RNG, so a sample looks the same whichever worker loads it and however often a step is re-run after
@@ -8,14 +8,14 @@ a rollback. That keeps the ``global`` policy's maths independent of membership.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
-from elastictrain.config import ConfigError, DataConfig
+from elastictrain.config import ConfigError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -43,7 +43,7 @@ class SyntheticImages(Dataset):
         self.seed = seed
         self.noise = noise
         g = torch.Generator().manual_seed(sample_seed(seed, -1, 0))
-        self.templates = torch.randn(num_classes, 3, image_size, image_size, generator=g)
+        self.templates = torch.randn(num_classes, 3, image_size, image_size, generator=g, device="cpu")
         self.epoch = 0
 
     def __len__(self) -> int:
@@ -52,11 +52,11 @@ class SyntheticImages(Dataset):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int, int]:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         g = torch.Generator().manual_seed(sample_seed(self.seed, -2, index))
-        label = int(torch.randint(self.num_classes, (1,), generator=g))
-        x = self.templates[label] + self.noise * torch.randn(3, self.image_size, self.image_size, generator=g)
-        return x, label, index
+        label = int(torch.randint(self.num_classes, (1,), generator=g, device="cpu"))
+        noise = torch.randn(3, self.image_size, self.image_size, generator=g, device="cpu")
+        return self.templates[label] + self.noise * noise, label
 
 
 SampleTransform = Callable[[Any, torch.Generator], torch.Tensor]
@@ -68,21 +68,49 @@ class SeededImageFolder(Dataset):
 
     The generator is local to the call: loading a sample never reseeds torch's global (or any CUDA)
     generator, which ``torch.manual_seed`` would do on every sample.
+
+    The folder is scanned on first use (``len`` or an item), not when the task is built: a launcher that checks
+    the task need not see the data, and the check stays fast on a folder of a million images.
     """
 
-    def __init__(self, root: str, transform: SampleTransform, seed: int) -> None:
-        from torchvision.datasets import ImageFolder
-
-        if not Path(root).is_dir():
-            raise ConfigError(f"data.path: {root} is not a directory (expected an ImageFolder: <root>/<class>/*.png)")
-        try:
-            self.inner = ImageFolder(root)
-        except (FileNotFoundError, RuntimeError) as e:
-            raise ConfigError(f"data.path: {root} is not a usable ImageFolder ({str(e).splitlines()[0]})") from None
+    def __init__(
+        self,
+        root: str,
+        transform: SampleTransform,
+        seed: int,
+        *,
+        num_classes: int | None = None,
+        key: str = "task_args.path",
+    ) -> None:
+        self.root = root
         self.transform = transform
         self.seed = seed
         self.epoch = 0
-        self.classes = self.inner.classes
+        self.num_classes = num_classes
+        self.key = key
+        self._inner: Any = None
+
+    @property
+    def inner(self) -> Any:
+        if self._inner is None:
+            from torchvision.datasets import ImageFolder
+
+            root, key = self.root, self.key
+            if not Path(root).is_dir():
+                raise ConfigError(f"{key}: {root} is not a directory (expected an ImageFolder: <root>/<class>/*.png)")
+            try:
+                inner = ImageFolder(root)
+            except (FileNotFoundError, RuntimeError) as e:
+                raise ConfigError(f"{key}: {root} is not a usable ImageFolder ({str(e).splitlines()[0]})") from None
+            n = len(inner.classes)
+            if self.num_classes is not None and n > self.num_classes:
+                raise ConfigError(f"task_args.num_classes: {self.num_classes} is fewer than the {n} classes in {root}")
+            self._inner = inner
+        return self._inner
+
+    @property
+    def classes(self) -> list[str]:
+        return list(self.inner.classes)
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -90,10 +118,10 @@ class SeededImageFolder(Dataset):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int, int]:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         img, label = self.inner[index]
         g = torch.Generator().manual_seed(sample_seed(self.seed, self.epoch, index))
-        return self.transform(img, g), int(label), index
+        return self.transform(img, g), int(label)
 
 
 class ImageTransform:
@@ -154,37 +182,17 @@ def image_transforms(image_size: int, train: bool, augment: bool) -> SampleTrans
     return ImageTransform(image_size, train, augment)
 
 
-def build_datasets(cfg: DataConfig, num_classes: int, seed: int) -> tuple[Dataset, Dataset | None]:
-    """Training and validation datasets for ``cfg`` (validation may be None)."""
-    if cfg.kind == "synthetic":
-        train = SyntheticImages(cfg.num_samples, num_classes, cfg.image_size, seed)
-        val = None
-        if cfg.num_val_samples:
-            val = SyntheticImages(cfg.num_val_samples, num_classes, cfg.image_size, seed)
-            val.seed = seed + 1_000_003  # different samples, same class templates
-            val.templates = train.templates
-        return train, val
-    assert cfg.path is not None
-    train_ds = SeededImageFolder(cfg.path, image_transforms(cfg.image_size, True, cfg.augment), seed)
-    val_ds = None
-    if cfg.val_path:
-        val_ds = SeededImageFolder(cfg.val_path, image_transforms(cfg.image_size, False, False), seed)
-    if len(train_ds.classes) > num_classes:
-        raise ConfigError(
-            f"model.num_classes: {num_classes} is fewer than the {len(train_ds.classes)} classes in {cfg.path}"
-        )
-    return train_ds, val_ds
-
-
-def collate(samples: Sequence[tuple[torch.Tensor, int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    xs, ys, ids = zip(*samples, strict=True)
-    return torch.stack(xs), torch.tensor(ys, dtype=torch.long), torch.tensor(ids, dtype=torch.long)
-
-
 def load_batches(
-    dataset: Dataset, index_lists: Iterator[list[int]], loader_workers: int
-) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Load the planned index lists in order; with ``loader_workers`` > 0 through a prefetching DataLoader."""
+    dataset: Dataset,
+    index_lists: Iterator[list[int]],
+    loader_workers: int,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+) -> Iterator[Any]:
+    """Load the planned index lists in order, each collated into one batch (``collate_fn``, default torch's
+    ``default_collate``); with ``loader_workers`` > 0 through a prefetching DataLoader."""
+    from torch.utils.data import default_collate
+
+    collate = collate_fn or default_collate
     if loader_workers == 0:
         for idx in index_lists:
             yield collate([dataset[i] for i in idx])

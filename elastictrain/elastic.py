@@ -39,9 +39,8 @@ from elastictrain.checkpoint import Checkpointer, LocalStorage, latest_manifest,
 from elastictrain.checkpoint.resume import META_KEY as RESUME_META_KEY
 from elastictrain.checkpoint.resume import check_resume_inputs
 from elastictrain.config import JobConfig
-from elastictrain.data import build_datasets, load_batches
+from elastictrain.data import load_batches
 from elastictrain.events import NullEventLog, open_event_log
-from elastictrain.models import build_model
 from elastictrain.policy import ScaleRamp, batch_plan, lr_scale, schedule_factor, training_complete
 from elastictrain.progress import NullProgress, Progress, make_progress
 from elastictrain.sampler import (
@@ -55,6 +54,7 @@ from elastictrain.sampler import (
 )
 from elastictrain.state import CommittedState, Counters, reseed
 from elastictrain.step import Precision, eval_batches, train_step
+from elastictrain.task import TaskError, build_task, check_dataset_size
 from elastictrain.tracking import NullTracker, Tracker, make_tracker
 from elastictrain.watchdog import CollectiveWatchdog, FailureMarker
 
@@ -275,15 +275,15 @@ class ElasticTrainer:
         self.ctx.refresh()
         self.device = self._device()
         t = cfg.training
-        torch.manual_seed(t.seed)  # the same initial weights everywhere (then synced anyway)
-        self.model = build_model(cfg.model).to(self.device)
-        if cfg.model.channels_last:
-            self.model = self.model.to(memory_format=torch.channels_last)
-        self.train_set, self.val_set = build_datasets(cfg.data, cfg.model.num_classes, t.seed)
-        self.planner = ExactlyOncePlanner(len(self.train_set), t.seed, cfg.data.drop_last)  # type: ignore[arg-type]
+        self.task = build_task(cfg)  # seeded with t.seed: the same initial weights everywhere (then synced anyway)
+        self.model = self.task.model.to(self.device)
+        self.train_set, self.val_set = self.task.train_data, self.task.val_data
+        self.planner = ExactlyOncePlanner(check_dataset_size(self.task), t.seed, cfg.data.drop_last)
         self.sampler = SamplerState()
         self.precision = Precision.resolve(cfg.precision.mode, self.device)
         base = self._base_optimizer()
+        self._group_lrs = [float(g["lr"]) for g in base.param_groups]
+        """Each parameter group's LR at ``elastic.base_world_size``, before world-size scaling and schedule."""
         compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[cfg.compression.gradients]
         self.optimizer = hvd.DistributedOptimizer(
             base,
@@ -367,6 +367,11 @@ class ElasticTrainer:
 
     def _base_optimizer(self) -> torch.optim.Optimizer:
         t = self.cfg.training
+        if self.task.optimizer is not None:
+            opt = self.task.optimizer(self.model.parameters())
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise TaskError(f"task: Task.optimizer returned {type(opt).__name__}, not a torch.optim.Optimizer")
+            return opt
         if t.optimizer == "adamw":
             return torch.optim.AdamW(self.model.parameters(), lr=t.base_lr, weight_decay=t.weight_decay)
         return torch.optim.SGD(
@@ -380,7 +385,7 @@ class ElasticTrainer:
     def _apply_lr(self) -> None:
         """LR = base_lr x world-size scale (ramped) x schedule; the scheduler's base LRs follow the scale."""
         scale = self.ramp.at(self.counters.step)
-        self.scheduler.base_lrs = [self.cfg.training.base_lr * scale for _ in self.optimizer.param_groups]
+        self.scheduler.base_lrs = [lr * scale for lr in self._group_lrs]
         factor = self._schedule()
         for g, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
             g["lr"] = base * factor
@@ -495,8 +500,7 @@ class ElasticTrainer:
             "training.seed": cfg.training.seed,
             "data.drop_last": cfg.data.drop_last,
             "dataset_length": self.planner.num_samples,
-            "model.name": cfg.model.name,
-            "model.num_classes": cfg.model.num_classes,
+            "task": cfg.task,
             "training.optimizer": cfg.training.optimizer,
         }
 
@@ -538,7 +542,6 @@ class ElasticTrainer:
         return {
             # On the training device: summed every step without a host sync, read only on logging steps.
             "loss": torch.zeros((), dtype=torch.float64, device=self.device),
-            "correct": torch.zeros((), dtype=torch.float64, device=self.device),
             "count": 0,
             "steps": 0,
             "step_seconds": 0.0,
@@ -651,13 +654,15 @@ class ElasticTrainer:
         )
         if hasattr(self.train_set, "set_epoch"):
             self.train_set.set_epoch(self.sampler.epoch)
-        loaded = load_batches(self.train_set, (p.local_ids for p in plans if p.local_ids), cfg.data.loader_workers)
+        loaded = load_batches(
+            self.train_set, (mb for p in plans for mb in p.micro_batches), cfg.data.loader_workers, self.task.collate
+        )
         for plan in plans:
             if self.stop_requested or (t.max_steps is not None and c.step >= t.max_steps):
                 return
             t0 = time.perf_counter()
             self.watchdog.step_started()  # the whole iteration: step, metrics, commit all hold collectives
-            micro = self._micro_batches(plan, next(loaded) if plan.local_ids else None)
+            micro = self._micro_batches(plan, loaded)
             stats = train_step(
                 self.model,
                 self.optimizer,
@@ -666,8 +671,13 @@ class ElasticTrainer:
                 plan.global_count,
                 precision=self.precision,
                 grad_clip_norm=t.grad_clip_norm,
-                label_smoothing=t.label_smoothing,
+                loss_fn=self.task.loss,
             )
+            if stats.count != len(plan.local_ids):
+                raise TaskError(
+                    f"task: the loss returned {stats.count} values for {len(plan.local_ids)} samples "
+                    "(it must return one per sample)"
+                )
             state.last_progress_ts = time.time()
             c.step += 1
             c.samples += plan.global_count
@@ -676,7 +686,6 @@ class ElasticTrainer:
             self._apply_lr()
             m = self._metrics
             m["loss"] += stats.loss_sum.double()
-            m["correct"] += stats.correct.double()
             m["count"] += stats.count
             m["steps"] += 1
             m["step_seconds"] += time.perf_counter() - t0
@@ -694,19 +703,10 @@ class ElasticTrainer:
                 self._commit(state, checkpoint=ckpt_due)
             self.watchdog.step_finished()
 
-    def _micro_batches(self, plan: StepPlan, batch: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        if batch is None:
-            return []
-        x, y, ids = batch
-        if ids.tolist() != plan.local_ids:  # the loader must deliver exactly the planned samples
-            raise RuntimeError(f"data loader returned samples {ids.tolist()[:8]}... instead of the plan")
-        if self.cfg.model.channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-        out, start = [], 0
-        for mb in plan.micro_batches:
-            out.append((x[start : start + len(mb)], y[start : start + len(mb)]))
-            start += len(mb)
-        return out
+    def _micro_batches(self, plan: StepPlan, loaded: Any) -> list[Any]:
+        """The plan's micro-batches from the loader, which yields one batch per planned micro-batch, in order
+        (so a batch's samples are exactly the planned ids)."""
+        return [next(loaded) for _ in plan.micro_batches]
 
     def _emit_reset(self) -> None:
         r, self._pending_reset = self._pending_reset, None
@@ -729,17 +729,16 @@ class ElasticTrainer:
 
     def _log_metrics(self) -> None:
         m, c = self._metrics, self.counters
-        local = torch.tensor([float(m["loss"]), float(m["correct"]), float(m["count"])], dtype=torch.float64)
+        local = torch.tensor([float(m["loss"]), float(m["count"])], dtype=torch.float64)
         total = hvd.allreduce(local, op=hvd.Sum, name="metrics").tolist()
         now = time.perf_counter()
         t_last, s_last = self._last_log
         steps = max(1, m["steps"])
         values = {
-            "loss": total[0] / max(1.0, total[2]),
-            "accuracy": total[1] / max(1.0, total[2]),
+            "loss": total[0] / max(1.0, total[1]),
             "lr": self.optimizer.param_groups[0]["lr"],
             "world_size": self.ctx.size,
-            "samples_per_sec": total[2] / max(1e-9, now - t_last),
+            "samples_per_sec": total[1] / max(1e-9, now - t_last),
             "step_seconds": m["step_seconds"] / steps,
             "commit_seconds": self.state.last_commit_seconds,
         }
@@ -825,16 +824,24 @@ class ElasticTrainer:
 
     def _end_epoch_inner(self, state: ElasticTrainingState) -> None:
         cfg, t0 = self.cfg, time.perf_counter()
-        val_loss = val_acc = None
-        if self.val_set is not None and len(self.val_set):  # type: ignore[arg-type]
-            n = len(self.val_set)  # type: ignore[arg-type]
+        val: dict[str, float] = {}
+        if self.val_set is not None and len(self.val_set):
+            n = len(self.val_set)
             sizes = shares(n, self.ctx.size)
             start = sum(sizes[: self.ctx.rank])
             ids = list(range(start, start + sizes[self.ctx.rank]))
             chunks = [ids[i : i + cfg.data.batch_size] for i in range(0, len(ids), cfg.data.batch_size)]
-            totals = eval_batches(self.model, load_batches(self.val_set, iter(chunks), 0), self.precision)
-            totals = hvd.allreduce(totals, op=hvd.Sum, name="val_metrics")
-            val_loss, val_acc = float(totals[0] / totals[2]), float(totals[1] / totals[2])
+            batches = load_batches(self.val_set, iter(chunks), 0, self.task.collate)
+            local = eval_batches(self.model, batches, self.precision, self.task.loss, self.task.metrics)
+            # Sums and counts by name from every rank (a rank with no share knows no names): exact means.
+            totals: dict[str, list[float]] = {}
+            for part in hvd.allgather_object(local, name="val_metrics"):
+                for name, (total, count) in part.items():
+                    acc = totals.setdefault(name, [0.0, 0])
+                    acc[0] += total
+                    acc[1] += count
+            val = {f"val_{k}": s / c for k, (s, c) in totals.items() if c}
+        val_loss, val_acc = val.get("val_loss"), val.get("val_accuracy")
         epoch = self.sampler.epoch
         self.events.emit(
             "epoch_end",
@@ -842,12 +849,11 @@ class ElasticTrainer:
             epoch=epoch,
             world_size=self.ctx.size,
             epoch_seconds=round(time.perf_counter() - t0, 3),
-            val_loss=val_loss,
-            val_accuracy=val_acc,
+            **{"val_loss": val_loss, "val_accuracy": val_acc, **val},
         )
-        if val_loss is not None:
-            self.tracker.log_metrics({"val_loss": val_loss, "val_accuracy": val_acc}, step=self.counters.step)
-            log.info("epoch end", epoch=epoch, val_loss=round(val_loss, 4), val_accuracy=round(val_acc or 0, 4))
+        if val:
+            self.tracker.log_metrics(val, step=self.counters.step)
+            log.info("epoch end", epoch=epoch, **{k: round(v, 4) for k, v in val.items()})
         self.last_val_accuracy = val_acc
         self.sampler.epoch += 1
         self.sampler.cursor = 0

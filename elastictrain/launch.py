@@ -1196,6 +1196,29 @@ def run_complete(cfg: JobConfig) -> str | None:
     return f"run complete: {cfg.run_path} already holds the whole training ({target}); nothing to train"
 
 
+TASK_CHECK_TIMEOUT_SECONDS = 300.0
+
+
+def check_task(opts: LaunchOptions, python: str = sys.executable) -> None:
+    """Raise :class:`ConfigError` unless the config's task imports and builds (``elastictrain config validate``:
+    on the meta device, in a child process, so the launcher imports neither torch nor the user's code)."""
+    cmd = [python, "-m", "elastictrain.cli", "config", "validate", "--config", str(opts.config)]
+    for assignment in opts.overrides:
+        cmd += ["--set", assignment]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    try:
+        done = subprocess.run(
+            cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env, timeout=TASK_CHECK_TIMEOUT_SECONDS
+        )
+    except subprocess.TimeoutExpired:
+        limit = TASK_CHECK_TIMEOUT_SECONDS
+        raise ConfigError(f"task: checking the task of {opts.config} took over {limit:g}s") from None
+    if done.returncode != 0:
+        lines = [ln for ln in done.stderr.strip().splitlines() if ln.strip()]
+        last = lines[-1] if lines else f"the task check exited {done.returncode}"
+        raise ConfigError(last.removeprefix("elastictrain: config error: "))
+
+
 def main(argv: list[str]) -> int:
     try:
         opts, cfg = parse(argv)
@@ -1204,6 +1227,7 @@ def main(argv: list[str]) -> int:
             return 0
         if find_horovodrun() is None:
             raise LaunchError("horovodrun not found next to this Python or on PATH (run `make setup`)")
+        check_task(opts)
         if opts.etcd is not None:
             check_etcd(opts.etcd, cfg.job, cfg.discovery.prefix, access=opts.etcd_access)
     except ConfigError as e:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from elastictrain.config import ConfigError, ModelConfig
+from elastictrain.config import ConfigError
 
 
 class SmallCNN(nn.Module):
@@ -40,18 +40,19 @@ class SmallCNN(nn.Module):
         return self.head(torch.flatten(self.features(x), 1))
 
 
-def build_model(cfg: ModelConfig) -> nn.Module:
-    """Build the model named in ``cfg`` (weights are initialised from the global torch RNG)."""
-    if cfg.name == "small_cnn":
-        return SmallCNN(cfg.num_classes)
+def build_model(name: str, num_classes: int, *, key: str = "task_args.model") -> nn.Module:
+    """Build the model called ``name`` (weights are initialised from the global torch RNG); ``key`` names the
+    setting in a bad-name error."""
+    if name == "small_cnn":
+        return SmallCNN(num_classes)
     import torchvision
 
     names = torchvision.models.list_models(module=torchvision.models)
-    if cfg.name not in names:
+    if name not in names:
         import difflib
 
-        hint = difflib.get_close_matches(cfg.name, [*names, "small_cnn"], n=1)
+        hint = difflib.get_close_matches(name, [*names, "small_cnn"], n=1)
         extra = f" (did you mean {hint[0]!r}?)" if hint else ""
-        raise ConfigError(f"model.name: unknown architecture {cfg.name!r}{extra}")
-    model: nn.Module = torchvision.models.get_model(cfg.name, weights=None, num_classes=cfg.num_classes)
+        raise ConfigError(f"{key}: unknown architecture {name!r}{extra}")
+    model: nn.Module = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
     return model

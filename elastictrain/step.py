@@ -1,7 +1,8 @@
 """One optimizer step over a worker's micro-batches. No Horovod import: the optimizer may be Horovod's
 ``DistributedOptimizer`` (``synchronize`` / ``skip_synchronize`` are used when present) or a plain one.
 
-The loss of each micro-batch is a *sum* over its samples divided by the step's global sample count,
+The task's loss gives one value per sample; the loss of each micro-batch is their *sum* divided by the step's
+global sample count,
 and gradients are summed across workers (``op=Sum``). The result is the exact mean gradient of the
 global batch, whatever the shares: uneven, or empty on a worker that got no sample.
 """
@@ -9,6 +10,8 @@ global batch, whatever the shares: uneven, or empty on a worker that got no samp
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,8 +39,47 @@ class Precision:
 class StepStats:
     loss_sum: torch.Tensor
     """Sum of per-sample losses on this worker (a tensor: no host sync in the step)."""
-    correct: torch.Tensor
     count: int
+    """Samples on this worker (the length of the per-sample losses)."""
+
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+def classification_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """Per-sample cross-entropy of a ``(inputs, labels)`` batch."""
+    x, y = batch
+    return F.cross_entropy(model(x).float(), y, reduction="none")
+
+
+def move_to(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor moved to ``device``, whatever the nesting (mappings, lists, tuples, named
+    tuples, dataclasses); other values as they are."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        moved = {k: move_to(v, device) for k, v in batch.items()}
+        if type(batch) is not dict:
+            with contextlib.suppress(TypeError):
+                return type(batch)(moved)  # type: ignore[call-arg]
+        return moved
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(move_to(v, device) for v in batch))
+    if isinstance(batch, list | tuple):
+        return type(batch)(move_to(v, device) for v in batch)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(
+            batch, **{f.name: move_to(getattr(batch, f.name), device) for f in dataclasses.fields(batch) if f.init}
+        )
+    return batch
+
+
+def per_sample(values: Any, what: str) -> torch.Tensor:
+    """Check that a task function returned per-sample values: a 1-D tensor."""
+    if not isinstance(values, torch.Tensor) or values.dim() != 1:
+        shape = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
+        raise ValueError(f"{what} must return one value per sample (a 1-D tensor of shape [n]), got {shape}")
+    return values
 
 
 def _sync_ctx(optimizer: Any) -> contextlib.AbstractContextManager[Any]:
@@ -45,17 +87,25 @@ def _sync_ctx(optimizer: Any) -> contextlib.AbstractContextManager[Any]:
     return skip() if skip is not None else contextlib.nullcontext()
 
 
+def _autocast(device: torch.device, precision: Precision) -> contextlib.AbstractContextManager[Any]:
+    return torch.autocast(
+        device.type, dtype=precision.autocast_dtype or torch.float32, enabled=precision.autocast_dtype is not None
+    )
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scaler: Any,
-    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    micro_batches: list[Any],
     global_count: int,
     *,
     precision: Precision,
     grad_clip_norm: float | None,
-    label_smoothing: float = 0.0,
+    loss_fn: LossFn = classification_loss,
 ) -> StepStats:
+    """One optimizer step over this worker's ``micro_batches`` (batches as the collate function made them;
+    ``loss_fn(model, batch)`` gives their per-sample losses)."""
     device = next(model.parameters()).device
     optimizer.zero_grad()  # torch >= 2.0 sets grads to None (Horovod's wrapper takes no argument)
     if (
@@ -65,21 +115,16 @@ def train_step(
     ):
         optimizer.set_backward_passes_per_step(len(micro_batches))
     loss_sum = torch.zeros((), device=device)
-    correct = torch.zeros((), device=device, dtype=torch.long)
     count = 0
-    for x, y in micro_batches:
-        x = x.to(device, non_blocking=True)
-        y = y.to(device, non_blocking=True)
-        with torch.autocast(
-            device.type, dtype=precision.autocast_dtype or torch.float32, enabled=precision.autocast_dtype is not None
-        ):
-            out = model(x)
-            loss = F.cross_entropy(out.float(), y, reduction="sum", label_smoothing=label_smoothing)
+    for batch in micro_batches:
+        batch = move_to(batch, device)
+        with _autocast(device, precision):
+            losses = per_sample(loss_fn(model, batch), "the task's loss")
+            loss = losses.float().sum()
         scaled = loss / global_count
         (scaler.scale(scaled) if scaler is not None else scaled).backward()
         loss_sum += loss.detach()
-        correct += (out.detach().argmax(1) == y).sum()
-        count += len(y)
+        count += losses.shape[0]
     # Average over workers first, then unscale and clip the *averaged* gradients, then step once.
     synchronize = getattr(optimizer, "synchronize", None)
     if synchronize is not None:
@@ -94,28 +139,35 @@ def train_step(
             scaler.update()
         else:
             optimizer.step()
-    return StepStats(loss_sum, correct, count)
+    return StepStats(loss_sum, count)
 
 
 @torch.no_grad()
-def eval_batches(model: nn.Module, batches: Any, precision: Precision) -> torch.Tensor:
-    """Sum of loss, correct predictions and samples over ``batches`` as one tensor ``[loss, correct, n]``."""
+def eval_batches(
+    model: nn.Module,
+    batches: Iterable[Any],
+    precision: Precision,
+    loss_fn: LossFn = classification_loss,
+    metrics_fn: Callable[[nn.Module, Any], Mapping[str, torch.Tensor]] | None = None,
+) -> dict[str, tuple[float, int]]:
+    """Sums and counts of the per-sample ``loss`` and of each metric over ``batches``: ``{name: (sum, n)}``."""
     device = next(model.parameters()).device
-    totals = torch.zeros(3, dtype=torch.float64)
+    totals: dict[str, tuple[float, int]] = {}
+
+    def add(name: str, values: Any) -> None:
+        v = per_sample(values, f"the task's {'loss' if name == 'loss' else 'metric ' + repr(name)}")
+        s, n = totals.get(name, (0.0, 0))
+        totals[name] = (s + float(v.double().sum()), n + v.shape[0])
+
     was_training = model.training
     model.eval()
     try:
-        for x, y, _ids in batches:
-            x, y = x.to(device), y.to(device)
-            with torch.autocast(
-                device.type,
-                dtype=precision.autocast_dtype or torch.float32,
-                enabled=precision.autocast_dtype is not None,
-            ):
-                out = model(x)
-            totals[0] += float(F.cross_entropy(out.float(), y, reduction="sum"))
-            totals[1] += float((out.argmax(1) == y).sum())
-            totals[2] += len(y)
+        for batch in batches:
+            batch = move_to(batch, device)
+            with _autocast(device, precision):
+                add("loss", loss_fn(model, batch))
+                for name, values in (metrics_fn(model, batch) if metrics_fn is not None else {}).items():
+                    add(str(name), values)
     finally:
         model.train(was_training)
     return totals

@@ -21,6 +21,9 @@ def main(argv: list[str]) -> int:
         return report_config_error(e)
     configure_logging(job=cfg.job)
     from elastictrain import elastic  # torch + horovod: imported only once the config is good
+    from elastictrain.task import add_import_paths
+
+    add_import_paths(args.config)  # the task module may sit next to the config or in the working directory
 
     try:
         return elastic.run(cfg)

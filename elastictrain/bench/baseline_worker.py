@@ -25,11 +25,11 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
+from torch.utils.data import default_collate
 
 from elastictrain.config import JobConfig, load_config
-from elastictrain.data import build_datasets, collate
 from elastictrain.events import EventLog, NullEventLog, open_event_log
-from elastictrain.models import build_model
+from elastictrain.task import build_task
 
 
 class _Events:
@@ -54,9 +54,8 @@ def _setup(cfg: JobConfig) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]
     threads = os.environ.get("OMP_NUM_THREADS", "")
     torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else 1)
     t = cfg.training
-    torch.manual_seed(t.seed)
-    model = build_model(cfg.model)
-    train_set, _ = build_datasets(cfg.data, cfg.model.num_classes, t.seed)
+    task = build_task(cfg)  # seeded with training.seed, as in `elastictrain train`
+    model, train_set = task.model, task.train_data
     base = torch.optim.SGD(
         model.parameters(), lr=t.base_lr, momentum=t.momentum, weight_decay=t.weight_decay, nesterov=t.nesterov
     )
@@ -122,7 +121,7 @@ def run_plain(cfg: JobConfig) -> int:
             if step >= max_steps:
                 break
             t0 = time.perf_counter()
-            x, y, _ = collate([train_set[j] for j in shard[i * bs : (i + 1) * bs]])
+            x, y = default_collate([train_set[j] for j in shard[i * bs : (i + 1) * bs]])
             loss = _step(model, optimizer, x, y)
             step += 1
             meter.count += len(y)
@@ -142,7 +141,7 @@ def run_stock_elastic(cfg: JobConfig) -> int:
     model, optimizer, train_set = _setup(cfg)
     t, bs = cfg.training, cfg.data.batch_size
     sampler = hvd.elastic.ElasticSampler(train_set, shuffle=True, seed=t.seed)
-    loader = torch.utils.data.DataLoader(train_set, batch_size=bs, sampler=sampler, collate_fn=collate)
+    loader = torch.utils.data.DataLoader(train_set, batch_size=bs, sampler=sampler, collate_fn=default_collate)
     state = hvd.elastic.TorchState(model=model, optimizer=optimizer, train_sampler=sampler, epoch=0, step=0)
     events = _Events(cfg)
     meter = _Meter()
@@ -160,7 +159,7 @@ def run_stock_elastic(cfg: JobConfig) -> int:
         events.emit("start", step=state.step, epoch=state.epoch, world_size=hvd.size(), hosts=[])
         seen["old_size"] = hvd.size()
         while state.epoch < t.epochs:
-            for batch_idx, (x, y, _ids) in enumerate(loader):
+            for batch_idx, (x, y) in enumerate(loader):
                 if t.max_steps is not None and state.step >= t.max_steps:
                     return
                 t0 = time.perf_counter()

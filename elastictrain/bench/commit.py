@@ -33,11 +33,10 @@ COMMIT_EVERY_STEPS = 10  # the config default (ElasticConfig.commit_every_steps)
 
 def build_state(model_name: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A model and an SGD-with-momentum optimizer after one step (so momentum buffers exist)."""
-    from elastictrain.config import ModelConfig
     from elastictrain.models import build_model
 
     torch.manual_seed(0)
-    model = build_model(ModelConfig(name=model_name, num_classes=10))
+    model = build_model(model_name, 10)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
     x = torch.randn(2, 3, 32, 32)
     torch.nn.functional.cross_entropy(model(x), torch.tensor([0, 1])).backward()

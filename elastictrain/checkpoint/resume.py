@@ -2,8 +2,8 @@
 
 A checkpoint stores, in its manifest's ``meta["resume_inputs"]``, the values the exactly-once plan and
 the saved tensors depend on: the seed and the dataset length and ``drop_last`` (the epoch permutation),
-the model and the optimizer (the tensors' layout). A resume under a config that changes any of them
-would silently repeat or skip samples (or fail deep in ``load_state_dict``), so
+the task (which builds the model) and the optimizer (the tensors' layout). A resume under a config that
+changes any of them would silently repeat or skip samples (or fail deep in ``load_state_dict``), so
 :func:`check_resume_inputs` refuses it with one line naming the keys. Everything else (learning rate,
 epochs, batch sizes, world size, checkpoint cadence, tracking, endpoints) may change between runs.
 """
@@ -22,8 +22,7 @@ RESUME_KEYS = (
     "training.seed",
     "data.drop_last",
     "dataset_length",
-    "model.name",
-    "model.num_classes",
+    "task",
     "training.optimizer",
 )
 """The keys a resume must keep; ``dataset_length`` is the training set's length (``data.num_samples``

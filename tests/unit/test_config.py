@@ -17,9 +17,9 @@ BASE = {"job": "j", "run_dir": "/tmp/r"}
 
 def test_shipped_configs_parse_with_the_recipe_values():
     demo = load_config(REPO / "configs/demo.yaml", env={})
-    assert demo.device == "cpu" and demo.model.name == "small_cnn"
+    assert demo.device == "cpu" and demo.task_args["model"] == "small_cnn"
     r50 = load_config(REPO / "configs/resnet50_imagenet.yaml", env={})
-    assert r50.model.name == "resnet50" and r50.training.epochs == 90
+    assert r50.task_args["model"] == "resnet50" and r50.training.epochs == 90
     assert r50.data.batch_size == 128 and r50.training.momentum == 0.9
     assert r50.training.weight_decay == 1e-4 and r50.training.grad_clip_norm == 5.0
     assert r50.training.schedule.kind == "multistep"
@@ -99,7 +99,10 @@ def test_config_is_frozen():
             [],
             "discovery.heartbeat_seconds",
         ),
-        ({**BASE, "data": {"kind": "image_folder"}}, [], "data.path: is required"),
+        ({**BASE, "task": "mypkg.lm.build"}, [], "task: must be 'module:function'"),
+        ({**BASE, "task_args": [1]}, [], "task_args: must be a mapping"),
+        ({**BASE, "task": "m:build", "model": {"name": "x"}}, [], "model.name: belongs to the built-in image task"),
+        ({**BASE, "model": {"name": "x"}, "task_args": {"model": "y"}}, [], "model.name: set twice"),
         ({**BASE, "training": {"schedule": {"kind": "multistep"}}}, [], "training.schedule.milestones"),
         ({"run_dir": "/tmp/r"}, [], "job: required key is missing"),
         ({**BASE, "job": "a b"}, [], "job: invalid job name 'a b'"),
@@ -180,3 +183,26 @@ def test_cli_misuse_exits_2():
         [sys.executable, "-m", "elastictrain.cli", "frobnicate"], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 2 and "unknown command 'frobnicate'" in proc.stderr
+
+
+def test_image_task_keys_of_older_configs_move_into_task_args():
+    cfg = config_from_dict(
+        {**BASE, "model": {"name": "resnet18"}, "data": {"kind": "synthetic", "num_samples": 64, "batch_size": 8}},
+        ["data.image_size=24", "training.label_smoothing=0.1"],
+        env={},
+    )
+    assert cfg.task == "elastictrain.tasks.image:build"
+    assert cfg.task_args == {"model": "resnet18", "data": "synthetic", "num_samples": 64, "image_size": 24,
+                             "label_smoothing": 0.1}  # fmt: skip
+    assert cfg.data.batch_size == 8
+
+
+def test_an_override_of_an_image_key_wins_over_the_files_task_args():
+    data = {**BASE, "task_args": {"num_samples": 64}}
+    assert config_from_dict(data, ["data.num_samples=32"], env={}).task_args == {"num_samples": 32}
+
+
+def test_task_args_are_free_form_and_appear_in_the_flat_params():
+    cfg = config_from_dict({**BASE, "task": "mypkg.lm:build", "task_args": {"seq_len": 128, "vocab": [1, 2]}}, env={})
+    assert cfg.task_args == {"seq_len": 128, "vocab": [1, 2]}
+    assert cfg.flat()["task_args.seq_len"] == "128" and cfg.flat()["task"] == "mypkg.lm:build"

@@ -7,29 +7,30 @@ import pytest
 import torch
 from PIL import Image
 
-from elastictrain.config import ConfigError, DataConfig, ModelConfig
-from elastictrain.data import SeededImageFolder, SyntheticImages, build_datasets, image_transforms
+from elastictrain.config import ConfigError
+from elastictrain.data import SeededImageFolder, SyntheticImages, image_transforms
 from elastictrain.models import build_model
 from elastictrain.step import Precision, train_step
+from elastictrain.tasks.image import ImageTaskArgs, build_datasets
 
 
 @pytest.mark.parametrize("name", ["small_cnn", "resnet18"])
 def test_models_by_name_produce_logits(name):
-    model = build_model(ModelConfig(name=name, num_classes=7))
+    model = build_model(name, 7)
     out = model(torch.randn(2, 3, 32, 32))
     assert out.shape == (2, 7)
 
 
 def test_unknown_model_is_a_one_line_config_error():
-    with pytest.raises(ConfigError, match=r"model.name: unknown architecture 'resnet19' \(did you mean"):
-        build_model(ModelConfig(name="resnet19"))
+    with pytest.raises(ConfigError, match=r"task_args.model: unknown architecture 'resnet19' \(did you mean"):
+        build_model("resnet19", 10)
 
 
 def test_synthetic_samples_are_a_pure_function_of_their_id():
     a, b = SyntheticImages(64, 5, 8, seed=1), SyntheticImages(64, 5, 8, seed=1)
-    xa, ya, ia = a[17]
-    xb, yb, ib = b[17]
-    assert torch.equal(xa, xb) and ya == yb and ia == ib == 17
+    xa, ya = a[17]
+    xb, yb = b[17]
+    assert torch.equal(xa, xb) and ya == yb
 
 
 def write_folder(root, n=6):
@@ -52,13 +53,14 @@ def test_image_folder_augmentation_depends_on_sample_and_epoch_not_on_load_order
 
 
 def test_missing_image_folder_is_a_config_error(tmp_path):
-    with pytest.raises(ConfigError, match=r"data\.path"):
-        build_datasets(DataConfig(kind="image_folder", path=str(tmp_path / "nope")), 10, 0)
+    train, _ = build_datasets(ImageTaskArgs(data="image_folder", path=str(tmp_path / "nope")), 0)  # scanned lazily
+    with pytest.raises(ConfigError, match=r"task_args\.path: .* is not a directory"):
+        len(train)
 
 
 def test_bf16_autocast_step_on_cpu_learns():
     torch.manual_seed(0)
-    model = build_model(ModelConfig(name="small_cnn", num_classes=2))
+    model = build_model("small_cnn", 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     prec = Precision.resolve("fp16", torch.device("cpu"))
     assert prec.autocast_dtype == torch.bfloat16 and not prec.use_scaler
@@ -82,8 +84,8 @@ def test_image_folder_samples_never_reseed_torch_global_generators(tmp_path, mon
     monkeypatch.setattr(torch, "manual_seed", forbidden)
     monkeypatch.setattr(torch.random, "manual_seed", forbidden)
     before = torch.get_rng_state()
-    x, _label, index = ds[4]
-    assert torch.equal(x, expected) and index == 4 and x.shape == (3, 16, 16)
+    x, _label = ds[4]
+    assert torch.equal(x, expected) and x.shape == (3, 16, 16)
     assert torch.equal(torch.get_rng_state(), before)  # the global RNG is neither used nor moved
 
 

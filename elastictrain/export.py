@@ -1,0 +1,71 @@
+"""``elastictrain export --run-dir D --out model.pt``: the trained model of a run, for use outside elastictrain.
+
+Writes the model's ``state_dict`` from the latest verified checkpoint as a plain dict of CPU tensors (what
+``torch.load(path, weights_only=True)`` reads), and the job's resolved config beside it (``model.pt`` ->
+``model.yaml``), which names the task and its arguments, so ``build_task(load_config("model.yaml")).model``
+rebuilds the architecture that the weights fit. Exit 2 with one line when the run has no usable checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from elastictrain.config_cli import OneLineParser
+
+PROG = "elastictrain export"
+
+
+def _write_atomically(path: Path, write: object) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)  # type: ignore[operator]
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def main(argv: list[str]) -> int:
+    p = OneLineParser(prog=PROG, description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--run-dir", required=True, help="the job's run_dir")
+    p.add_argument("--out", required=True, help="the state_dict file to write (e.g. model.pt)")
+    p.add_argument("--config-out", default=None, help="where the resolved config goes (default: --out with .yaml)")
+    args = p.parse_args(argv)
+    run_dir, out = Path(args.run_dir), Path(args.out)
+    config_out = Path(args.config_out) if args.config_out else out.with_suffix(".yaml")
+    if not (run_dir / "checkpoints").is_dir():
+        print(
+            f"{PROG}: error: --run-dir {run_dir}: no checkpoints/ folder (not a run dir, or nothing saved)",
+            file=sys.stderr,
+        )
+        return 2
+    if not out.parent.is_dir():
+        print(f"{PROG}: error: --out {out}: folder {out.parent} does not exist", file=sys.stderr)
+        return 2
+    import torch
+    import yaml
+
+    from elastictrain.checkpoint import LocalStorage, load_latest
+
+    loaded = load_latest(LocalStorage.for_run_dir(run_dir), map_location="cpu")
+    if loaded is None:
+        print(f"{PROG}: error: --run-dir {run_dir}: no complete, verified checkpoint", file=sys.stderr)
+        return 2
+    model = loaded.state.get("model") if isinstance(loaded.state, dict) else None
+    if not isinstance(model, dict) or not all(isinstance(t, torch.Tensor) for t in model.values()):
+        print(f"{PROG}: error: {loaded.path}: holds no model state_dict", file=sys.stderr)
+        return 2
+    state = {str(k): t.detach().clone().contiguous() for k, t in model.items()}
+    config = (loaded.manifest.get("meta") or {}).get("config")
+    if config is None and (run_dir / "config.yaml").exists():
+        config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    _write_atomically(out, lambda tmp: torch.save(state, tmp))
+    wrote = [str(out)]
+    if isinstance(config, dict):
+        _write_atomically(config_out, lambda tmp: tmp.write_text(yaml.safe_dump(config, sort_keys=False)))
+        wrote.append(str(config_out))
+    print(f"exported step {loaded.step} (epoch {loaded.epoch}) of {run_dir}: {', '.join(wrote)} ({len(state)} tensors)")
+    return 0

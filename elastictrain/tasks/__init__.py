@@ -1,0 +1,1 @@
+"""Tasks shipped with elastictrain (``task: elastictrain.tasks.<name>:build``)."""
