@@ -203,8 +203,8 @@ def arm_watchdog(
         watchdog.idle()
         marker.record(host())
 
-    state.on_failure = on_failure  # type: ignore[attr-defined]
-    state.on_failure_notice = lambda: watchdog.idle()  # type: ignore[attr-defined]
+    state.on_failure = on_failure
+    state.on_failure_notice = lambda: watchdog.idle()
     watchdog = CollectiveWatchdog(
         marker,
         notified=lambda: not state._host_messages.empty(),
