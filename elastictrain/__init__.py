@@ -1,14 +1,26 @@
-"""elastictrain: elastic, fault-tolerant PyTorch training on Horovod elastic."""
+"""elastictrain: elastic, fault-tolerant PyTorch training on Horovod elastic.
+
+The public names (``Task``, and the drop-in for Horovod elastic scripts: ``ElasticState``,
+``ElasticSampler``, ``elastic_run``) are imported on first use, so that ``import elastictrain`` stays
+light (no torch, no Horovod) for the agent and the CLI.
+"""
 
 from typing import Any
 
 __version__ = "0.1.0"
 
+_DROPIN = ("ElasticState", "ElasticSampler", "elastic_run")
+
+__all__ = ["Task", *_DROPIN]
+
 
 def __getattr__(name: str) -> Any:
-    # Lazy, so that `elastictrain agent` and the CLI's start never import torch.
     if name == "Task":
         from elastictrain.task import Task
 
         return Task
+    if name in _DROPIN:
+        from elastictrain import dropin
+
+        return getattr(dropin, name)
     raise AttributeError(f"module 'elastictrain' has no attribute {name!r}")

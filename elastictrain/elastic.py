@@ -136,6 +136,84 @@ def _tracking_port(tracking_uri: str | None) -> int | None:
     return parsed.port or (443 if parsed.scheme == "https" else 80)
 
 
+def sync_modules_and_optimizers(
+    root: int, modules: dict[str, torch.nn.Module], optimizers: dict[str, torch.optim.Optimizer]
+) -> None:
+    """Make every rank's modules and optimizers equal to ``root``'s, in place (a collective: every rank calls it).
+
+    Optimizer state layout (which params have which buffers) comes from the root first, so a rank that has
+    not stepped yet allocates the buffers; then every tensor is broadcast, then the param-group
+    hyper-parameters. Keys name the objects in the broadcasts, identically on every rank.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    for prefix, module in modules.items():
+        for name, t in module.state_dict(keep_vars=True).items():
+            tensors[f"{prefix}.{name}"] = t.detach()
+    for prefix, opt in optimizers.items():
+        params = [p for g in opt.param_groups for p in g["params"]]
+        layout = hvd.broadcast_object(
+            {
+                i: {
+                    k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ("value", v)
+                    for k, v in opt.state.get(p, {}).items()
+                }
+                for i, p in enumerate(params)
+            },
+            root_rank=root,
+            name=f"sync.{prefix}_layout",
+        )
+        for i, entries in layout.items():
+            p = params[i]
+            st = opt.state.setdefault(p, {}) if entries else opt.state.get(p, {})
+            for key, spec in entries.items():
+                if spec[0] == "value":
+                    st[key] = spec[1]
+                    continue
+                shape, dtype = spec
+                cur = st.get(key)
+                if not isinstance(cur, torch.Tensor) or tuple(cur.shape) != shape or cur.dtype != dtype:
+                    st[key] = cur = torch.zeros(shape, dtype=dtype, device=p.device if len(shape) else "cpu")
+                tensors[f"{prefix}.{i}.{key}"] = cur
+        for i, p in enumerate(params):
+            if not layout.get(i):
+                opt.state.pop(p, None)
+    sync_tensors_from(root, tensors)
+    for prefix, opt in optimizers.items():
+        groups = hvd.broadcast_object(
+            [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+            root_rank=root,
+            name=f"sync.{prefix}_groups",
+        )
+        for g, saved in zip(opt.param_groups, groups, strict=True):
+            g.update(saved)
+
+
+def arm_watchdog(
+    state: State, marker: FailureMarker, host: Callable[[], str], tracking_uri: str | None = None
+) -> CollectiveWatchdog:
+    """Start the collective watchdog of this worker and hook it to ``state`` (the engine's and the drop-in's).
+
+    ``state`` must call ``on_failure()`` first in its ``restore()`` (a failed collective: the watchdog stands
+    down and the failure is recorded in ``marker`` for the other workers) and may call ``on_failure_notice()``
+    on a host-change interrupt. The caller marks steps (``step_started``/``step_finished``) and calls
+    ``snapshot_ring()`` after each rendezvous, and ``stop()`` at the end.
+    """
+    watchdog: CollectiveWatchdog
+
+    def on_failure() -> None:
+        watchdog.idle()
+        marker.record(host())
+
+    state.on_failure = on_failure
+    state.on_failure_notice = lambda: watchdog.idle()
+    watchdog = CollectiveWatchdog(
+        marker,
+        notified=lambda: not state._host_messages.empty(),
+        excluded_ports=lambda: _control_ports(tracking_uri),
+    ).start()
+    return watchdog
+
+
 class ElasticTrainingState(State):
     """Horovod elastic state over :class:`CommittedState`: commit/rollback in place, sync from the best rank."""
 
@@ -220,46 +298,7 @@ class ElasticTrainingState(State):
         # The most advanced commit: the epoch-end commit adds no step, so a step tie goes to the later epoch.
         positions = hvd.allgather_object((c.counters.step, c.sampler.epoch))
         root = max(range(len(positions)), key=lambda r: (tuple(positions[r]), -r))
-        # Optimizer state layout (which params have which buffers) comes from the root first.
-        opt = c.optimizer
-        params = [p for g in opt.param_groups for p in g["params"]]
-        layout = hvd.broadcast_object(
-            {
-                i: {
-                    k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ("value", v)
-                    for k, v in opt.state.get(p, {}).items()
-                }
-                for i, p in enumerate(params)
-            },
-            root_rank=root,
-            name="sync.opt_layout",
-        )
-        tensors: dict[str, torch.Tensor] = {}
-        for name, t in c.model.state_dict(keep_vars=True).items():
-            tensors[f"model.{name}"] = t.detach()
-        for i, entries in layout.items():
-            p = params[i]
-            st = opt.state.setdefault(p, {}) if entries else opt.state.get(p, {})
-            for key, spec in entries.items():
-                if spec[0] == "value":
-                    st[key] = spec[1]
-                    continue
-                shape, dtype = spec
-                cur = st.get(key)
-                if not isinstance(cur, torch.Tensor) or tuple(cur.shape) != shape or cur.dtype != dtype:
-                    st[key] = cur = torch.zeros(shape, dtype=dtype, device=p.device if len(shape) else "cpu")
-                tensors[f"opt.{i}.{key}"] = cur
-        for i, p in enumerate(params):
-            if not layout.get(i):
-                opt.state.pop(p, None)
-        sync_tensors_from(root, tensors)
-        groups = hvd.broadcast_object(
-            [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
-            root_rank=root,
-            name="sync.opt_groups",
-        )
-        for g, saved in zip(opt.param_groups, groups, strict=True):
-            g.update(saved)
+        sync_modules_and_optimizers(root, {"model": c.model}, {"opt": c.optimizer})
         small = hvd.broadcast_object(c.small_state(), root_rank=root, name="sync.small")
         c.load_small_state(small)
         reseed(self.seed, c.counters.step, hvd.rank())
@@ -330,19 +369,12 @@ class ElasticTrainer:
         """This process runs rank 0's services (events, tracker, checkpointer, ledger, progress)."""
         self._last_loss: float | None = None
         self._hosts: list[str] = []
-        marker = FailureMarker(cfg.run_path / ".elastic" / "collective-failure")
-
-        def on_failure() -> None:
-            self.watchdog.idle()
-            marker.record(self.ctx.host)
-
-        self.state.on_failure = on_failure
-        self.state.on_failure_notice = lambda: self.watchdog.idle()
-        self.watchdog = CollectiveWatchdog(
-            marker,
-            notified=lambda: not self.state._host_messages.empty(),
-            excluded_ports=lambda: _control_ports(cfg.tracking.tracking_uri),
-        ).start()
+        self.watchdog = arm_watchdog(
+            self.state,
+            FailureMarker(cfg.run_path / ".elastic" / "collective-failure"),
+            host=lambda: self.ctx.host,
+            tracking_uri=cfg.tracking.tracking_uri,
+        )
         self.attempt = int(os.environ.get("ELASTICTRAIN_ATTEMPT", "0"))
 
     # ------------------------------------------------------------------------------------ building

@@ -1,0 +1,218 @@
+"""The drop-in for Horovod elastic scripts, in one process: rollback by value, sync root, exactly-once sampler.
+
+Stock Horovod's ``TorchState`` and ``ElasticSampler`` run beside ours where the contrast is the point.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import horovod.torch.elastic.sampler as hvd_sampler_module
+import pytest
+import torch
+from horovod.torch.elastic import ElasticSampler as HorovodElasticSampler
+from horovod.torch.elastic import TorchState
+from torch import nn
+
+from elastictrain import dropin, elastic
+from elastictrain.dropin import ElasticSampler, ElasticState
+
+
+def training_objects(seed: int = 0) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(torch.ones(1))  # the scale tensor exists from the first scale() on
+    return {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
+
+
+def take_steps(objs: dict[str, Any], n: int) -> None:
+    for _ in range(n):
+        objs["optimizer"].zero_grad()
+        objs["model"](torch.randn(8, 4)).pow(2).sum().backward()
+        objs["optimizer"].step()
+        objs["scheduler"].step()
+    objs["scaler"].update(new_scale=objs["scaler"].get_scale() / 2)  # as after an overflow
+
+
+def committed_view(objs: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "weight": objs["model"].weight.detach().clone(),
+        "momentum": objs["optimizer"].state[objs["model"].weight]["momentum_buffer"].clone(),
+        "lr": objs["optimizer"].param_groups[0]["lr"],
+        "scheduler_epoch": objs["scheduler"].last_epoch,
+        "scale": objs["scaler"].get_scale(),
+    }
+
+
+def test_scheduler_scaler_sampler_and_counters_roll_back_with_the_model():
+    objs = training_objects()
+    sampler = ElasticSampler(range(100), shuffle=True, seed=3, world=lambda: (0, 2))
+    state = ElasticState(objs["model"], objs["optimizer"], scheduler=objs["scheduler"], scaler=objs["scaler"],
+                         sampler=sampler, epoch=0, batch=0)  # fmt: skip
+    take_steps(objs, 3)
+    sampler.record_batch(0, 5)
+    state.epoch, state.batch = 1, 7
+    state.save()
+    before = committed_view(objs)
+    rng_before = torch.get_rng_state()
+
+    take_steps(objs, 3)  # steps after the commit that a failed collective throws away
+    sampler.record_batch(1, 5)
+    state.epoch, state.batch = 2, 9
+    torch.randn(3)
+    state.restore()
+
+    after = committed_view(objs)
+    assert torch.equal(after.pop("weight"), before.pop("weight"))
+    assert torch.equal(after.pop("momentum"), before.pop("momentum"))
+    assert after == before, "scheduler, LR and GradScaler are back at the commit"
+    assert sampler.state_dict() == {"epoch": 0, "cursor": 10}
+    assert (state.epoch, state.batch) == (1, 7)
+    assert torch.equal(torch.get_rng_state(), rng_before)
+
+
+def test_stock_torch_state_leaves_the_scheduler_and_scaler_where_the_failed_steps_took_them():
+    """The contrast: the same sequence with ``hvd.elastic.TorchState`` rolls back the model only."""
+    objs = training_objects()
+    state = TorchState(objs["model"], objs["optimizer"], scheduler=objs["scheduler"], scaler=objs["scaler"])
+    take_steps(objs, 3)
+    state.save()
+    committed = committed_view(objs)
+    take_steps(objs, 3)
+    state.restore()
+    after = committed_view(objs)
+    assert torch.equal(after["weight"], committed["weight"])  # the model does roll back
+    assert after["scheduler_epoch"] == committed["scheduler_epoch"] + 3, "stock: the scheduler is not rolled back"
+    assert after["scale"] != committed["scale"], "stock: the GradScaler is not rolled back"
+
+
+def test_a_state_name_of_its_own_is_refused_with_one_line():
+    with pytest.raises(ValueError, match="commits is a name of the state itself"):
+        ElasticState(nn.Linear(1, 1), None, commits=3)
+
+
+def test_restore_undoes_optimizer_state_created_after_the_commit():
+    objs = training_objects()
+    state = ElasticState(objs["model"], objs["optimizer"], scheduler=objs["scheduler"])
+    take_steps(objs, 1)  # the first step creates momentum buffers
+    state.restore()
+    assert objs["optimizer"].state.get(objs["model"].weight, {}) == {}
+
+
+class TwoRanks:
+    """This process is rank 0 of two; rank 1 holds one commit more."""
+
+    def __init__(self) -> None:
+        self.roots: set[int] = set()
+
+    def rank(self) -> int:
+        return 0
+
+    def allgather_object(self, obj: Any, name: str | None = None) -> list[Any]:
+        return [obj, obj + 1]
+
+    def broadcast_object(self, obj: Any, root_rank: int, name: str | None = None) -> Any:
+        self.roots.add(root_rank)
+        return obj
+
+    def broadcast_async_(self, tensor: torch.Tensor, root_rank: int, name: str | None = None) -> None:
+        self.roots.add(root_rank)
+
+    def synchronize(self, handle: Any) -> None:
+        pass
+
+
+def test_sync_takes_the_state_of_the_rank_with_the_most_commits(monkeypatch):
+    fake = TwoRanks()
+    monkeypatch.setattr(dropin, "hvd", fake)
+    monkeypatch.setattr(elastic, "hvd", fake)
+    objs = training_objects()
+    state = ElasticState(objs["model"], objs["optimizer"], scheduler=objs["scheduler"], epoch=2)
+    commits = state.commits
+    state.sync()
+    assert fake.roots == {1}, f"synced from ranks {sorted(fake.roots)}, not rank 1"
+    assert state.commits == commits + 1, "the synced state is committed"
+
+
+# ------------------------------------------------------------------------------------------ the sampler
+def run_ranks(sampler_state: dict, world: int, n: int, batch: int, steps: int, seed: int) -> list[list[int]]:
+    """``steps`` steps of every rank of a world of ``world``: the ids of each step over all ranks."""
+    samplers = []
+    for r in range(world):
+        s = ElasticSampler(range(n), shuffle=True, seed=seed, world=lambda r=r: (r, world))
+        s.load_state_dict(sampler_state)
+        samplers.append(s)
+    iters = [iter(list(s)) for s in samplers]
+    out = []
+    for _ in range(steps):
+        ids = [i for it in iters for i in [next(it, None) for _ in range(batch)] if i is not None]
+        if not ids:
+            break
+        for s in samplers:
+            s.record_batch(0, batch)
+        out.append(ids)
+        sampler_state.update(samplers[0].state_dict())
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_sample_once_per_epoch_through_resizes_and_rollbacks(seed):
+    rng = random.Random(seed)
+    n, batch = 203, 4
+    committed = {"epoch": 0, "cursor": 0}
+    done: list[int] = []
+    while committed["epoch"] == 0:
+        world = rng.randint(1, 4)
+        live = dict(committed)
+        steps = run_ranks(live, world, n, batch, rng.randint(1, 6), seed)
+        if rng.random() < 0.3:
+            continue  # a failure before the commit: the steps are thrown away, the cursor rolls back
+        done += [i for ids in steps for i in ids]
+        committed = live
+        if committed["cursor"] >= n:
+            committed = {"epoch": 1, "cursor": 0}
+    assert sorted(done) == list(range(n)), "every sample exactly once"
+
+
+def test_nothing_is_padded_and_shares_differ_by_at_most_one():
+    shares = [list(ElasticSampler(range(10), world=lambda r=r: (r, 3))) for r in range(3)]
+    assert [len(s) for s in shares] == [4, 3, 3]
+    assert sorted(i for s in shares for i in s) == list(range(10))
+
+
+def test_shuffle_off_keeps_the_dataset_order_and_each_epoch_shuffles_differently():
+    assert list(ElasticSampler(range(6), shuffle=False, world=lambda: (1, 2))) == [1, 3, 5]
+    s = ElasticSampler(range(50), seed=1, world=lambda: (0, 1))
+    first = list(s)
+    s.set_epoch(1)
+    assert sorted(first) == sorted(s) and first != list(s)
+
+
+def test_a_graceful_removal_without_sync_still_covers_the_rest_of_the_epoch_once(monkeypatch):
+    """Horovod #3399: after a graceful removal Horovod skips the sync, so its sampler keeps the old split."""
+    n, batch = 60, 5
+    world = {"size": 3}
+
+    # Ours: three ranks take two steps, rank 2's host is drained, the two others go on without a sync.
+    state = {"epoch": 0, "cursor": 0}
+    before = run_ranks(state, 3, n, batch, 2, seed=0)
+    after = run_ranks(state, 2, n, batch, 100, seed=0)
+    ours = [i for ids in before + after for i in ids]
+    assert sorted(ours) == list(range(n))
+
+    # Stock: the survivors' samplers were split for three ranks; nobody re-splits them.
+    monkeypatch.setattr(hvd_sampler_module, "size", lambda: world["size"])
+    ranks = {"r": 0}
+    monkeypatch.setattr(hvd_sampler_module, "rank", lambda: ranks["r"])
+    stock = []
+    for r in range(3):
+        ranks["r"] = r
+        stock.append(HorovodElasticSampler(range(n), shuffle=True, seed=0))
+    iters = [iter(list(s)) for s in stock]
+    seen = [i for it in iters for _ in range(2 * batch) for i in [next(it)]]  # two steps at size 3
+    seen += [i for it in iters[:2] for i in it]  # the two survivors finish their stale shares
+    assert sorted(set(seen)) != list(range(n)), "stock Horovod loses the removed rank's samples"
