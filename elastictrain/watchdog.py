@@ -26,7 +26,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,60 +116,120 @@ class FailureMarker:
             return None
 
 
-def ring_connections(exclude_local_ports: set[int], exclude_remote_ports: set[int]) -> set[tuple[Any, Any]]:
-    """(local, remote) addresses of this process's established TCP connections outside the control plane.
+Pair = tuple[Any, Any]
+"""(local, remote) address of a TCP connection, as psutil lists it."""
+
+
+@dataclass(frozen=True, slots=True)
+class RingSocket:
+    """A Gloo connection of this ring: the descriptor that held it at the snapshot, and its socket's inode.
+
+    Gloo may close the descriptor and the number may go to another socket; the inode tells them apart.
+    """
+
+    fd: int
+    inode: int
+
+
+Ring = dict[Pair, RingSocket]
+
+_TCP_PEER_CLOSED = {7, 8, 9, 11}
+"""Linux ``tcpi_state`` values of a socket whose peer ended the connection while this process holds it: CLOSE
+(reset, or closed both ways), CLOSE_WAIT, LAST_ACK, CLOSING. A connection this process shut down first is in
+FIN_WAIT1/2 instead."""
+
+
+@contextlib.contextmanager
+def _held(ring_socket: RingSocket) -> Iterator[socket.socket | None]:
+    """A duplicate of the ring socket's descriptor while that descriptor still holds the same socket, else None.
+
+    The duplicate keeps the socket alive while it is inspected, so the check cannot race with Gloo closing it.
+    """
+    try:
+        fd = os.dup(ring_socket.fd)
+    except OSError:  # closed by this process
+        yield None
+        return
+    try:
+        if os.fstat(fd).st_ino != ring_socket.inode:  # closed, and the number reused
+            os.close(fd)
+            yield None
+            return
+        s = socket.socket(fileno=fd)
+    except OSError:
+        os.close(fd)
+        yield None
+        return
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def _address(addr: Any) -> tuple[str, int]:
+    return (addr[0], addr[1])
+
+
+def ring_connections(exclude_local_ports: set[int], exclude_remote_ports: set[int]) -> Ring:
+    """This process's established TCP connections outside the control plane, each with its descriptor and inode.
 
     Taken right after a rendezvous, these are the Gloo connections of the new ring (Gloo connects every pair
-    of ranks, so every survivor has a direct connection to a worker that dies).
+    of ranks, so every survivor has a direct connection to a worker that dies). An entry is kept only when its
+    descriptor, duplicated, still holds a socket of that same address pair.
     """
     import psutil
 
-    return {
-        (c.laddr, c.raddr)
-        for c in psutil.Process().net_connections(kind="tcp")
-        if c.status == psutil.CONN_ESTABLISHED
-        and c.raddr
-        and c.laddr.port not in exclude_local_ports
-        and c.raddr.port not in exclude_remote_ports
-    }
-
-
-def closed_by_peer(ring: set[tuple[Any, Any]]) -> bool:
-    """Whether a connection of ``ring`` is no longer established: its peer closed it (CLOSE_WAIT), or reset it
-    and the socket is gone (a send to a dead process draws a reset, so CLOSE_WAIT alone can be missed)."""
-    import psutil
-
-    established = {
-        (c.laddr, c.raddr) for c in psutil.Process().net_connections(kind="tcp") if c.status == psutil.CONN_ESTABLISHED
-    }
-    return any(conn not in established for conn in ring)
-
-
-def abort_connections(
-    exclude_local_ports: set[int], exclude_remote_ports: set[int], only: set[tuple[Any, Any]] | None = None
-) -> int:
-    """Shut down this process's established TCP connections except the excluded ports; return how many.
-
-    ``only``: restrict to these (local, remote) pairs, the ring's Gloo connections recorded after the
-    rendezvous, so nothing else (tracking, etcd) is touched. ``shutdown`` (not ``close``) on a duplicate
-    descriptor: the owner (Gloo) keeps its descriptor, sees the connection end, and fails its pending
-    operation at once.
-    """
-    import psutil
-
-    n = 0
+    ring: Ring = {}
     for c in psutil.Process().net_connections(kind="tcp"):
-        if c.status not in (psutil.CONN_ESTABLISHED, psutil.CONN_CLOSE_WAIT) or c.fd < 0 or not c.raddr:
+        if c.status != psutil.CONN_ESTABLISHED or not c.raddr or c.fd < 0:
             continue
         if c.laddr.port in exclude_local_ports or c.raddr.port in exclude_remote_ports:
             continue
-        if only is not None and (c.laddr, c.raddr) not in only:
-            continue
         with contextlib.suppress(OSError):
-            s = socket.socket(fileno=os.dup(c.fd))
-            s.shutdown(socket.SHUT_RDWR)
-            s.close()
-            n += 1
+            fd = os.dup(c.fd)
+            try:
+                s = socket.socket(fileno=fd)
+            except OSError:
+                os.close(fd)
+                continue
+            with s:
+                if _address(s.getsockname()) == _address(c.laddr) and _address(s.getpeername()) == _address(c.raddr):
+                    ring[(c.laddr, c.raddr)] = RingSocket(c.fd, os.fstat(s.fileno()).st_ino)
+    return ring
+
+
+def closed_by_peer(ring: Ring) -> bool:
+    """Whether the peer of a connection of ``ring`` closed or reset it (its process is gone).
+
+    A connection this process closed itself (its descriptor gone or holding another socket) or shut down
+    (FIN_WAIT) is no evidence of a dead peer.
+    """
+    for ring_socket in ring.values():
+        with _held(ring_socket) as s:
+            if s is None:
+                continue
+            with contextlib.suppress(OSError):
+                if s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] in _TCP_PEER_CLOSED:
+                    return True
+    return False
+
+
+def abort_connections(ring: Ring) -> int:
+    """Shut down the connections of ``ring`` that this process still holds; return how many.
+
+    Only the ring's Gloo connections recorded after the rendezvous are touched (never tracking or etcd), and
+    each only while its descriptor still holds the recorded socket (same inode). ``shutdown`` (not ``close``)
+    on a duplicate descriptor: the owner (Gloo) keeps its descriptor, sees the connection end, and fails its
+    pending operation at once. An empty ring shuts down nothing.
+    """
+    n = 0
+    for ring_socket in ring.values():
+        with _held(ring_socket) as s:
+            if s is None:
+                continue
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+                n += 1
     return n
 
 
@@ -193,7 +253,7 @@ class CollectiveWatchdog:
         self._typical = 1.0
         """Typical step seconds: an exponential average kept by the training thread (one float, no locking)."""
         self._steps = 0
-        self._ring: set[tuple[Any, Any]] = set()
+        self._ring: Ring = {}
         self._reported: float | None = None
         """Start of the last step logged as overdue without an abort (once per step)."""
         self._stop = threading.Event()
@@ -222,7 +282,7 @@ class CollectiveWatchdog:
             self._ring = ring_connections(*self.excluded_ports())
         except Exception:  # psutil may be denied /proc on exotic systems; the other signals remain
             log.exception("could not list this ring's connections")
-            self._ring = set()
+            self._ring = {}
 
     def idle(self) -> None:
         """Between steps (a reset, a rendezvous): nothing to abort."""
@@ -265,8 +325,7 @@ class CollectiveWatchdog:
                     ring_connections=len(ring),
                 )
             return
-        local, remote = self.excluded_ports()
-        n = abort_connections(local, remote, only=ring or None)
+        n = abort_connections(ring)
         self.aborts += 1
         self._step_started = None  # once per stuck step
         log.warning("aborting blocked collectives", reason=reason, connections=n)

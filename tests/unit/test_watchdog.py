@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 import threading
 import time
 
 import pytest
+import torch
+import torch.utils.data
 from structlog.testing import capture_logs
 
 from elastictrain.watchdog import (
@@ -14,6 +18,7 @@ from elastictrain.watchdog import (
     FailureMarker,
     WatchdogPolicy,
     abort_connections,
+    ring_connections,
     should_abort,
 )
 
@@ -77,7 +82,7 @@ def test_abort_connections_ends_a_blocked_receive_and_spares_excluded_ports():
     got: list[bytes] = []
     t = threading.Thread(target=lambda: got.append(client.recv(10)))
     t.start()
-    n = abort_connections(exclude_local_ports={spared_port}, exclude_remote_ports={spared_port})
+    n = abort_connections(ring_connections(exclude_local_ports={spared_port}, exclude_remote_ports={spared_port}))
     t.join(timeout=5)
     assert not t.is_alive() and got == [b""]  # the blocked receive returned: connection ended
     assert n >= 1
@@ -113,12 +118,12 @@ def test_closed_by_peer_sees_a_snapshotted_ring_connection_that_its_peer_closed_
     import struct
     import time
 
-    from elastictrain.watchdog import closed_by_peer, ring_connections
+    from elastictrain.watchdog import closed_by_peer
 
     server = socket.create_server(("127.0.0.1", 0))
     client = socket.create_connection(("127.0.0.1", server.getsockname()[1]))
     peer, _ = server.accept()
-    ring = {r for r in ring_connections(set(), set()) if r[1][1] == server.getsockname()[1]}
+    ring = {pair: r for pair, r in ring_connections(set(), set()).items() if pair[1][1] == server.getsockname()[1]}
     assert ring and not closed_by_peer(ring)
     if reset:  # a dead process's socket answers a send with a reset: ours is then no longer listed at all
         peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -147,3 +152,118 @@ def test_a_long_step_with_a_known_failure_but_no_abort_is_logged_once_with_the_d
     assert entry["waited_seconds"] >= 6.0 and entry["typical_step_seconds"] == 4.0
     assert 0 <= entry["failure_seconds_ago"] < 6.0 and entry["notified"] is False and entry["ring_connections"] == 0
     assert dog.aborts == 0 and dog._step_started == started
+
+
+def _pair() -> tuple[socket.socket, socket.socket, socket.socket]:
+    """(server, client, accepted peer) on loopback."""
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(("127.0.0.1", server.getsockname()[1]))
+    peer, _ = server.accept()
+    return server, client, peer
+
+
+def _failed_overdue_step(dog: CollectiveWatchdog, marker: FailureMarker) -> None:
+    dog._step_started = time.time() - 10.0
+    marker.record("peer")
+
+
+def _works(a: socket.socket, b: socket.socket) -> bool:
+    a.sendall(b"x")
+    b.sendall(b"y")
+    return b.recv(1) == b"x" and a.recv(1) == b"y"
+
+
+def test_an_empty_ring_snapshot_aborts_nothing(tmp_path):
+    marker = FailureMarker(tmp_path / "marker")
+    dog = CollectiveWatchdog(marker, notified=lambda: False, excluded_ports=lambda: (set(), set()))
+    dog.snapshot_ring()  # no connection yet: this ring is empty
+    server, client, peer = _pair()  # a connection that is no part of the ring (tracking, etcd, ...)
+    try:
+        _failed_overdue_step(dog, marker)
+        dog._check()
+        assert _works(client, peer), "a connection outside the (empty) ring was shut down"
+    finally:
+        for s in (client, peer, server):
+            s.close()
+
+
+def test_a_descriptor_number_reused_after_the_listing_is_not_shut_down(tmp_path, monkeypatch):
+    """Gloo closed a ring socket and its number went to another connection between the listing of this
+    process's sockets and the shutdown: the other connection must survive."""
+    import psutil
+
+    marker = FailureMarker(tmp_path / "marker")
+    dog = CollectiveWatchdog(marker, notified=lambda: False, excluded_ports=lambda: (set(), set()))
+    server_a, client_a, peer_a = _pair()
+    dog.snapshot_ring()
+    stale = [c for c in psutil.Process().net_connections(kind="tcp") if c.fd == client_a.fileno()]
+    number = client_a.fileno()
+    server_b, client_b, peer_b = _pair()
+    client_a.close()
+    peer_a.close()
+    raw = client_b.detach()
+    os.dup2(raw, number)  # the new connection now holds the old number
+    os.close(raw)
+    client_b = socket.socket(fileno=number)
+    monkeypatch.setattr(psutil.Process, "net_connections", lambda self, kind="inet": stale)
+    try:
+        _failed_overdue_step(dog, marker)
+        dog._check()
+        assert _works(client_b, peer_b), "a connection that merely took a ring socket's number was shut down"
+    finally:
+        for s in (client_b, peer_b, server_a, server_b):
+            s.close()
+
+
+def test_connections_this_process_closed_itself_are_not_evidence_of_a_dead_peer(tmp_path):
+    from elastictrain.watchdog import closed_by_peer
+
+    marker = FailureMarker(tmp_path / "marker")
+    dog = CollectiveWatchdog(marker, notified=lambda: False, excluded_ports=lambda: (set(), set()))
+    server, client, peer = _pair()
+    dog.snapshot_ring()
+    client.close()  # both ends are this process's: no peer process closed anything
+    peer.close()
+    server.close()
+    assert not closed_by_peer(dog._ring)
+    dog._step_started = time.time() - 10.0  # overdue, with no failure and no notice
+    dog._check()
+    assert dog.aborts == 0
+
+
+class _ProbeDataset(torch.utils.data.Dataset):
+    """Each sample reports, from inside the loader worker, its inherited TCP sockets and its parent-death signal."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int):
+        import ctypes
+
+        inet = 0
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                s = socket.socket(fileno=os.dup(int(name)))
+                inet += s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM
+                s.close()
+        sig = ctypes.c_int(0)
+        ctypes.CDLL(None, use_errno=True).prctl(2, ctypes.byref(sig), 0, 0, 0)  # PR_GET_PDEATHSIG
+        return torch.tensor([float(inet)]), sig.value, i
+
+
+def test_loader_workers_hold_no_tcp_socket_of_the_trainer_and_die_with_it():
+    """A SIGKILLed trainer's forked loader workers would keep its Gloo sockets open: its peers would see no
+    close until the workers noticed (seconds later)."""
+    import signal
+
+    from elastictrain.data import load_batches
+
+    server, client, peer = _pair()
+    try:
+        x, sig, ids = next(load_batches(_ProbeDataset(), iter([[0, 1]]), loader_workers=1))
+        assert ids.tolist() == [0, 1]
+        assert x.flatten().tolist() == [0.0, 0.0], "a loader worker holds TCP sockets of the trainer"
+        assert sig.tolist() == [signal.SIGKILL] * 2
+    finally:
+        for s in (client, peer, server):
+            s.close()
