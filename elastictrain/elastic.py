@@ -52,7 +52,7 @@ from elastictrain.sampler import (
 from elastictrain.state import CommittedState, Counters, reseed
 from elastictrain.step import Precision, eval_batches, train_step
 from elastictrain.tracking import NullTracker, Tracker, make_tracker
-from elastictrain.watchdog import CollectiveWatchdog, FailureMarker
+from elastictrain.watchdog import CollectiveWatchdog, FailureMarker, removal_pending
 
 log = get_logger("elastictrain.worker")
 
@@ -327,7 +327,7 @@ class ElasticTrainer:
         self.state.on_failure_notice = lambda: self.watchdog.idle()
         self.watchdog = CollectiveWatchdog(
             marker,
-            notified=lambda: not self.state._host_messages.empty(),
+            host_removed=lambda: removal_pending(self.state._host_messages),
             excluded_ports=lambda: _control_ports(cfg.tracking.tracking_uri),
         ).start()
         self.attempt = int(os.environ.get("ELASTICTRAIN_ATTEMPT", "0"))
@@ -765,7 +765,8 @@ class ElasticTrainer:
             start = sum(sizes[: self.ctx.rank])
             ids = list(range(start, start + sizes[self.ctx.rank]))
             chunks = [ids[i : i + cfg.data.batch_size] for i in range(0, len(ids), cfg.data.batch_size)]
-            totals = eval_batches(self.model, load_batches(self.val_set, iter(chunks), 0), self.precision)
+            with self.watchdog.paused():  # local forward passes, minutes on ImageNet: not a step
+                totals = eval_batches(self.model, load_batches(self.val_set, iter(chunks), 0), self.precision)
             totals = hvd.allreduce(totals, op=hvd.Sum, name="val_metrics")
             val_loss, val_acc = float(totals[0] / totals[2]), float(totals[1] / totals[2])
         epoch = self.sampler.epoch

@@ -10,11 +10,16 @@ short one breaks scale-up on a slow machine.
 Instead each worker runs a watchdog thread. It aborts this process's Gloo connections, so the blocked
 receive fails now and Horovod's elastic loop rolls back and re-forms the ring, only when both hold:
 
-* a peer failure is known: another worker recorded one in the run dir's failure marker, or Horovod's
-  driver notified this worker that hosts changed (it does so within about a second of blacklisting a
-  dead worker's host); and
+* a peer failure is known: another worker recorded one in the run dir's failure marker, a Gloo connection
+  of this ring was closed by its peer (that worker's process is gone), or Horovod's driver notified this
+  worker that a host was *removed* (a dead or partitioned host leaves discovery; its worker may still hold
+  its sockets open); and
 * this worker is stuck: it has been inside one step far longer than steps take (see
-  :class:`WatchdogPolicy`; shorter when a failure is recorded, since the ring is then surely broken).
+  :class:`WatchdogPolicy`; longer for a removal notice than for a recorded failure).
+
+A notice that only adds hosts never aborts: Horovod sends one on a healthy scale-up, and it stays pending
+until the next commit (:func:`removal_pending`). Local work that holds no collective (validation's forward
+passes) is not a step (:meth:`CollectiveWatchdog.paused`).
 
 The decision is the pure function :func:`should_abort`; the thread only gathers its inputs.
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import socket
 import threading
 import time
@@ -40,14 +46,14 @@ log = get_logger("elastictrain.watchdog")
 class WatchdogPolicy:
     failed_min_seconds: float = 0.5
     failed_factor: float = 3.0
-    """With a failure recorded during this step, the ring is broken: abort after
-    ``max(failed_min_seconds, failed_factor x typical step)``."""
-    notified_min_seconds: float = 2.0
-    notified_factor: float = 5.0
-    """With only a host-change notice (which also comes on a healthy scale-up), wait longer."""
+    """With a failure recorded during this step (or a ring connection closed by its peer), the ring is broken:
+    abort after ``max(failed_min_seconds, failed_factor x typical step)``."""
+    removed_min_seconds: float = 2.0
+    removed_factor: float = 5.0
+    """With only a notice that a host was removed (also sent on a graceful drain), wait longer."""
     poll_seconds: float = 0.1
     report_after_seconds: float = 5.0
-    """A step that has waited this long without an abort although a failure or a host notice is known is logged
+    """A step that has waited this long without an abort although a failure or a removal notice is known is logged
     once with the decision's inputs, so that a watchdog miss (a survivor left in a Gloo receive until the
     timeout) can be explained afterwards. Without either signal nothing is logged: a long validation at the end
     of an epoch is not a miss."""
@@ -59,8 +65,8 @@ def should_abort(
     step_started: float | None,
     typical_step: float,
     failure_ts: float | None,
-    notified: bool,
     policy: WatchdogPolicy,
+    host_removed: bool = False,
     peer_closed: Callable[[], bool] = lambda: False,
     progress_since: float | None = None,
 ) -> str | None:
@@ -70,9 +76,9 @@ def should_abort(
     only a failure since this worker last made progress counts: ``progress_since`` is the end of its last
     completed step or of the rendezvous that formed its ring (default: the start of this step). A peer
     may fail while this worker is still computing and only then enter the broken collective, so the
-    start of the step is too late a cut-off. ``notified``: a host-change notice is pending.
-    ``peer_closed`` (asked only once the step is overdue): a Gloo connection of this ring was closed by its
-    peer, i.e. a worker process is gone.
+    start of the step is too late a cut-off. ``host_removed``: a pending host-change notice says a host was
+    removed (a notice that only adds hosts is no input at all). ``peer_closed`` (asked only once the step is
+    overdue): a Gloo connection of this ring was closed by its peer, i.e. a worker process is gone.
     """
     if step_started is None:
         return None
@@ -84,9 +90,23 @@ def should_abort(
         return None
     if overdue and peer_closed():
         return f"a peer closed its connection of this ring and this step has waited {waited:.1f}s"
-    if notified and waited >= max(policy.notified_min_seconds, policy.notified_factor * typical_step):
-        return f"hosts changed and this step has waited {waited:.1f}s"
+    if host_removed and waited >= max(policy.removed_min_seconds, policy.removed_factor * typical_step):
+        return f"a host was removed and this step has waited {waited:.1f}s"
     return None
+
+
+def removal_pending(host_messages: queue.Queue) -> bool:
+    """Whether a pending host-change notice (Horovod's ``State._host_messages``: ``(timestamp, update)``) says
+    that a host was removed. Read without consuming: the training loop acts on the notices at its commit."""
+    try:
+        pending = list(host_messages.queue)
+    except RuntimeError:  # the deque changed while copied; the next poll sees it
+        return False
+    return any(int(update) & HOST_REMOVED for _ts, update in pending)
+
+
+HOST_REMOVED = 1
+"""``horovod.runner.elastic.worker.HostUpdateResult.removed`` (kept as a number: this module imports no Horovod)."""
 
 
 def failure_counts(failure_ts: float | None, step_started: float, progress_since: float | None) -> bool:
@@ -239,12 +259,12 @@ class CollectiveWatchdog:
     def __init__(
         self,
         marker: FailureMarker,
-        notified: Callable[[], bool],
+        host_removed: Callable[[], bool],
         excluded_ports: Callable[[], tuple],
         policy: WatchdogPolicy | None = None,
     ) -> None:
         self.marker = marker
-        self.notified = notified
+        self.host_removed = host_removed
         self.excluded_ports = excluded_ports
         self.policy = policy or WatchdogPolicy()
         self._step_started: float | None = None
@@ -288,6 +308,16 @@ class CollectiveWatchdog:
         """Between steps (a reset, a rendezvous): nothing to abort."""
         self._step_started = None
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Inside a step, around local work that holds no collective however long it takes (validation's
+        forward passes): not part of the step; the step's clock starts again after it."""
+        self.idle()
+        try:
+            yield
+        finally:
+            self.step_started()
+
     def _run(self) -> None:
         while not self._stop.wait(self.policy.poll_seconds):
             try:
@@ -300,19 +330,19 @@ class CollectiveWatchdog:
         if started is None:
             return
         ring, now = self._ring, time.time()
-        failure_ts, notified, progress = self.marker.last(), self.notified(), self._progress
+        failure_ts, removed, progress = self.marker.last(), self.host_removed(), self._progress
         reason = should_abort(
             now=now,
             step_started=started,
             typical_step=self._typical,
             failure_ts=failure_ts,
-            notified=notified,
             policy=self.policy,
+            host_removed=removed,
             peer_closed=lambda: bool(ring) and closed_by_peer(ring),
             progress_since=progress,
         )
         if reason is None:
-            signal = notified or failure_counts(failure_ts, started, progress)
+            signal = removed or failure_counts(failure_ts, started, progress)
             if signal and now - started >= self.policy.report_after_seconds and self._reported != started:
                 self._reported = started
                 log.warning(
@@ -321,7 +351,7 @@ class CollectiveWatchdog:
                     typical_step_seconds=round(self._typical, 4),
                     failure_seconds_ago=None if failure_ts is None else round(now - failure_ts, 3),
                     last_progress_seconds_ago=None if progress is None else round(now - progress, 3),
-                    notified=notified,
+                    host_removed=removed,
                     ring_connections=len(ring),
                 )
             return

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import socket
 import threading
 import time
@@ -11,6 +12,7 @@ import time
 import pytest
 import torch
 import torch.utils.data
+from horovod.runner.elastic.worker import HostUpdateResult
 from structlog.testing import capture_logs
 
 from elastictrain.watchdog import (
@@ -18,6 +20,7 @@ from elastictrain.watchdog import (
     FailureMarker,
     WatchdogPolicy,
     abort_connections,
+    removal_pending,
     ring_connections,
     should_abort,
 )
@@ -25,14 +28,14 @@ from elastictrain.watchdog import (
 P = WatchdogPolicy()
 
 
-def decide(now, started, typical=0.1, failure=None, notified=False, peer_closed=lambda: False, progress=None):
+def decide(now, started, typical=0.1, failure=None, removed=False, peer_closed=lambda: False, progress=None):
     return should_abort(
         now=now,
         step_started=started,
         typical_step=typical,
         failure_ts=failure,
-        notified=notified,
         policy=P,
+        host_removed=removed,
         peer_closed=peer_closed,
         progress_since=progress,
     )
@@ -58,9 +61,97 @@ def test_slow_steps_raise_the_threshold():
     assert decide(100.0, 96.0, typical=1.0, failure=98.5) is not None
 
 
-def test_a_host_notice_alone_needs_a_much_longer_stall():
-    assert decide(100.0, 99.0, notified=True) is None  # scale-up notices arrive during healthy steps
-    assert decide(100.0, 97.5, notified=True) is not None
+def _notices(*updates: int) -> queue.Queue:
+    q: queue.Queue = queue.Queue()
+    for i, u in enumerate(updates):
+        q.put((1000.0 + i, HostUpdateResult(u)))
+    return q
+
+
+def test_only_a_notice_of_a_removed_host_is_failure_evidence():
+    assert not removal_pending(_notices())
+    assert not removal_pending(_notices(HostUpdateResult.added, HostUpdateResult.added))  # scale-ups
+    assert removal_pending(_notices(HostUpdateResult.added, HostUpdateResult.removed))
+    assert removal_pending(_notices(HostUpdateResult.mixed))
+    q = _notices(HostUpdateResult.removed)
+    assert removal_pending(q) and q.qsize() == 1  # read, not consumed: the training loop acts on it
+
+
+def test_a_removal_notice_aborts_only_a_much_longer_stall():
+    assert decide(100.0, 99.0, removed=True) is None
+    assert decide(100.0, 97.5, removed=True) is not None
+
+
+def test_a_scale_up_notice_pending_through_a_long_step_does_not_abort_the_ring(tmp_path):
+    """Rank 0's scale-up notice stays pending until the next commit; a long step meanwhile must not abort."""
+    server, client, peer = _pair()
+    notices = _notices(HostUpdateResult.added)
+    try:
+        dog = CollectiveWatchdog(
+            FailureMarker(tmp_path / "marker"),
+            host_removed=lambda: removal_pending(notices),
+            excluded_ports=lambda: (set(), set()),
+        )
+        dog.snapshot_ring()
+        dog._step_started = time.time() - 120.0  # a 2-minute step after a scale-up notice
+        dog._check()
+        assert dog.aborts == 0 and _works(client, peer)
+    finally:
+        for s in (client, peer, server):
+            s.close()
+
+
+def test_epoch_end_validation_is_not_a_step_but_its_collectives_are(tmp_path, monkeypatch):
+    """Minutes of local validation must not look like a stuck step; the allreduce and commit after it must."""
+    from types import SimpleNamespace
+
+    from elastictrain import elastic
+    from elastictrain.events import NullEventLog
+    from elastictrain.sampler import SamplerState
+    from elastictrain.state import Counters
+    from elastictrain.step import Precision
+    from elastictrain.tracking import NullTracker
+
+    dog = CollectiveWatchdog(
+        FailureMarker(tmp_path / "marker"), host_removed=lambda: False, excluded_ports=lambda: (set(), set())
+    )
+    seen: dict[str, list] = {"eval": [], "allreduce": [], "commit": []}
+
+    class Val(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 3
+
+        def __getitem__(self, i: int):
+            seen["eval"].append(dog._step_started)
+            return torch.zeros(2), 0, i
+
+    def allreduce(t, **kw):
+        seen["allreduce"].append(dog._step_started)
+        return t
+
+    monkeypatch.setattr(elastic.hvd, "allreduce", allreduce)
+    cfg = SimpleNamespace(
+        data=SimpleNamespace(batch_size=2), checkpoint=SimpleNamespace(enabled=False, every_epochs=None)
+    )
+    trainer = SimpleNamespace(
+        cfg=cfg,
+        watchdog=dog,
+        val_set=Val(),
+        ctx=SimpleNamespace(size=1, rank=0),
+        model=torch.nn.Linear(2, 2),
+        precision=Precision(None, False),
+        events=NullEventLog(),
+        tracker=NullTracker(),
+        sampler=SamplerState(),
+        counters=Counters(),
+        _apply_lr=lambda: None,
+        _commit=lambda state, checkpoint: seen["commit"].append(dog._step_started),
+    )
+    trainer._end_epoch_inner = lambda state: elastic.ElasticTrainer._end_epoch_inner(trainer, state)
+    elastic.ElasticTrainer._end_epoch(trainer, None)
+    assert seen["eval"] == [None, None, None], "local validation counted as a step"
+    assert seen["allreduce"][0] is not None and seen["commit"][0] is not None
+    assert dog._step_started is None  # idle again afterwards
 
 
 def test_failure_marker_round_trip(tmp_path):
@@ -138,7 +229,7 @@ def test_closed_by_peer_sees_a_snapshotted_ring_connection_that_its_peer_closed_
 
 def test_a_long_step_with_a_known_failure_but_no_abort_is_logged_once_with_the_decisions_inputs(tmp_path):
     marker = FailureMarker(tmp_path / "marker")
-    dog = CollectiveWatchdog(marker, notified=lambda: False, excluded_ports=lambda: (set(), set()))
+    dog = CollectiveWatchdog(marker, host_removed=lambda: False, excluded_ports=lambda: (set(), set()))
     dog._typical = 4.0  # slow steps: a failure aborts only after 3 x 4 s
     with capture_logs() as logs:
         dog._step_started = time.time() - 6.0
@@ -150,7 +241,7 @@ def test_a_long_step_with_a_known_failure_but_no_abort_is_logged_once_with_the_d
     assert [e["event"] for e in logs] == ["step overdue without an abort"]
     entry = logs[0]
     assert entry["waited_seconds"] >= 6.0 and entry["typical_step_seconds"] == 4.0
-    assert 0 <= entry["failure_seconds_ago"] < 6.0 and entry["notified"] is False and entry["ring_connections"] == 0
+    assert 0 <= entry["failure_seconds_ago"] < 6.0 and entry["host_removed"] is False and entry["ring_connections"] == 0
     assert dog.aborts == 0 and dog._step_started == started
 
 
@@ -175,7 +266,7 @@ def _works(a: socket.socket, b: socket.socket) -> bool:
 
 def test_an_empty_ring_snapshot_aborts_nothing(tmp_path):
     marker = FailureMarker(tmp_path / "marker")
-    dog = CollectiveWatchdog(marker, notified=lambda: False, excluded_ports=lambda: (set(), set()))
+    dog = CollectiveWatchdog(marker, host_removed=lambda: False, excluded_ports=lambda: (set(), set()))
     dog.snapshot_ring()  # no connection yet: this ring is empty
     server, client, peer = _pair()  # a connection that is no part of the ring (tracking, etcd, ...)
     try:
@@ -193,7 +284,7 @@ def test_a_descriptor_number_reused_after_the_listing_is_not_shut_down(tmp_path,
     import psutil
 
     marker = FailureMarker(tmp_path / "marker")
-    dog = CollectiveWatchdog(marker, notified=lambda: False, excluded_ports=lambda: (set(), set()))
+    dog = CollectiveWatchdog(marker, host_removed=lambda: False, excluded_ports=lambda: (set(), set()))
     server_a, client_a, peer_a = _pair()
     dog.snapshot_ring()
     stale = [c for c in psutil.Process().net_connections(kind="tcp") if c.fd == client_a.fileno()]
@@ -219,7 +310,7 @@ def test_connections_this_process_closed_itself_are_not_evidence_of_a_dead_peer(
     from elastictrain.watchdog import closed_by_peer
 
     marker = FailureMarker(tmp_path / "marker")
-    dog = CollectiveWatchdog(marker, notified=lambda: False, excluded_ports=lambda: (set(), set()))
+    dog = CollectiveWatchdog(marker, host_removed=lambda: False, excluded_ports=lambda: (set(), set()))
     server, client, peer = _pair()
     dog.snapshot_ring()
     client.close()  # both ends are this process's: no peer process closed anything
