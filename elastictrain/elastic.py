@@ -16,6 +16,7 @@ Life of a worker::
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import signal
@@ -320,7 +321,7 @@ class ElasticTrainer:
         marker = FailureMarker(cfg.run_path / ".elastic" / "collective-failure")
 
         def on_failure() -> None:
-            self.watchdog.idle()
+            self.watchdog.ring_failed()
             marker.record(self.ctx.host)
 
         self.state.on_failure = on_failure
@@ -584,7 +585,9 @@ class ElasticTrainer:
     def _run_epoch_part(self, state: ElasticTrainingState, global_batch: int, micro_batch: int) -> None:
         """Steps until the epoch ends, max_steps, or a stop; the plans are fixed for this world size."""
         cfg, c, t = self.cfg, self.counters, self.cfg.training
-        plans = list(
+        # Lazily: planning a whole ImageNet epoch up front took 0.5 s of every reset's recovery. The loader's copy
+        # runs ahead of the loop's by its prefetch depth only.
+        plans, ahead = itertools.tee(
             iter_plans(
                 self.planner,
                 self.sampler,
@@ -596,7 +599,7 @@ class ElasticTrainer:
         )
         if hasattr(self.train_set, "set_epoch"):
             self.train_set.set_epoch(self.sampler.epoch)
-        loaded = load_batches(self.train_set, (p.local_ids for p in plans if p.local_ids), cfg.data.loader_workers)
+        loaded = load_batches(self.train_set, (p.local_ids for p in ahead if p.local_ids), cfg.data.loader_workers)
         for plan in plans:
             if self.stop_requested or (t.max_steps is not None and c.step >= t.max_steps):
                 return

@@ -308,6 +308,22 @@ class CollectiveWatchdog:
         """Between steps (a reset, a rendezvous): nothing to abort."""
         self._step_started = None
 
+    def ring_failed(self) -> int:
+        """Called first when a collective of this ring failed in this worker: stand down, and shut the ring's
+        connections down (returns how many).
+
+        Horovod keeps a failed worker's Gloo context, and so its sockets, open until the next rendezvous
+        completes; a peer blocked on this worker would wait for the Gloo timeout, and that rendezvous
+        waits for the blocked peer. Shut down, the connections end at once, and every peer connected to this
+        worker (all of them: Gloo connects every pair) fails its pending operation now. Sockets of a newer
+        ring are safe: each is checked by inode (the ring is emptied here and taken again after the
+        rendezvous)."""
+        self._step_started = None
+        ring, self._ring = self._ring, {}
+        n = abort_connections(ring)
+        log.info("collective failed: shut this ring's connections down", connections=n)
+        return n
+
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Inside a step, around local work that holds no collective however long it takes (validation's

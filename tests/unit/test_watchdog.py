@@ -358,3 +358,27 @@ def test_loader_workers_hold_no_tcp_socket_of_the_trainer_and_die_with_it():
     finally:
         for s in (client, peer, server):
             s.close()
+
+
+def test_a_worker_whose_collective_failed_shuts_its_ring_so_peers_blocked_on_it_fail_now(tmp_path):
+    """Horovod keeps a failed worker's sockets open until the next rendezvous; a peer blocked in a receive from
+    it would wait for the Gloo timeout. Connections of a newer ring (taken after it) are not touched."""
+    dog = CollectiveWatchdog(
+        FailureMarker(tmp_path / "marker"), host_removed=lambda: False, excluded_ports=lambda: (set(), set())
+    )
+    server, ours, blocked_peer = _pair()
+    dog.snapshot_ring()
+    got: list[bytes] = []
+    t = threading.Thread(target=lambda: got.append(blocked_peer.recv(10)))
+    t.start()
+    later = _pair()  # e.g. the next ring's connection, made after the snapshot
+    try:
+        assert dog.ring_failed() >= 1
+        t.join(timeout=5)
+        assert not t.is_alive() and got == [b""], "the peer's receive did not end"
+        assert dog._step_started is None and dog._ring == {}
+        assert _works(later[1], later[2])
+        assert dog.ring_failed() == 0  # once per ring
+    finally:
+        for s in (ours, blocked_peer, server, *later):
+            s.close()
