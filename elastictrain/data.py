@@ -206,8 +206,35 @@ def load_batches(
         collate_fn=collate,
         persistent_workers=False,
         prefetch_factor=2,
+        worker_init_fn=detach_loader_worker,
     )
     yield from loader
+
+
+def detach_loader_worker(worker_id: int) -> None:
+    """In a forked loader worker: die with the trainer, and close the trainer's inherited TCP sockets.
+
+    A worker process that outlives a SIGKILLed trainer, or merely holds copies of its Gloo sockets, keeps
+    those connections open: the trainer's peers then see no close and wait in a receive. Closing a copy here
+    leaves the trainer's own descriptor, and its connection, untouched.
+    """
+    import contextlib
+    import ctypes
+    import os
+    import signal
+    import socket
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the trainer died before the signal was armed
+        os._exit(0)
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError, ValueError):
+            s = socket.socket(fileno=int(name))
+            if s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM:
+                s.close()
+            else:
+                s.detach()
 
 
 def write_digits_image_folder(root: str | Path, scale: int = 4, test_fraction: float = 0.2, seed: int = 0) -> dict:

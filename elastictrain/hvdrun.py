@@ -19,7 +19,11 @@ This entry point is horovodrun itself (same flags, same driver, same rendezvous)
    and waited for hosts) therefore gets a rank but no process: the survivors wait in the rendezvous until
    the Gloo timeout, abort, and horovodrun then waits forever with no worker (seen in the chaos scenario
    ``below-min-np`` and a soak). :func:`install` makes the driver forget slots whose worker has exited
-   before it computes the next assignment, so they are started again.
+   before it computes the next assignment, so they are started again. An exit counts for its own process
+   only: the late exit of a slot's older process does not mark the slot's live one dead.
+
+Both repairs replace private methods of Horovod 0.28.1's runner; on any other Horovod version this entry
+point exits 2 with one line.
 
 ``elastictrain launch`` and the benchmarks start horovodrun this way.
 """
@@ -27,10 +31,12 @@ This entry point is horovodrun itself (same flags, same driver, same rendezvous)
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
 import subprocess
 import sys
+import threading
 from typing import Any
 
 DISCOVERY_TIMEOUT_SECONDS = 30.0
@@ -62,8 +68,57 @@ def run_discovery_script(script: str, timeout: float = DISCOVERY_TIMEOUT_SECONDS
     return out
 
 
+HOROVOD_VERSION = "0.28.1"
+"""The only Horovod whose elastic driver :func:`install` knows: it replaces private methods of that release."""
+
+
+class UnsupportedHorovod(RuntimeError):
+    """The installed Horovod is not :data:`HOROVOD_VERSION`; the repairs would patch names that may differ."""
+
+
+class _SlotProcesses:
+    """Which process runs in each slot, and which slots' processes have exited (keyed by process, not by slot).
+
+    Every start of a worker in a slot gets a new generation; an exit marks the slot dead only when it is the
+    exit of the slot's current process, so the late exit of an older one leaves a live successor alone. Exits
+    come from one thread per worker, hence the lock.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._generation = itertools.count(1)
+        self._current: dict[tuple[str, int], int] = {}
+        self._exited: set[tuple[str, int]] = set()
+
+    def started(self, slot: tuple[str, int]) -> int:
+        with self._lock:
+            generation = self._current[slot] = next(self._generation)
+            self._exited.discard(slot)
+            return generation
+
+    def exited(self, slot: tuple[str, int], generation: int) -> None:
+        with self._lock:
+            if self._current.get(slot) == generation:
+                self._exited.add(slot)
+
+    def dead(self) -> set[tuple[str, int]]:
+        with self._lock:
+            return set(self._exited)
+
+
 def install() -> None:
-    """Apply both repairs to Horovod's runner classes (in this process). Idempotent."""
+    """Apply both repairs to Horovod's runner classes (in this process). Idempotent.
+
+    Raises :class:`UnsupportedHorovod` on any Horovod but :data:`HOROVOD_VERSION`.
+    """
+    import horovod
+
+    found = getattr(horovod, "__version__", "unknown")
+    if found != HOROVOD_VERSION:
+        raise UnsupportedHorovod(
+            f"elastictrain.hvdrun needs Horovod {HOROVOD_VERSION} (it repairs that release's elastic driver); "
+            f"found Horovod {found}"
+        )
     from horovod.runner.elastic import discovery
     from horovod.runner.elastic.driver import ElasticDriver
 
@@ -73,27 +128,33 @@ def install() -> None:
     discovery.HostDiscoveryScript._execute_discovery_script = _execute_discovery_script
     if getattr(ElasticDriver, "_elastictrain_repaired", False):
         return
-    start_worker = ElasticDriver._start_worker_process
-    worker_exit = ElasticDriver._handle_worker_exit
+    init = ElasticDriver.__init__
     update_assignments = ElasticDriver._update_host_assignments
 
-    def exited(driver: Any) -> set[tuple[str, int]]:
-        slots: set[tuple[str, int]] | None = getattr(driver, "_elastictrain_exited", None)
-        if slots is None:
-            slots = driver._elastictrain_exited = set()
-        return slots
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        self._elastictrain_slots = _SlotProcesses()
+        init(self, *args, **kwargs)
 
-    def _start_worker_process(self: Any, slot_info: Any) -> Any:
-        exited(self).discard((slot_info.hostname, slot_info.local_rank))
-        return start_worker(self, slot_info)
+    def _start_worker_process(self: Any, slot_info: Any) -> None:
+        # Horovod 0.28.1's own method, with the exit recorded for this process only.
+        slot = (slot_info.hostname, slot_info.local_rank)
+        generation = self._elastictrain_slots.started(slot)
+        create_worker_fn = self._create_worker_fn
+        shutdown_event = self._shutdown
+        host_event = self._host_manager.get_host_event(slot_info.hostname)
 
-    def _handle_worker_exit(self: Any, slot_info: Any, exit_code: int, timestamp: float) -> Any:
-        # Recorded before Horovod's registry sees the exit, so before any re-assignment it can trigger.
-        exited(self).add((slot_info.hostname, slot_info.local_rank))
-        return worker_exit(self, slot_info, exit_code, timestamp)
+        def run_worker() -> None:
+            exit_code, timestamp = create_worker_fn(slot_info, [shutdown_event, host_event])
+            # Recorded before Horovod's registry sees the exit, so before any re-assignment it can trigger.
+            self._elastictrain_slots.exited(slot, generation)
+            self._handle_worker_exit(slot_info, exit_code, timestamp)
+
+        thread = threading.Thread(target=run_worker, daemon=True)
+        thread.start()
+        self._results.expect(thread)
 
     def _update_host_assignments(self: Any, current_hosts: Any) -> Any:
-        gone = exited(self)
+        gone = self._elastictrain_slots.dead()
         if gone:
             live = {
                 host: [s for s in slots if (host, s.local_rank) not in gone]
@@ -102,14 +163,18 @@ def install() -> None:
             self._host_assignments = {host: slots for host, slots in live.items() if slots}
         return update_assignments(self, current_hosts)
 
+    ElasticDriver.__init__ = __init__
     ElasticDriver._start_worker_process = _start_worker_process
-    ElasticDriver._handle_worker_exit = _handle_worker_exit
     ElasticDriver._update_host_assignments = _update_host_assignments
     ElasticDriver._elastictrain_repaired = True
 
 
 def main() -> int:
-    install()
+    try:
+        install()
+    except UnsupportedHorovod as e:
+        sys.stderr.write(f"{e}\n")
+        raise SystemExit(2) from None
     from horovod.runner.launch import run_commandline
 
     sys.argv[0] = "horovodrun"

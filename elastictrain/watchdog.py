@@ -10,11 +10,16 @@ short one breaks scale-up on a slow machine.
 Instead each worker runs a watchdog thread. It aborts this process's Gloo connections, so the blocked
 receive fails now and Horovod's elastic loop rolls back and re-forms the ring, only when both hold:
 
-* a peer failure is known: another worker recorded one in the run dir's failure marker, or Horovod's
-  driver notified this worker that hosts changed (it does so within about a second of blacklisting a
-  dead worker's host); and
+* a peer failure is known: another worker recorded one in the run dir's failure marker, a Gloo connection
+  of this ring was closed by its peer (that worker's process is gone), or Horovod's driver notified this
+  worker that a host was *removed* (a dead or partitioned host leaves discovery; its worker may still hold
+  its sockets open); and
 * this worker is stuck: it has been inside one step far longer than steps take (see
-  :class:`WatchdogPolicy`; shorter when a failure is recorded, since the ring is then surely broken).
+  :class:`WatchdogPolicy`; longer for a removal notice than for a recorded failure).
+
+A notice that only adds hosts never aborts: Horovod sends one on a healthy scale-up, and it stays pending
+until the next commit (:func:`removal_pending`). Local work that holds no collective (validation's forward
+passes) is not a step (:meth:`CollectiveWatchdog.paused`).
 
 The decision is the pure function :func:`should_abort`; the thread only gathers its inputs.
 """
@@ -23,10 +28,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,14 +47,14 @@ log = get_logger("elastictrain.watchdog")
 class WatchdogPolicy:
     failed_min_seconds: float = 0.5
     failed_factor: float = 3.0
-    """With a failure recorded during this step, the ring is broken: abort after
-    ``max(failed_min_seconds, failed_factor x typical step)``."""
-    notified_min_seconds: float = 2.0
-    notified_factor: float = 5.0
-    """With only a host-change notice (which also comes on a healthy scale-up), wait longer."""
+    """With a failure recorded during this step (or a ring connection closed by its peer), the ring is broken:
+    abort after ``max(failed_min_seconds, failed_factor x typical step)``."""
+    removed_min_seconds: float = 2.0
+    removed_factor: float = 5.0
+    """With only a notice that a host was removed (also sent on a graceful drain), wait longer."""
     poll_seconds: float = 0.1
     report_after_seconds: float = 5.0
-    """A step that has waited this long without an abort although a failure or a host notice is known is logged
+    """A step that has waited this long without an abort although a failure or a removal notice is known is logged
     once with the decision's inputs, so that a watchdog miss (a survivor left in a Gloo receive until the
     timeout) can be explained afterwards. Without either signal nothing is logged: a long validation at the end
     of an epoch is not a miss."""
@@ -60,8 +66,8 @@ def should_abort(
     step_started: float | None,
     typical_step: float,
     failure_ts: float | None,
-    notified: bool,
     policy: WatchdogPolicy,
+    host_removed: bool = False,
     peer_closed: Callable[[], bool] = lambda: False,
     progress_since: float | None = None,
 ) -> str | None:
@@ -71,9 +77,9 @@ def should_abort(
     only a failure since this worker last made progress counts: ``progress_since`` is the end of its last
     completed step or of the rendezvous that formed its ring (default: the start of this step). A peer
     may fail while this worker is still computing and only then enter the broken collective, so the
-    start of the step is too late a cut-off. ``notified``: a host-change notice is pending.
-    ``peer_closed`` (asked only once the step is overdue): a Gloo connection of this ring was closed by its
-    peer, i.e. a worker process is gone.
+    start of the step is too late a cut-off. ``host_removed``: a pending host-change notice says a host was
+    removed (a notice that only adds hosts is no input at all). ``peer_closed`` (asked only once the step is
+    overdue): a Gloo connection of this ring was closed by its peer, i.e. a worker process is gone.
     """
     if step_started is None:
         return None
@@ -85,9 +91,23 @@ def should_abort(
         return None
     if overdue and peer_closed():
         return f"a peer closed its connection of this ring and this step has waited {waited:.1f}s"
-    if notified and waited >= max(policy.notified_min_seconds, policy.notified_factor * typical_step):
-        return f"hosts changed and this step has waited {waited:.1f}s"
+    if host_removed and waited >= max(policy.removed_min_seconds, policy.removed_factor * typical_step):
+        return f"a host was removed and this step has waited {waited:.1f}s"
     return None
+
+
+def removal_pending(host_messages: queue.Queue) -> bool:
+    """Whether a pending host-change notice (Horovod's ``State._host_messages``: ``(timestamp, update)``) says
+    that a host was removed. Read without consuming: the training loop acts on the notices at its commit."""
+    try:
+        pending = list(host_messages.queue)
+    except RuntimeError:  # the deque changed while copied; the next poll sees it
+        return False
+    return any(int(update) & HOST_REMOVED for _ts, update in pending)
+
+
+HOST_REMOVED = 1
+"""``horovod.runner.elastic.worker.HostUpdateResult.removed`` (kept as a number: this module imports no Horovod)."""
 
 
 def failure_counts(failure_ts: float | None, step_started: float, progress_since: float | None) -> bool:
@@ -115,60 +135,120 @@ class FailureMarker:
             return None
 
 
-def ring_connections(exclude_local_ports: set[int], exclude_remote_ports: set[int]) -> set[tuple[Any, Any]]:
-    """(local, remote) addresses of this process's established TCP connections outside the control plane.
+Pair = tuple[Any, Any]
+"""(local, remote) address of a TCP connection, as psutil lists it."""
+
+
+@dataclass(frozen=True, slots=True)
+class RingSocket:
+    """A Gloo connection of this ring: the descriptor that held it at the snapshot, and its socket's inode.
+
+    Gloo may close the descriptor and the number may go to another socket; the inode tells them apart.
+    """
+
+    fd: int
+    inode: int
+
+
+Ring = dict[Pair, RingSocket]
+
+_TCP_PEER_CLOSED = {7, 8, 9, 11}
+"""Linux ``tcpi_state`` values of a socket whose peer ended the connection while this process holds it: CLOSE
+(reset, or closed both ways), CLOSE_WAIT, LAST_ACK, CLOSING. A connection this process shut down first is in
+FIN_WAIT1/2 instead."""
+
+
+@contextlib.contextmanager
+def _held(ring_socket: RingSocket) -> Iterator[socket.socket | None]:
+    """A duplicate of the ring socket's descriptor while that descriptor still holds the same socket, else None.
+
+    The duplicate keeps the socket alive while it is inspected, so the check cannot race with Gloo closing it.
+    """
+    try:
+        fd = os.dup(ring_socket.fd)
+    except OSError:  # closed by this process
+        yield None
+        return
+    try:
+        if os.fstat(fd).st_ino != ring_socket.inode:  # closed, and the number reused
+            os.close(fd)
+            yield None
+            return
+        s = socket.socket(fileno=fd)
+    except OSError:
+        os.close(fd)
+        yield None
+        return
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def _address(addr: Any) -> tuple[str, int]:
+    return (addr[0], addr[1])
+
+
+def ring_connections(exclude_local_ports: set[int], exclude_remote_ports: set[int]) -> Ring:
+    """This process's established TCP connections outside the control plane, each with its descriptor and inode.
 
     Taken right after a rendezvous, these are the Gloo connections of the new ring (Gloo connects every pair
-    of ranks, so every survivor has a direct connection to a worker that dies).
+    of ranks, so every survivor has a direct connection to a worker that dies). An entry is kept only when its
+    descriptor, duplicated, still holds a socket of that same address pair.
     """
     import psutil
 
-    return {
-        (c.laddr, c.raddr)
-        for c in psutil.Process().net_connections(kind="tcp")
-        if c.status == psutil.CONN_ESTABLISHED
-        and c.raddr
-        and c.laddr.port not in exclude_local_ports
-        and c.raddr.port not in exclude_remote_ports
-    }
-
-
-def closed_by_peer(ring: set[tuple[Any, Any]]) -> bool:
-    """Whether a connection of ``ring`` is no longer established: its peer closed it (CLOSE_WAIT), or reset it
-    and the socket is gone (a send to a dead process draws a reset, so CLOSE_WAIT alone can be missed)."""
-    import psutil
-
-    established = {
-        (c.laddr, c.raddr) for c in psutil.Process().net_connections(kind="tcp") if c.status == psutil.CONN_ESTABLISHED
-    }
-    return any(conn not in established for conn in ring)
-
-
-def abort_connections(
-    exclude_local_ports: set[int], exclude_remote_ports: set[int], only: set[tuple[Any, Any]] | None = None
-) -> int:
-    """Shut down this process's established TCP connections except the excluded ports; return how many.
-
-    ``only``: restrict to these (local, remote) pairs, the ring's Gloo connections recorded after the
-    rendezvous, so nothing else (tracking, etcd) is touched. ``shutdown`` (not ``close``) on a duplicate
-    descriptor: the owner (Gloo) keeps its descriptor, sees the connection end, and fails its pending
-    operation at once.
-    """
-    import psutil
-
-    n = 0
+    ring: Ring = {}
     for c in psutil.Process().net_connections(kind="tcp"):
-        if c.status not in (psutil.CONN_ESTABLISHED, psutil.CONN_CLOSE_WAIT) or c.fd < 0 or not c.raddr:
+        if c.status != psutil.CONN_ESTABLISHED or not c.raddr or c.fd < 0:
             continue
         if c.laddr.port in exclude_local_ports or c.raddr.port in exclude_remote_ports:
             continue
-        if only is not None and (c.laddr, c.raddr) not in only:
-            continue
         with contextlib.suppress(OSError):
-            s = socket.socket(fileno=os.dup(c.fd))
-            s.shutdown(socket.SHUT_RDWR)
-            s.close()
-            n += 1
+            fd = os.dup(c.fd)
+            try:
+                s = socket.socket(fileno=fd)
+            except OSError:
+                os.close(fd)
+                continue
+            with s:
+                if _address(s.getsockname()) == _address(c.laddr) and _address(s.getpeername()) == _address(c.raddr):
+                    ring[(c.laddr, c.raddr)] = RingSocket(c.fd, os.fstat(s.fileno()).st_ino)
+    return ring
+
+
+def closed_by_peer(ring: Ring) -> bool:
+    """Whether the peer of a connection of ``ring`` closed or reset it (its process is gone).
+
+    A connection this process closed itself (its descriptor gone or holding another socket) or shut down
+    (FIN_WAIT) is no evidence of a dead peer.
+    """
+    for ring_socket in ring.values():
+        with _held(ring_socket) as s:
+            if s is None:
+                continue
+            with contextlib.suppress(OSError):
+                if s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] in _TCP_PEER_CLOSED:
+                    return True
+    return False
+
+
+def abort_connections(ring: Ring) -> int:
+    """Shut down the connections of ``ring`` that this process still holds; return how many.
+
+    Only the ring's Gloo connections recorded after the rendezvous are touched (never tracking or etcd), and
+    each only while its descriptor still holds the recorded socket (same inode). ``shutdown`` (not ``close``)
+    on a duplicate descriptor: the owner (Gloo) keeps its descriptor, sees the connection end, and fails its
+    pending operation at once. An empty ring shuts down nothing.
+    """
+    n = 0
+    for ring_socket in ring.values():
+        with _held(ring_socket) as s:
+            if s is None:
+                continue
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+                n += 1
     return n
 
 
@@ -178,12 +258,12 @@ class CollectiveWatchdog:
     def __init__(
         self,
         marker: FailureMarker,
-        notified: Callable[[], bool],
+        host_removed: Callable[[], bool],
         excluded_ports: Callable[[], tuple],
         policy: WatchdogPolicy | None = None,
     ) -> None:
         self.marker = marker
-        self.notified = notified
+        self.host_removed = host_removed
         self.excluded_ports = excluded_ports
         self.policy = policy or WatchdogPolicy()
         self._step_started: float | None = None
@@ -192,7 +272,7 @@ class CollectiveWatchdog:
         self._typical = 1.0
         """Typical step seconds: an exponential average kept by the training thread (one float, no locking)."""
         self._steps = 0
-        self._ring: set[tuple[Any, Any]] = set()
+        self._ring: Ring = {}
         self._reported: float | None = None
         """Start of the last step logged as overdue without an abort (once per step)."""
         self._stop = threading.Event()
@@ -221,11 +301,37 @@ class CollectiveWatchdog:
             self._ring = ring_connections(*self.excluded_ports())
         except Exception:  # psutil may be denied /proc on exotic systems; the other signals remain
             log.exception("could not list this ring's connections")
-            self._ring = set()
+            self._ring = {}
 
     def idle(self) -> None:
         """Between steps (a reset, a rendezvous): nothing to abort."""
         self._step_started = None
+
+    def ring_failed(self) -> int:
+        """Called first when a collective of this ring failed in this worker: stand down, and shut the ring's
+        connections down (returns how many).
+
+        Horovod keeps a failed worker's Gloo context, and so its sockets, open until the next rendezvous
+        completes; a peer blocked on this worker would wait for the Gloo timeout, and that rendezvous
+        waits for the blocked peer. Shut down, the connections end at once, and every peer connected to this
+        worker (all of them: Gloo connects every pair) fails its pending operation now. Sockets of a newer
+        ring are safe: each is checked by inode (the ring is emptied here and taken again after the
+        rendezvous)."""
+        self._step_started = None
+        ring, self._ring = self._ring, {}
+        n = abort_connections(ring)
+        log.info("collective failed: shut this ring's connections down", connections=n)
+        return n
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Inside a step, around local work that holds no collective however long it takes (validation's
+        forward passes): not part of the step; the step's clock starts again after it."""
+        self.idle()
+        try:
+            yield
+        finally:
+            self.step_started()
 
     def _run(self) -> None:
         while not self._stop.wait(self.policy.poll_seconds):
@@ -239,19 +345,19 @@ class CollectiveWatchdog:
         if started is None:
             return
         ring, now = self._ring, time.time()
-        failure_ts, notified, progress = self.marker.last(), self.notified(), self._progress
+        failure_ts, removed, progress = self.marker.last(), self.host_removed(), self._progress
         reason = should_abort(
             now=now,
             step_started=started,
             typical_step=self._typical,
             failure_ts=failure_ts,
-            notified=notified,
             policy=self.policy,
+            host_removed=removed,
             peer_closed=lambda: bool(ring) and closed_by_peer(ring),
             progress_since=progress,
         )
         if reason is None:
-            signal = notified or failure_counts(failure_ts, started, progress)
+            signal = removed or failure_counts(failure_ts, started, progress)
             if signal and now - started >= self.policy.report_after_seconds and self._reported != started:
                 self._reported = started
                 log.warning(
@@ -260,12 +366,11 @@ class CollectiveWatchdog:
                     typical_step_seconds=round(self._typical, 4),
                     failure_seconds_ago=None if failure_ts is None else round(now - failure_ts, 3),
                     last_progress_seconds_ago=None if progress is None else round(now - progress, 3),
-                    notified=notified,
+                    host_removed=removed,
                     ring_connections=len(ring),
                 )
             return
-        local, remote = self.excluded_ports()
-        n = abort_connections(local, remote, only=ring or None)
+        n = abort_connections(ring)
         self.aborts += 1
         self._step_started = None  # once per stuck step
         log.warning("aborting blocked collectives", reason=reason, connections=n)

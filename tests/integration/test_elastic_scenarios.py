@@ -134,3 +134,25 @@ def test_bf16_autocast_fp16_compression_and_accumulation_train_exactly_once(jobs
     assert job.wait() == 0, job.tail()
     assert_exactly_once(job, 3072, 1)
     assert_loss_falls(job)
+
+
+@pytest.mark.skipif(len(HOSTS) < 4, reason=f"needs 4 logical local hosts, found {HOSTS}")
+def test_rank0_killed_together_with_another_worker_recovers_in_seconds_not_at_the_gloo_timeout(tmp_path):
+    """Rank 0 and another worker SIGKILLed at the same instant, three times in one 4-worker job: each time the
+    survivors go on within 10 s (the Gloo timeout is 60 s; a survivor once waited in a receive until it)."""
+    import random
+
+    from elastictrain.bench import kill_distribution as kd
+
+    job = ElasticJob(
+        tmp_path / "pair", kd.job_config(tmp_path / "pair" / "run"), HOSTS[:4], min_np=2, max_np=4, cooldown=(1, 2)
+    )
+    rng = random.Random(4)
+    try:
+        job.start()
+        for _ in range(3):
+            kd.wait_full(job)
+            r = kd.kill_once(job, "rank 0 + other", rng)
+            assert r["seconds"] < 10, f"{r['seconds']:.1f} s from the kill to the next step:\n{job.tail()}"
+    finally:
+        job.close()

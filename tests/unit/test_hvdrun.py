@@ -3,8 +3,12 @@ without a Python interpreter per call, and nothing left behind by a script that 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -69,35 +73,134 @@ def test_horovods_discovery_class_uses_it_after_install(tmp_path: Path) -> None:
 def test_a_slot_whose_worker_died_is_started_again_when_its_host_is_assigned_again() -> None:
     """Horovod's own driver, fixed hosts, fake rendezvous: the repair is what makes the dead slot pending."""
     pytest.importorskip("horovod.runner.elastic.driver")
-    import threading
-    import time
+    from elastictrain import hvdrun
+
+    hvdrun.install()
+    workers = _Workers()
+    driver = _driver({"a": 1, "b": 1}, workers)
+    try:
+        assert sorted(workers.started) == [("a", 0), ("b", 0)]
+        index = {slot: i for i, (slot, _) in enumerate(workers.exits)}
+        workers.end(index[("b", 0)], 137)  # b's worker was SIGKILLed; b is discovered again
+        wait_until(lambda: driver._worker_registry.record_failure.called, 10, what="b's exit handled")
+        pending = driver._update_host_assignments(driver._host_manager.current_hosts)
+        assert [(s.hostname, s.local_rank) for s in pending] == [("b", 0)], "b must be started again"
+    finally:
+        workers.end_all()
+        driver.stop()
+
+
+class _Workers:
+    """A fake ``create_worker_fn``: each started process runs until the test ends it with an exit code."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.lock = threading.Lock()
+        self.started: list[tuple[str, int]] = []
+        self.exits: list[tuple[tuple[str, int], Any]] = []
+
+    def __call__(self, slot_info: Any, events: Any) -> tuple[int, float]:
+        import threading
+
+        code: list[int] = []
+        done = threading.Event()
+        with self.lock:
+            self.started.append((slot_info.hostname, slot_info.local_rank))
+            self.exits.append(((slot_info.hostname, slot_info.local_rank), (code, done)))
+        done.wait(30)
+        return (code[0] if code else 0), time.time()
+
+    def end(self, index: int, code: int) -> None:
+        exit_code, done = self.exits[index][1]
+        exit_code.append(code)
+        done.set()
+
+    def end_all(self) -> None:
+        for i in range(len(self.exits)):
+            self.exits[i][1][1].set()
+
+
+def _driver(hosts: dict[str, int], workers: _Workers, cls: Any = None) -> Any:
     from unittest import mock
 
     from horovod.runner.elastic.discovery import FixedHosts
     from horovod.runner.elastic.driver import ElasticDriver
 
+    n = sum(hosts.values())
+    driver = (cls or ElasticDriver)(mock.MagicMock(), FixedHosts(hosts), min_num_proc=n, max_num_proc=n, timeout=10)
+    driver.start(n, workers)
+    wait_until(lambda: len(workers.started) == n, 10, what="every worker started")
+    # Horovod's registry would block the exit threads in a barrier until every worker reports; not under test.
+    driver._worker_registry = mock.MagicMock()
+    return driver
+
+
+def test_a_late_exit_of_an_older_process_does_not_mark_the_live_process_of_its_slot_dead() -> None:
+    pytest.importorskip("horovod.runner.elastic.driver")
     from elastictrain import hvdrun
 
     hvdrun.install()
-    release = threading.Event()
-    started: list[tuple[str, int]] = []
-
-    def create_worker(slot_info, events):  # a worker that runs until the test ends
-        started.append((slot_info.hostname, slot_info.local_rank))
-        release.wait(30)
-        return 0, time.time()
-
-    driver = ElasticDriver(mock.MagicMock(), FixedHosts({"a": 1, "b": 1}), min_num_proc=2, max_num_proc=2, timeout=10)
+    workers = _Workers()
+    driver = _driver({"a": 1, "b": 1}, workers)
     try:
-        driver.start(2, create_worker)
-        wait_until(lambda: len(started) == 2, 10, what="both workers started")  # each starts in its own thread
-        assert sorted(started) == [("a", 0), ("b", 0)]
-        # Horovod's registry would block this thread in a barrier until every worker reports; not under test.
-        driver._worker_registry = mock.MagicMock()
         b = driver.get_slot_info("b", 0)
-        driver._handle_worker_exit(b, 137, time.time())  # b's worker was SIGKILLed; b is discovered again
+        driver._start_worker_process(b)  # b's slot got a new process while the old one was still shutting down
+        wait_until(lambda: len(workers.started) == 3, 10, what="b's second process started")
+        old_b = next(i for i, (slot, _) in enumerate(workers.exits) if slot == ("b", 0))
+        workers.end(old_b, 137)  # the old process's exit arrives late
+        wait_until(lambda: driver._worker_registry.record_failure.called, 10, what="the old exit handled")
         pending = driver._update_host_assignments(driver._host_manager.current_hosts)
-        assert [(s.hostname, s.local_rank) for s in pending] == [("b", 0)], "b must be started again"
+        assert pending == [], "b's live process would get a twin"
     finally:
-        release.set()
+        workers.end_all()
         driver.stop()
+
+
+def test_two_workers_that_exit_at_once_are_both_started_again() -> None:
+    """A kill-host ends two workers at the same instant; their exits are handled in two threads at once."""
+    pytest.importorskip("horovod.runner.elastic.driver")
+    import threading
+
+    from horovod.runner.elastic.driver import ElasticDriver
+
+    from elastictrain import hvdrun
+
+    hvdrun.install()
+    barrier = threading.Barrier(2, timeout=2)
+    built = threading.Event()
+
+    class Driver(ElasticDriver):  # holds both exit threads at any state the patch creates after construction
+        def __setattr__(self, name: str, value: Any) -> None:
+            if built.is_set() and name.startswith("_elastictrain"):
+                with contextlib.suppress(threading.BrokenBarrierError):
+                    barrier.wait()
+            super().__setattr__(name, value)
+
+    workers = _Workers()
+    driver = _driver({"a": 1, "b": 1, "c": 1}, workers, cls=Driver)
+    built.set()
+    try:
+        index = {slot: i for i, (slot, _) in enumerate(workers.exits)}
+        workers.end(index[("b", 0)], 137)
+        workers.end(index[("c", 0)], 137)
+        wait_until(lambda: driver._worker_registry.record_failure.call_count == 2, 10, what="both exits handled")
+        pending = driver._update_host_assignments(driver._host_manager.current_hosts)
+        assert sorted((s.hostname, s.local_rank) for s in pending) == [("b", 0), ("c", 0)]
+    finally:
+        workers.end_all()
+        driver.stop()
+
+
+def test_another_horovod_version_fails_with_one_line(monkeypatch, capsys) -> None:
+    horovod = pytest.importorskip("horovod")
+    from elastictrain import hvdrun
+
+    monkeypatch.setattr(horovod, "__version__", "0.29.0")
+    monkeypatch.setattr(sys, "argv", ["hvdrun", "--version"])
+    with pytest.raises(SystemExit) as exited:
+        hvdrun.main()
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert "0.28.1" in err and "0.29.0" in err

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import queue
 import socket
 import threading
 import time
 
 import pytest
+import torch
+import torch.utils.data
+from horovod.runner.elastic.worker import HostUpdateResult
 from structlog.testing import capture_logs
 
 from elastictrain.watchdog import (
@@ -14,20 +20,22 @@ from elastictrain.watchdog import (
     FailureMarker,
     WatchdogPolicy,
     abort_connections,
+    removal_pending,
+    ring_connections,
     should_abort,
 )
 
 P = WatchdogPolicy()
 
 
-def decide(now, started, typical=0.1, failure=None, notified=False, peer_closed=lambda: False, progress=None):
+def decide(now, started, typical=0.1, failure=None, removed=False, peer_closed=lambda: False, progress=None):
     return should_abort(
         now=now,
         step_started=started,
         typical_step=typical,
         failure_ts=failure,
-        notified=notified,
         policy=P,
+        host_removed=removed,
         peer_closed=peer_closed,
         progress_since=progress,
     )
@@ -53,9 +61,102 @@ def test_slow_steps_raise_the_threshold():
     assert decide(100.0, 96.0, typical=1.0, failure=98.5) is not None
 
 
-def test_a_host_notice_alone_needs_a_much_longer_stall():
-    assert decide(100.0, 99.0, notified=True) is None  # scale-up notices arrive during healthy steps
-    assert decide(100.0, 97.5, notified=True) is not None
+def _notices(*updates: int) -> queue.Queue:
+    q: queue.Queue = queue.Queue()
+    for i, u in enumerate(updates):
+        q.put((1000.0 + i, HostUpdateResult(u)))
+    return q
+
+
+def test_only_a_notice_of_a_removed_host_is_failure_evidence():
+    assert not removal_pending(_notices())
+    assert not removal_pending(_notices(HostUpdateResult.added, HostUpdateResult.added))  # scale-ups
+    assert removal_pending(_notices(HostUpdateResult.added, HostUpdateResult.removed))
+    assert removal_pending(_notices(HostUpdateResult.mixed))
+    q = _notices(HostUpdateResult.removed)
+    assert removal_pending(q) and q.qsize() == 1  # read, not consumed: the training loop acts on it
+
+
+def test_a_removal_notice_aborts_only_a_much_longer_stall():
+    assert decide(100.0, 99.0, removed=True) is None
+    assert decide(100.0, 97.5, removed=True) is not None
+
+
+def test_a_scale_up_notice_pending_through_a_long_step_does_not_abort_the_ring(tmp_path):
+    """Rank 0's scale-up notice stays pending until the next commit; a long step meanwhile must not abort."""
+    server, client, peer = _pair()
+    notices = _notices(HostUpdateResult.added)
+    try:
+        dog = CollectiveWatchdog(
+            FailureMarker(tmp_path / "marker"),
+            host_removed=lambda: removal_pending(notices),
+            excluded_ports=lambda: (set(), set()),
+        )
+        dog.snapshot_ring()
+        dog._step_started = time.time() - 120.0  # a 2-minute step after a scale-up notice
+        dog._check()
+        assert dog.aborts == 0 and _works(client, peer)
+    finally:
+        for s in (client, peer, server):
+            s.close()
+
+
+def test_epoch_end_validation_is_not_a_step_but_its_collectives_are(tmp_path, monkeypatch):
+    """Minutes of local validation must not look like a stuck step; the allreduce and commit after it must."""
+    from types import SimpleNamespace
+
+    from elastictrain import elastic
+    from elastictrain.events import NullEventLog
+    from elastictrain.sampler import SamplerState
+    from elastictrain.state import Counters
+    from elastictrain.step import Precision
+    from elastictrain.tracking import NullTracker
+
+    dog = CollectiveWatchdog(
+        FailureMarker(tmp_path / "marker"), host_removed=lambda: False, excluded_ports=lambda: (set(), set())
+    )
+    seen: dict[str, list] = {"eval": [], "allreduce": [], "commit": []}
+
+    class Val(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 3
+
+        def __getitem__(self, i: int):
+            seen["eval"].append(dog._step_started)
+            return torch.zeros(2), 0
+
+    def allgather_object(obj, **kw):
+        seen["allreduce"].append(dog._step_started)
+        return [obj]
+
+    monkeypatch.setattr(elastic.hvd, "allgather_object", allgather_object)
+    cfg = SimpleNamespace(
+        data=SimpleNamespace(batch_size=2), checkpoint=SimpleNamespace(enabled=False, every_epochs=None)
+    )
+    trainer = SimpleNamespace(
+        cfg=cfg,
+        watchdog=dog,
+        val_set=Val(),
+        task=SimpleNamespace(
+            collate=None,
+            loss=lambda model, batch: torch.nn.functional.cross_entropy(model(batch[0]), batch[1], reduction="none"),
+            metrics=None,
+        ),
+        ctx=SimpleNamespace(size=1, rank=0),
+        model=torch.nn.Linear(2, 2),
+        precision=Precision(None, False),
+        events=NullEventLog(),
+        tracker=NullTracker(),
+        sampler=SamplerState(),
+        counters=Counters(),
+        _apply_lr=lambda: None,
+        _commit=lambda state, checkpoint: seen["commit"].append(dog._step_started),
+    )
+    trainer._end_epoch_inner = lambda state: elastic.ElasticTrainer._end_epoch_inner(trainer, state)
+    elastic.ElasticTrainer._end_epoch(trainer, None)
+    assert seen["eval"] == [None, None, None], "local validation counted as a step"
+    assert seen["allreduce"][0] is not None and seen["commit"][0] is not None
+    assert dog._step_started is None  # idle again afterwards
 
 
 def test_failure_marker_round_trip(tmp_path):
@@ -77,7 +178,7 @@ def test_abort_connections_ends_a_blocked_receive_and_spares_excluded_ports():
     got: list[bytes] = []
     t = threading.Thread(target=lambda: got.append(client.recv(10)))
     t.start()
-    n = abort_connections(exclude_local_ports={spared_port}, exclude_remote_ports={spared_port})
+    n = abort_connections(ring_connections(exclude_local_ports={spared_port}, exclude_remote_ports={spared_port}))
     t.join(timeout=5)
     assert not t.is_alive() and got == [b""]  # the blocked receive returned: connection ended
     assert n >= 1
@@ -113,12 +214,12 @@ def test_closed_by_peer_sees_a_snapshotted_ring_connection_that_its_peer_closed_
     import struct
     import time
 
-    from elastictrain.watchdog import closed_by_peer, ring_connections
+    from elastictrain.watchdog import closed_by_peer
 
     server = socket.create_server(("127.0.0.1", 0))
     client = socket.create_connection(("127.0.0.1", server.getsockname()[1]))
     peer, _ = server.accept()
-    ring = {r for r in ring_connections(set(), set()) if r[1][1] == server.getsockname()[1]}
+    ring = {pair: r for pair, r in ring_connections(set(), set()).items() if pair[1][1] == server.getsockname()[1]}
     assert ring and not closed_by_peer(ring)
     if reset:  # a dead process's socket answers a send with a reset: ours is then no longer listed at all
         peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -133,7 +234,7 @@ def test_closed_by_peer_sees_a_snapshotted_ring_connection_that_its_peer_closed_
 
 def test_a_long_step_with_a_known_failure_but_no_abort_is_logged_once_with_the_decisions_inputs(tmp_path):
     marker = FailureMarker(tmp_path / "marker")
-    dog = CollectiveWatchdog(marker, notified=lambda: False, excluded_ports=lambda: (set(), set()))
+    dog = CollectiveWatchdog(marker, host_removed=lambda: False, excluded_ports=lambda: (set(), set()))
     dog._typical = 4.0  # slow steps: a failure aborts only after 3 x 4 s
     with capture_logs() as logs:
         dog._step_started = time.time() - 6.0
@@ -145,5 +246,144 @@ def test_a_long_step_with_a_known_failure_but_no_abort_is_logged_once_with_the_d
     assert [e["event"] for e in logs] == ["step overdue without an abort"]
     entry = logs[0]
     assert entry["waited_seconds"] >= 6.0 and entry["typical_step_seconds"] == 4.0
-    assert 0 <= entry["failure_seconds_ago"] < 6.0 and entry["notified"] is False and entry["ring_connections"] == 0
+    assert 0 <= entry["failure_seconds_ago"] < 6.0 and entry["host_removed"] is False and entry["ring_connections"] == 0
     assert dog.aborts == 0 and dog._step_started == started
+
+
+def _pair() -> tuple[socket.socket, socket.socket, socket.socket]:
+    """(server, client, accepted peer) on loopback."""
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(("127.0.0.1", server.getsockname()[1]))
+    peer, _ = server.accept()
+    return server, client, peer
+
+
+def _failed_overdue_step(dog: CollectiveWatchdog, marker: FailureMarker) -> None:
+    dog._step_started = time.time() - 10.0
+    marker.record("peer")
+
+
+def _works(a: socket.socket, b: socket.socket) -> bool:
+    a.sendall(b"x")
+    b.sendall(b"y")
+    return b.recv(1) == b"x" and a.recv(1) == b"y"
+
+
+def test_an_empty_ring_snapshot_aborts_nothing(tmp_path):
+    marker = FailureMarker(tmp_path / "marker")
+    dog = CollectiveWatchdog(marker, host_removed=lambda: False, excluded_ports=lambda: (set(), set()))
+    dog.snapshot_ring()  # no connection yet: this ring is empty
+    server, client, peer = _pair()  # a connection that is no part of the ring (tracking, etcd, ...)
+    try:
+        _failed_overdue_step(dog, marker)
+        dog._check()
+        assert _works(client, peer), "a connection outside the (empty) ring was shut down"
+    finally:
+        for s in (client, peer, server):
+            s.close()
+
+
+def test_a_descriptor_number_reused_after_the_listing_is_not_shut_down(tmp_path, monkeypatch):
+    """Gloo closed a ring socket and its number went to another connection between the listing of this
+    process's sockets and the shutdown: the other connection must survive."""
+    import psutil
+
+    marker = FailureMarker(tmp_path / "marker")
+    dog = CollectiveWatchdog(marker, host_removed=lambda: False, excluded_ports=lambda: (set(), set()))
+    server_a, client_a, peer_a = _pair()
+    dog.snapshot_ring()
+    stale = [c for c in psutil.Process().net_connections(kind="tcp") if c.fd == client_a.fileno()]
+    number = client_a.fileno()
+    server_b, client_b, peer_b = _pair()
+    client_a.close()
+    peer_a.close()
+    raw = client_b.detach()
+    os.dup2(raw, number)  # the new connection now holds the old number
+    os.close(raw)
+    client_b = socket.socket(fileno=number)
+    monkeypatch.setattr(psutil.Process, "net_connections", lambda self, kind="inet": stale)
+    try:
+        _failed_overdue_step(dog, marker)
+        dog._check()
+        assert _works(client_b, peer_b), "a connection that merely took a ring socket's number was shut down"
+    finally:
+        for s in (client_b, peer_b, server_a, server_b):
+            s.close()
+
+
+def test_connections_this_process_closed_itself_are_not_evidence_of_a_dead_peer(tmp_path):
+    from elastictrain.watchdog import closed_by_peer
+
+    marker = FailureMarker(tmp_path / "marker")
+    dog = CollectiveWatchdog(marker, host_removed=lambda: False, excluded_ports=lambda: (set(), set()))
+    server, client, peer = _pair()
+    dog.snapshot_ring()
+    client.close()  # both ends are this process's: no peer process closed anything
+    peer.close()
+    server.close()
+    assert not closed_by_peer(dog._ring)
+    dog._step_started = time.time() - 10.0  # overdue, with no failure and no notice
+    dog._check()
+    assert dog.aborts == 0
+
+
+class _ProbeDataset(torch.utils.data.Dataset):
+    """Each sample reports, from inside the loader worker, its inherited TCP sockets and its parent-death signal."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int):
+        import ctypes
+
+        inet = 0
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                s = socket.socket(fileno=os.dup(int(name)))
+                inet += s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM
+                s.close()
+        sig = ctypes.c_int(0)
+        ctypes.CDLL(None, use_errno=True).prctl(2, ctypes.byref(sig), 0, 0, 0)  # PR_GET_PDEATHSIG
+        return torch.tensor([float(inet)]), sig.value, i
+
+
+def test_loader_workers_hold_no_tcp_socket_of_the_trainer_and_die_with_it():
+    """A SIGKILLed trainer's forked loader workers would keep its Gloo sockets open: its peers would see no
+    close until the workers noticed (seconds later)."""
+    import signal
+
+    from elastictrain.data import load_batches
+
+    server, client, peer = _pair()
+    try:
+        x, sig, ids = next(load_batches(_ProbeDataset(), iter([[0, 1]]), loader_workers=1))
+        assert ids.tolist() == [0, 1]
+        assert x.flatten().tolist() == [0.0, 0.0], "a loader worker holds TCP sockets of the trainer"
+        assert sig.tolist() == [signal.SIGKILL] * 2
+    finally:
+        for s in (client, peer, server):
+            s.close()
+
+
+def test_a_worker_whose_collective_failed_shuts_its_ring_so_peers_blocked_on_it_fail_now(tmp_path):
+    """Horovod keeps a failed worker's sockets open until the next rendezvous; a peer blocked in a receive from
+    it would wait for the Gloo timeout. Connections of a newer ring (taken after it) are not touched."""
+    dog = CollectiveWatchdog(
+        FailureMarker(tmp_path / "marker"), host_removed=lambda: False, excluded_ports=lambda: (set(), set())
+    )
+    server, ours, blocked_peer = _pair()
+    dog.snapshot_ring()
+    got: list[bytes] = []
+    t = threading.Thread(target=lambda: got.append(blocked_peer.recv(10)))
+    t.start()
+    later = _pair()  # e.g. the next ring's connection, made after the snapshot
+    try:
+        assert dog.ring_failed() >= 1
+        t.join(timeout=5)
+        assert not t.is_alive() and got == [b""], "the peer's receive did not end"
+        assert dog._step_started is None and dog._ring == {}
+        assert _works(later[1], later[2])
+        assert dog.ring_failed() == 0  # once per ring
+    finally:
+        for s in (ours, blocked_peer, server, *later):
+            s.close()
