@@ -155,7 +155,9 @@ def sync_modules_and_optimizers(
         layout = hvd.broadcast_object(
             {
                 i: {
-                    k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ("value", v)
+                    k: (tuple(v.shape), v.dtype, v.device.type == "cpu")
+                    if isinstance(v, torch.Tensor)
+                    else ("value", v)
                     for k, v in opt.state.get(p, {}).items()
                 }
                 for i, p in enumerate(params)
@@ -170,10 +172,13 @@ def sync_modules_and_optimizers(
                 if spec[0] == "value":
                     st[key] = spec[1]
                     continue
-                shape, dtype = spec
-                cur = st.get(key)
-                if not isinstance(cur, torch.Tensor) or tuple(cur.shape) != shape or cur.dtype != dtype:
-                    st[key] = cur = torch.zeros(shape, dtype=dtype, device=p.device if len(shape) else "cpu")
+                shape, dtype, on_cpu = spec  # where the root keeps it: AdamW's step on the CPU, the rest by the param
+                cur, device = st.get(key), torch.device("cpu") if on_cpu else p.device
+                if not (
+                    isinstance(cur, torch.Tensor)
+                    and (tuple(cur.shape), cur.dtype, cur.device) == (shape, dtype, device)
+                ):
+                    st[key] = cur = torch.zeros(shape, dtype=dtype, device=device)
                 tensors[f"{prefix}.{i}.{key}"] = cur
         for i, p in enumerate(params):
             if not layout.get(i):

@@ -61,6 +61,26 @@ class TensorSnapshot:
             if any(t.is_cuda for t in tensors):
                 torch.cuda.synchronize()
 
+    def load(self, values: list[torch.Tensor], like: list[tuple[torch.Size, torch.dtype, torch.device]]) -> None:
+        """Adopt ``values`` (e.g. a checkpoint's CPU tensors) as the committed copy of tensors shaped ``like``.
+
+        ``like`` gives each live tensor's (shape, dtype, device); a later :meth:`restore` copies the values
+        there. Nothing is read back from a device.
+        """
+        assert len(values) == len(like), "a checkpoint's tensor count does not match the live state"
+        buffers = []
+        for v, (shape, dtype, device) in zip(values, like, strict=True):
+            if tuple(v.shape) != tuple(shape):
+                raise ValueError(f"a checkpoint tensor has shape {tuple(v.shape)}, the live one {tuple(shape)}")
+            b = v.detach().to(device="cpu", dtype=dtype, copy=True)
+            buffers.append(b.pin_memory() if device.type == "cuda" else b)
+        self._buffers, self._signature = buffers, list(like)
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """Where each committed tensor lives (its buffer is on the CPU)."""
+        return [d for _, _, d in self._signature]
+
     def restore(self, tensors: list[torch.Tensor]) -> None:
         assert self._sig(tensors) == self._signature, "tensor layout changed since the last commit"
         if tensors:
@@ -74,6 +94,21 @@ class TensorSnapshot:
 def module_tensors(model: nn.Module) -> list[torch.Tensor]:
     """Parameters and buffers of ``model`` as plain tensors, in ``state_dict`` order."""
     return [t.detach() for t in model.state_dict(keep_vars=True).values()]
+
+
+def optimizer_state_device(optimizer: torch.optim.Optimizer, param: torch.Tensor, key: str) -> torch.device:
+    """The device on which torch keeps optimizer state ``key`` of ``param`` (its ``load_state_dict`` policy).
+
+    On the parameter's device, whatever its shape (a 0-dim parameter's buffers too), except the
+    ``step`` counter of Adam-like optimizers, which stays on the CPU unless the parameter's group is
+    ``capturable`` or ``fused``. Every place that creates optimizer state (a rollback, a checkpoint
+    load, a sync) asks this, so a broadcast finds the same device on every rank.
+    """
+    if key == "step":
+        for group in optimizer.param_groups:
+            if any(p is param for p in group["params"]):
+                return param.device if group.get("capturable") or group.get("fused") else torch.device("cpu")
+    return param.device
 
 
 class OptimizerSnapshot:
@@ -112,13 +147,14 @@ class OptimizerSnapshot:
                 state.pop(p, None)  # state created after the commit (e.g. the first step) is undone
         current = {(i, k) for i, p in enumerate(self.params) for k in state.get(p, {})}
         targets: list[torch.Tensor] = []
+        devices = self.tensors.devices
         for i, key in self._layout:
             p = self.params[i]
             entry = state.setdefault(p, {})
-            buf = self.tensors.buffers[len(targets)]
+            buf, device = self.tensors.buffers[len(targets)], devices[len(targets)]
             t = entry.get(key)
-            if not isinstance(t, torch.Tensor) or t.shape != buf.shape or t.dtype != buf.dtype:
-                entry[key] = t = torch.empty_like(buf, device=p.device if buf.is_floating_point() else "cpu")
+            if not isinstance(t, torch.Tensor) or t.shape != buf.shape or t.dtype != buf.dtype or t.device != device:
+                entry[key] = t = torch.empty(buf.shape, dtype=buf.dtype, device=device)  # where it was committed
             targets.append(t)
         for (i, key), v in self._values.items():
             state.setdefault(self.params[i], {})[key] = copy.copy(v)
@@ -229,14 +265,27 @@ class CommittedState:
         }
 
     def load_full_state(self, d: dict[str, Any]) -> None:
-        """Load a checkpoint written from :meth:`full_state` into the live objects, then commit it."""
-        self.model.load_state_dict(d["model"])
+        """Load a checkpoint written from :meth:`full_state` into the live objects, then commit it.
+
+        Device-agnostic: the checkpoint's tensors (on the CPU) become the commit as they are, and are
+        copied to where the live objects keep them: model tensors onto the model's device, optimizer
+        state where :func:`optimizer_state_device` says (a GPU parameter's buffers on its GPU, AdamW's
+        ``step`` on the CPU).
+        """
+        self.model.load_state_dict(d["model"])  # checks names and shapes
+        live = module_tensors(self.model)
+        self._model_snapshot.load(list(d["model"].values()), TensorSnapshot._sig(live))
         snap = self._opt_snapshot
-        snap._layout = [tuple(x) for x in d["optimizer_layout"]]
+        snap._layout = [(int(i), str(k)) for i, k in d["optimizer_layout"]]
         snap._values = {(int(k.split(":", 1)[0]), k.split(":", 1)[1]): v for k, v in d["optimizer_values"].items()}
         snap._groups = d["optimizer_groups"]
-        snap.tensors._buffers = [t.clone() for t in d["optimizer_tensors"]]
-        snap.tensors._signature = TensorSnapshot._sig(snap.tensors._buffers)
+        values = list(d["optimizer_tensors"])
+        like = [
+            (v.shape, v.dtype, optimizer_state_device(self.optimizer, snap.params[i], key))
+            for v, (i, key) in zip(values, snap._layout, strict=True)
+        ]
+        snap.tensors.load(values, like)
         snap.restore()
         self.load_small_state(d)
-        self.save()
+        self._small = copy.deepcopy(self.small_state())
+        self._rng = rng_state()
