@@ -235,3 +235,38 @@ def test_launch_json_from_another_host_leaves_liveness_unknown(tmp_path: Path) -
 def test_without_launch_json_liveness_is_unknown(tmp_path: Path) -> None:
     st = read_status(make_run_dir(tmp_path, checkpoint=False), now=T0 + 81)
     assert st["state"] == "running" and st["live"] is None
+
+
+def test_launch_json_as_the_launcher_writes_it_round_trips_to_live_then_no_live_process(tmp_path: Path) -> None:
+    """The real ``Launcher._write_state`` in a child process: live while it runs, no live process once it exits."""
+    import subprocess
+    import sys
+
+    run_dir = make_run_dir(tmp_path, checkpoint=False)
+    script = (
+        "import sys, types\n"
+        "from elastictrain.launch import Launcher\n"
+        "la = Launcher.__new__(Launcher)\n"
+        "ns = types.SimpleNamespace\n"
+        "la.__dict__.update(launch_id='x', cfg=ns(job='j'), etcd_endpoint='http://127.0.0.1:1',\n"
+        "    opts=ns(embedded=True, hosts=['localhost']), etcd_proc=None, agents={}, hvd_proc=None, attempt=0,\n"
+        "    run_dir=__import__('pathlib').Path(sys.argv[1]))\n"
+        "la._write_state()\n"
+        "print('written', flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, str(run_dir)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "written\n"
+        st = read_status(run_dir, now=T0 + 81)
+        assert (st["state"], st["live"]) == ("running", True)
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.wait(timeout=30)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    st = read_status(run_dir, now=T0 + 81)
+    assert (st["state"], st["live"]) == ("stopped (no live process)", False)
