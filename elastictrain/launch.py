@@ -828,7 +828,7 @@ class Launcher:
         return proc
 
     def _write_state(self) -> None:
-        state = {
+        state: dict[str, Any] = {
             "pid": os.getpid(),
             "launch_id": self.launch_id,
             "job": self.cfg.job,
@@ -839,7 +839,10 @@ class Launcher:
             "horovodrun_pid": self.hvd_proc.pid if self.hvd_proc and self.hvd_proc.poll() is None else None,
             "attempt": self.attempt,
             "hosts": list(self.opts.hosts),
+            "host": socket.gethostname(),  # ``status`` checks the pids only on this host
         }
+        pids = [os.getpid(), state["etcd_pid"], state["horovodrun_pid"], *(p.pid for p in self.agents.values())]
+        state["create_times"] = {str(p): t for p in pids if p is not None and (t := _create_time(p)) is not None}
         write_atomic(self.run_dir / STATE_FILE, json.dumps(state, indent=2) + "\n", durable=False)
 
     # -- hosts
@@ -1003,6 +1006,14 @@ class Launcher:
         self.tracker.kill_all()
         with contextlib.suppress(OSError):
             (self.run_dir / STATE_FILE).unlink()
+
+
+def _create_time(pid: int) -> float | None:
+    """When ``pid`` started (psutil's clock), so a reader of launch.json can tell a reused pid; None if gone."""
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
 
 
 def agent_command(

@@ -2,18 +2,29 @@
 
 Reads ``run_dir/events.jsonl``, ``run_dir/checkpoints/latest`` (+ that folder's ``manifest.json``) and
 ``run_dir/mlflow_run_id``; each may be absent. With ``--etcd`` and ``--job`` it also lists the hosts
-registered in etcd. It never imports torch, horovod or mlflow, so it answers in well under a second.
+registered in etcd.
+
+Liveness: a run whose events say ``running`` is checked against ``run_dir/launch.json`` (written by
+``elastictrain launch``). When that file names this host, and none of its pids is alive with the create
+time recorded there (a reused pid does not count), the state is ``stopped (no live process)`` and ``live``
+is false. When the file is absent, older (no ``host``/``create_times``) or from another host, nothing is
+claimed: ``live`` is null and ``liveness`` says why.
+
+It never imports torch, horovod or mlflow, so it answers in well under a second.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from elastictrain.events import EVENTS_FILE, read_events
 
@@ -21,6 +32,8 @@ CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
 MANIFEST_FILE = "manifest.json"
 RUN_ID_FILE = "mlflow_run_id"  # written by elastictrain.tracking (not imported here: it is not needed)
+LAUNCH_FILE = "launch.json"  # elastictrain.launch.STATE_FILE (not imported: launch pulls in etcd clients)
+NO_LIVE_PROCESS = "stopped (no live process)"
 
 
 class StatusError(Exception):
@@ -49,6 +62,48 @@ def latest_checkpoint(run_dir: Path, now: float) -> dict[str, Any] | None:
         if isinstance(created, int | float):
             info["age_seconds"] = max(0.0, now - float(created))
     return info
+
+
+def _launch_pids(state: dict[str, Any]) -> list[int]:
+    raw: list[Any] = [state.get("pid"), state.get("etcd_pid"), state.get("horovodrun_pid")]
+    agents = state.get("agents")
+    if isinstance(agents, dict):
+        raw += list(agents.values())
+    return [p for p in raw if isinstance(p, int) and not isinstance(p, bool) and p > 0]
+
+
+def _alive_as_recorded(pid: int, created: Any) -> bool:
+    """``pid`` runs and was created when launch.json says (so it is not a reused pid); zombies are dead."""
+    if not isinstance(created, int | float) or isinstance(created, bool):
+        return False
+    try:
+        proc = psutil.Process(pid)
+        return abs(proc.create_time() - float(created)) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def launch_liveness(run_dir: Path) -> tuple[bool | None, str]:
+    """(live, why) from ``run_dir/launch.json``: live None when it cannot be told from this host."""
+    path = run_dir / LAUNCH_FILE
+    try:
+        state = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None, f"unknown: no {LAUNCH_FILE}"
+    except (OSError, ValueError) as e:
+        return None, f"unknown: {LAUNCH_FILE} unreadable ({type(e).__name__})"
+    if not isinstance(state, dict):
+        return None, f"unknown: {LAUNCH_FILE} is not an object"
+    host, created = state.get("host"), state.get("create_times")
+    if not isinstance(host, str) or not isinstance(created, dict):
+        return None, f"unknown: {LAUNCH_FILE} has no host/create_times"
+    if host != socket.gethostname():
+        return None, f"unknown: {LAUNCH_FILE} was written on host {host}; its pids are not checked here"
+    pids = _launch_pids(state)
+    live = [p for p in pids if _alive_as_recorded(p, created.get(str(p)))]
+    if live:
+        return True, f"live: pid {', '.join(map(str, live))} on {host}"
+    return False, f"no live process: pids {', '.join(map(str, pids)) or '-'} in {LAUNCH_FILE} are gone"
 
 
 def summarize_status(events: Sequence[dict[str, Any]], checkpoint: dict[str, Any] | None, now: float) -> dict[str, Any]:
@@ -143,6 +198,11 @@ def read_status(
         )
     status = summarize_status(events, checkpoint, now)
     status["run_dir"] = str(run_dir)
+    status["live"], status["liveness"] = None, None
+    if status["state"] == "running":
+        status["live"], status["liveness"] = launch_liveness(run_dir)
+        if status["live"] is False:
+            status["state"] = NO_LIVE_PROCESS
     try:
         status["mlflow_run_id"] = (run_dir / RUN_ID_FILE).read_text().strip() or None
     except OSError:
@@ -192,6 +252,7 @@ def format_status(st: dict[str, Any]) -> str:
             "state",
             f"{st['state']}" + (f" (last event {last.get('event')}, {_age(last.get('age_seconds'))})" if last else ""),
         ),
+        *([("liveness", str(st["liveness"]))] if st.get("liveness") else []),
         ("step / epoch", f"{st['step']} / {st['epoch']}"),
         ("world size", str(st["world_size"])),
         ("hosts", ", ".join(st["hosts"]) or "-"),

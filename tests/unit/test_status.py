@@ -158,3 +158,115 @@ def test_status_skips_a_well_formed_line_with_wrong_types_and_warns(
     assert json.loads(captured.out)["step"] == 30
     (warning,) = captured.err.splitlines()
     assert warning.startswith("elastictrain status: warning: events.jsonl line 2: ts must be a finite number")
+
+
+def _dead_pid() -> int:
+    """The pid of a child that has exited and been reaped (so nothing answers to it now, barring reuse)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _write_launch(run_dir: Path, **fields: Any) -> None:
+    (run_dir / "launch.json").write_text(json.dumps({"launch_id": "x", "job": "j", **fields}))
+
+
+def test_a_running_run_whose_launch_pids_are_all_gone_is_stopped_no_live_process(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import socket
+
+    run_dir = make_run_dir(tmp_path, checkpoint=False)
+    dead = _dead_pid()
+    _write_launch(
+        run_dir,
+        pid=dead,
+        host=socket.gethostname(),
+        etcd_pid=None,
+        agents={"a": dead},
+        horovodrun_pid=None,
+        create_times={str(dead): 1.0},
+    )
+    assert main(["--run-dir", str(run_dir), "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["state"] == "stopped (no live process)" and st["live"] is False
+    assert main(["--run-dir", str(run_dir)]) == 0
+    assert "stopped (no live process)" in capsys.readouterr().out
+
+
+def test_a_reused_pid_does_not_count_as_a_live_launch_process(tmp_path: Path) -> None:
+    import os
+    import socket
+
+    run_dir = make_run_dir(tmp_path, checkpoint=False)
+    # This test's own pid is alive, but it was created at another time than launch.json says: a reused pid.
+    _write_launch(run_dir, pid=os.getpid(), host=socket.gethostname(), agents={}, create_times={str(os.getpid()): 5.0})
+    st = read_status(run_dir, now=T0 + 81)
+    assert st["state"] == "stopped (no live process)" and st["live"] is False
+
+
+def test_a_running_run_with_a_live_launcher_stays_running(tmp_path: Path) -> None:
+    import os
+    import socket
+
+    import psutil
+
+    run_dir = make_run_dir(tmp_path, checkpoint=False)
+    me = os.getpid()
+    _write_launch(
+        run_dir, pid=me, host=socket.gethostname(), agents={}, create_times={str(me): psutil.Process().create_time()}
+    )
+    st = read_status(run_dir, now=T0 + 81)
+    assert st["state"] == "running" and st["live"] is True
+
+
+def test_launch_json_from_another_host_leaves_liveness_unknown(tmp_path: Path) -> None:
+    run_dir = make_run_dir(tmp_path, checkpoint=False)
+    dead = _dead_pid()
+    _write_launch(run_dir, pid=dead, host="another-host.invalid", agents={}, create_times={str(dead): 1.0})
+    st = read_status(run_dir, now=T0 + 81)
+    assert st["state"] == "running" and st["live"] is None
+    assert "another-host.invalid" in st["liveness"]
+
+
+def test_without_launch_json_liveness_is_unknown(tmp_path: Path) -> None:
+    st = read_status(make_run_dir(tmp_path, checkpoint=False), now=T0 + 81)
+    assert st["state"] == "running" and st["live"] is None
+
+
+def test_launch_json_as_the_launcher_writes_it_round_trips_to_live_then_no_live_process(tmp_path: Path) -> None:
+    """The real ``Launcher._write_state`` in a child process: live while it runs, no live process once it exits."""
+    import subprocess
+    import sys
+
+    run_dir = make_run_dir(tmp_path, checkpoint=False)
+    script = (
+        "import sys, types\n"
+        "from elastictrain.launch import Launcher\n"
+        "la = Launcher.__new__(Launcher)\n"
+        "ns = types.SimpleNamespace\n"
+        "la.__dict__.update(launch_id='x', cfg=ns(job='j'), etcd_endpoint='http://127.0.0.1:1',\n"
+        "    opts=ns(embedded=True, hosts=['localhost']), etcd_proc=None, agents={}, hvd_proc=None, attempt=0,\n"
+        "    run_dir=__import__('pathlib').Path(sys.argv[1]))\n"
+        "la._write_state()\n"
+        "print('written', flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, str(run_dir)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "written\n"
+        st = read_status(run_dir, now=T0 + 81)
+        assert (st["state"], st["live"]) == ("running", True)
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.wait(timeout=30)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    st = read_status(run_dir, now=T0 + 81)
+    assert (st["state"], st["live"]) == ("stopped (no live process)", False)
