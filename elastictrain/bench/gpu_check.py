@@ -23,6 +23,9 @@ from typing import Any
 
 from elastictrain.bench.procs import BenchError, kill_tree, wait_until
 
+DEVICE = "cuda"
+"""The device of the jobs of the checks (a CPU run of the job checks sets ``cpu`` to try their logic)."""
+
 Check = tuple[str, Callable[[Path], str]]
 """A check: its name and a function of a scratch folder returning a one-line result (raises on failure)."""
 
@@ -32,7 +35,7 @@ def _job_config(run_dir: Path, **sections: dict[str, Any]) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "job": "gpu-check",
         "run_dir": str(run_dir),
-        "device": "cuda",
+        "device": DEVICE,
         "data": {"kind": "synthetic", "batch_size": 32, "num_samples": 32 * 120, "num_val_samples": 64},
         "training": {"epochs": 1, "log_every_steps": 5, "seed": 3},
         "elastic": {"commit_every_steps": 5, "base_world_size": 1},
@@ -82,7 +85,7 @@ def check_fp16_resume(work: Path) -> str:
         second.close()
     if not starts or starts[-1].get("resumed_from_step") != ckpt.step:
         raise BenchError(f"resumed from {starts[-1].get('resumed_from_step') if starts else None}, not {ckpt.step}")
-    return f"killed after step {ckpt.step}, resumed there on CUDA and finished"
+    return f"killed after step {ckpt.step}, resumed there on {DEVICE} and finished"
 
 
 def check_shared_gpu_kill(work: Path) -> str:
@@ -97,12 +100,16 @@ def check_shared_gpu_kill(work: Path) -> str:
         rc = job.wait(300)
         if rc != 0:
             raise BenchError(f"job exited {rc} after the SIGKILL: {job.tail(1)}")
-        done = job.events("done")
+        done, resets = job.events("done"), job.events("reset")
     finally:
         job.close()
-    if not done:
-        raise BenchError("no done event")
-    return f"rank 1 SIGKILLed at step >= 10; job finished at step {done[-1].get('step')}"
+    if not done or not resets:
+        raise BenchError(f"{len(done)} done and {len(resets)} reset events after the SIGKILL (1 and >= 1 expected)")
+    r = resets[0]
+    return (
+        f"rank 1 SIGKILLed; reset {r['old_size']}->{r['new_size']} in {r['recovery_seconds']:.1f}s, "
+        f"finished at step {done[-1]['step']}"
+    )
 
 
 def check_checkpoint_stall(work: Path) -> str:
