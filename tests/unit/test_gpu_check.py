@@ -68,3 +68,14 @@ def test_with_a_gpu_the_table_goes_to_json_and_a_failure_gives_exit_1(tmp_path, 
     assert [(r["check"], r["status"]) for r in data["rows"]] == [("ok", "PASS"), ("boom", "FAIL")]
     monkeypatch.setattr(gpu_check, "CHECKS", [("ok", lambda _w: "fine")])
     assert gpu_check.main([], root=tmp_path / "again") == 0
+
+
+def test_bench_run_overrides_update_sections_and_replace_values(tmp_path):
+    from elastictrain.bench.runs import merge_config, throughput_config
+
+    base = throughput_config(tmp_path, max_steps=10, world_size=1)
+    cfg = merge_config(base, {"device": "cuda", "data": {"batch_size": 64}, "precision": {"mode": "fp16"}})
+    assert cfg["device"] == "cuda" and cfg["precision"] == {"mode": "fp16"}
+    assert cfg["data"] == {**base["data"], "batch_size": 64}  # the rest of the section kept
+    assert base["device"] == "cpu" and "batch_size" not in base["data"]  # the base is not changed
+    assert merge_config(base, None) == base
