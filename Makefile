@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.setup-done
 PYTEST  := .venv/bin/pytest
 
-.PHONY: setup test test-unit test-integration lint format demo bench bench-quick chaos clean
+.PHONY: setup test test-unit test-integration lint format demo bench bench-quick gpu-check chaos clean
 
 # Setup is idempotent; the stamp makes `make test` skip it when nothing it depends on changed.
 $(STAMP): scripts/setup.sh constraints/torch.txt pyproject.toml
@@ -43,6 +43,11 @@ bench: $(STAMP)
 # The same in under 5 minutes: fewer repeats, a 2-minute goodput run.
 bench-quick: $(STAMP)
 	$(PY) -m elastictrain.cli bench --quick
+
+# The checks that need a CUDA GPU (elastictrain/bench/gpu_check.py), ~10 min on one GPU; table to runs/gpu-check/.
+# Without a GPU: one line, exit 0.
+gpu-check: $(STAMP)
+	$(PY) -m elastictrain.bench.gpu_check
 
 # Chaos: every scenario (the long ones too), then the soak (a SIGKILL every 60 s for 20 min plus one of each
 # other fault) with its invariant table, report.png and report.json in the run dir. Short scenarios also run

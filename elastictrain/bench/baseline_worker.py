@@ -55,7 +55,7 @@ def _setup(cfg: JobConfig) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]
     torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else 1)
     t = cfg.training
     task = build_task(cfg)  # seeded with training.seed, as in `elastictrain train`
-    model, train_set = task.model, task.train_data
+    model, train_set = task.model.to(_device(cfg)), task.train_data
     base = torch.optim.SGD(
         model.parameters(), lr=t.base_lr, momentum=t.momentum, weight_decay=t.weight_decay, nesterov=t.nesterov
     )
@@ -63,8 +63,35 @@ def _setup(cfg: JobConfig) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]
     return model, optimizer, train_set
 
 
-def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def _device(cfg: JobConfig) -> torch.device:
+    """``cuda``: this worker's GPU (local rank modulo the GPUs); otherwise the CPU."""
+    if cfg.device == "cuda" and torch.cuda.is_available():
+        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+_SCALERS: dict[int, Any] = {}
+
+
+def _step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, precision: str = "fp32"
+) -> torch.Tensor:
+    """One step; on CUDA with ``precision.mode: fp16`` the textbook autocast + GradScaler loop with Horovod."""
+    device = next(model.parameters()).device
+    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
     optimizer.zero_grad()
+    if precision == "fp16" and device.type == "cuda":
+        scaler = _SCALERS.setdefault(id(optimizer), torch.amp.GradScaler("cuda"))
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        optimizer.synchronize()  # type: ignore[attr-defined]
+        scaler.unscale_(optimizer)
+        with optimizer.skip_synchronize():  # type: ignore[attr-defined]
+            scaler.step(optimizer)
+        scaler.update()
+        return loss.detach()
     loss = F.cross_entropy(model(x), y)
     loss.backward()
     optimizer.step()
@@ -122,7 +149,7 @@ def run_plain(cfg: JobConfig) -> int:
                 break
             t0 = time.perf_counter()
             x, y = default_collate([train_set[j] for j in shard[i * bs : (i + 1) * bs]])
-            loss = _step(model, optimizer, x, y)
+            loss = _step(model, optimizer, x, y, cfg.precision.mode)
             step += 1
             meter.count += len(y)
             meter.steps += 1
@@ -163,7 +190,7 @@ def run_stock_elastic(cfg: JobConfig) -> int:
                 if t.max_steps is not None and state.step >= t.max_steps:
                     return
                 t0 = time.perf_counter()
-                _step(model, optimizer, x, y)
+                _step(model, optimizer, x, y, cfg.precision.mode)
                 state.step += 1
                 seen["max_step"] = state.step
                 state.train_sampler.record_batch(batch_idx, bs)

@@ -40,6 +40,14 @@ def throughput_config(run_dir: Path, *, max_steps: int, world_size: int) -> dict
     }
 
 
+def merge_config(cfg: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """``cfg`` with ``overrides`` merged in: dict values update the section of the same name, others replace."""
+    out = dict(cfg)
+    for key, value in (overrides or {}).items():
+        out[key] = {**out.get(key, {}), **value} if isinstance(value, dict) else value
+    return out
+
+
 def steady_throughput(events: list[dict[str, Any]], *, batch: int, warmup_steps: int = WARMUP_STEPS) -> dict[str, Any]:
     """Samples/s from the ``metrics`` events after ``warmup_steps``: samples between the first and the last
     such event over the time between them (commits and checkpoints inside the window count), plus the
@@ -74,12 +82,15 @@ def add_cpu_usage(out: dict[str, Any], monitor: TreeCpuMonitor) -> dict[str, Any
     return out
 
 
-def run_elastictrain(workdir: Path, *, world_size: int, max_steps: int, timeout: float = 300) -> dict[str, Any]:
-    """One ``elastictrain train`` job on ``world_size`` logical hosts; returns throughput and commit events."""
+def run_elastictrain(
+    workdir: Path, *, world_size: int, max_steps: int, timeout: float = 300, overrides: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """One ``elastictrain train`` job on ``world_size`` logical hosts; returns throughput and commit events.
+    ``overrides`` are merged into :func:`throughput_config` (section by section)."""
     hosts = logical_hosts()[:world_size]
     if len(hosts) < world_size:
         raise BenchError(f"this machine has {len(hosts)} logical hosts, {world_size} needed")
-    cfg = throughput_config(workdir / "run", max_steps=max_steps, world_size=world_size)
+    cfg = merge_config(throughput_config(workdir / "run", max_steps=max_steps, world_size=world_size), overrides)
     job = ElasticJob(
         workdir,
         cfg,
@@ -104,19 +115,21 @@ def run_elastictrain(workdir: Path, *, world_size: int, max_steps: int, timeout:
         if monitor is not None:
             monitor.stop()
         job.close()
-    out = add_cpu_usage(steady_throughput(events, batch=32), monitor)
+    out = add_cpu_usage(steady_throughput(events, batch=cfg["data"].get("batch_size", 32)), monitor)
     out["commit_seconds"] = [e["commit_seconds"] for e in events if e["event"] == "commit" and e["step"] > 0]
     out["checkpoint_stall_seconds"] = [e["stall_seconds"] for e in events if e["event"] == "checkpoint"]
     out["wall_seconds"] = time.monotonic() - t0
     return out
 
 
-def run_plain_horovod(workdir: Path, *, world_size: int, max_steps: int, timeout: float = 300) -> dict[str, Any]:
+def run_plain_horovod(
+    workdir: Path, *, world_size: int, max_steps: int, timeout: float = 300, overrides: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The plain non-elastic Horovod loop with ``horovodrun -np world_size`` on the same config."""
     hosts = logical_hosts()[:world_size]
     workdir.mkdir(parents=True, exist_ok=True)
     cfg_path = workdir / "job.yaml"
-    cfg = throughput_config(workdir / "run", max_steps=max_steps, world_size=world_size)
+    cfg = merge_config(throughput_config(workdir / "run", max_steps=max_steps, world_size=world_size), overrides)
     cfg_path.write_text(yaml.safe_dump(cfg))
     env = {
         **os.environ,
@@ -148,6 +161,9 @@ def run_plain_horovod(workdir: Path, *, world_size: int, max_steps: int, timeout
     if rc != 0:
         tail = "\n".join((workdir / "horovodrun.log").read_text(errors="replace").splitlines()[-20:])
         raise BenchError(f"plain Horovod loop {'timed out' if rc is None else f'exited {rc}'}:\n{tail}")
-    out = add_cpu_usage(steady_throughput(read_jsonl(workdir / "run" / "events.jsonl"), batch=32), monitor)
+    out = add_cpu_usage(
+        steady_throughput(read_jsonl(workdir / "run" / "events.jsonl"), batch=cfg["data"].get("batch_size", 32)),
+        monitor,
+    )
     out["wall_seconds"] = time.monotonic() - t0
     return out

@@ -33,16 +33,21 @@ from elastictrain.checkpoint.checkpointer import Checkpointer
 from elastictrain.checkpoint.storage import LocalStorage
 
 
-def _make_state(state_mb: int) -> dict[str, Any]:
-    """A model/optimizer-shaped state: weights plus two Adam moments, 8 MiB tensors, small extras."""
+def _make_state(state_mb: int, device: str = "cpu") -> dict[str, Any]:
+    """A model/optimizer-shaped state: weights plus two Adam moments, 8 MiB tensors, small extras (on ``device``;
+    Adam's ``step`` stays on the CPU, as torch keeps it)."""
     total = state_mb << 20
     per_tensor = 8 << 20
     n = max(3, total // per_tensor)
     numel = total // n // 4
     groups = n // 3
-    model = {f"layer{i}.weight": torch.randn(numel) for i in range(n - 2 * groups)}
+    model = {f"layer{i}.weight": torch.randn(numel, device=device) for i in range(n - 2 * groups)}
     opt_state = {
-        i: {"step": torch.tensor(10.0), "exp_avg": torch.randn(numel), "exp_avg_sq": torch.rand(numel)}
+        i: {
+            "step": torch.tensor(10.0),
+            "exp_avg": torch.randn(numel, device=device),
+            "exp_avg_sq": torch.rand(numel, device=device),
+        }
         for i in range(groups)
     }
     return {
@@ -90,6 +95,7 @@ def bench_checkpoint_stall(
     tmp_root: str | None = None,
     train_threads: int = 1,
     steady_steps: int = 40,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Measure async-checkpoint stall vs synchronous torch.save, and step time during a write.
 
@@ -99,7 +105,7 @@ def bench_checkpoint_stall(
     old_threads = torch.get_num_threads()
     torch.set_num_threads(train_threads)
     tmp = tempfile.mkdtemp(prefix="elastictrain-ckpt-bench-", dir=tmp_root)
-    state = _make_state(state_mb)
+    state = _make_state(state_mb, device)
     state_bytes = sum(t.numel() * t.element_size() for t in _tensors(state))
     loop = _TrainLoop()
     sync_s: list[float] = []

@@ -1,0 +1,195 @@
+"""``make gpu-check``: the checks that need a CUDA GPU, in one run of about 10 minutes on one GPU.
+
+Without a GPU it prints one line and exits 0. With one it runs every check of :data:`CHECKS` in turn, each
+isolated (an exception marks that check FAIL with a one-line reason; the others still run), then prints a
+markdown table and writes it as JSON to ``runs/gpu-check/<time>.json``. Exit status 1 when a check failed.
+
+Checks: the NCCL build; a 1-GPU fp16 + GradScaler job checkpointed, SIGKILLed and resumed on CUDA; two
+workers sharing the GPU over Gloo with a SIGKILL of one; async checkpoint stall vs a synchronous
+``torch.save`` of GPU state; ResNet-50 samples/s of ``elastictrain train`` vs the plain
+``hvd.DistributedOptimizer`` loop. Jobs run through the benchmark harness (:mod:`elastictrain.bench.jobs`,
+:mod:`elastictrain.bench.runs`).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from elastictrain.bench.procs import BenchError, kill_tree, wait_until
+
+DEVICE = "cuda"
+"""The device of the jobs of the checks (a CPU run of the job checks sets ``cpu`` to try their logic)."""
+
+Check = tuple[str, Callable[[Path], str]]
+"""A check: its name and a function of a scratch folder returning a one-line result (raises on failure)."""
+
+
+def _job_config(run_dir: Path, **sections: dict[str, Any]) -> dict[str, Any]:
+    """A small CUDA job: synthetic 32x32 images, frequent commits and checkpoints, MLflow off."""
+    cfg: dict[str, Any] = {
+        "job": "gpu-check",
+        "run_dir": str(run_dir),
+        "device": DEVICE,
+        "data": {"kind": "synthetic", "batch_size": 32, "num_samples": 32 * 120, "num_val_samples": 64},
+        "training": {"epochs": 1, "log_every_steps": 5, "seed": 3},
+        "elastic": {"commit_every_steps": 5, "base_world_size": 1},
+        "checkpoint": {"every_steps": 10},
+        "tracking": {"mlflow": False, "progress_bar": False},
+    }
+    for name, values in sections.items():
+        cfg[name] = {**cfg.get(name, {}), **values}
+    return cfg
+
+
+def check_nccl(_work: Path) -> str:
+    import horovod.torch as hvd
+
+    if not hvd.nccl_built():
+        raise BenchError("Horovod was built without NCCL")
+    return f"nccl_built={hvd.nccl_built()}"
+
+
+def check_fp16_resume(work: Path) -> str:
+    from elastictrain.bench.jobs import ElasticJob, logical_hosts
+    from elastictrain.checkpoint.format import load_latest
+    from elastictrain.checkpoint.storage import LocalStorage
+
+    cfg = _job_config(work / "run", precision={"mode": "fp16"}, training={"optimizer": "adamw"})
+    hosts = logical_hosts()[:1]
+    first = ElasticJob(work / "a", cfg, hosts, min_np=1, max_np=1)
+    try:
+        first.start()
+        assert first.proc is not None
+        storage = LocalStorage.for_run_dir(first.run_dir)
+        wait_until(lambda: load_latest(storage) is not None and first.step() >= 15, 180, what="a checkpoint")
+        kill_tree(first.proc.pid, signal.SIGKILL)
+        first.proc.wait(timeout=30)
+    finally:
+        first.close()
+    ckpt = load_latest(storage)
+    if ckpt is None:
+        raise BenchError("no checkpoint after the kill")
+    second = ElasticJob(work / "b", cfg, hosts, min_np=1, max_np=1)
+    try:
+        rc = second.start().wait(300)
+        if rc != 0:
+            raise BenchError(f"the resumed job exited {rc}: {second.tail(1)}")
+        starts = second.events("start")
+    finally:
+        second.close()
+    if not starts or starts[-1].get("resumed_from_step") != ckpt.step:
+        raise BenchError(f"resumed from {starts[-1].get('resumed_from_step') if starts else None}, not {ckpt.step}")
+    return f"killed after step {ckpt.step}, resumed there on {DEVICE} and finished"
+
+
+def check_shared_gpu_kill(work: Path) -> str:
+    from elastictrain.bench.jobs import ElasticJob, logical_hosts
+
+    cfg = _job_config(work / "run", elastic={"base_world_size": 2}, data={"num_samples": 32 * 2 * 80})
+    job = ElasticJob(work / "job", cfg, logical_hosts()[:2], min_np=1, max_np=2, cooldown=(5, 10))
+    try:
+        job.start()
+        job.wait_step(10, timeout=180)
+        _host, _t = job.kill_worker(rank=1)
+        rc = job.wait(300)
+        if rc != 0:
+            raise BenchError(f"job exited {rc} after the SIGKILL: {job.tail(1)}")
+        done, resets = job.events("done"), job.events("reset")
+    finally:
+        job.close()
+    if not done or not resets:
+        raise BenchError(f"{len(done)} done and {len(resets)} reset events after the SIGKILL (1 and >= 1 expected)")
+    r = resets[0]
+    return (
+        f"rank 1 SIGKILLed; reset {r['old_size']}->{r['new_size']} in {r['recovery_seconds']:.1f}s, "
+        f"finished at step {done[-1]['step']}"
+    )
+
+
+def check_checkpoint_stall(work: Path) -> str:
+    from elastictrain.checkpoint.bench import bench_checkpoint_stall
+
+    r = bench_checkpoint_stall(state_mb=256, repeats=3, tmp_root=str(work), device="cuda")
+    return (
+        f"async stall {r['async_stall_s'] * 1e3:.1f} ms vs sync torch.save {r['sync_save_s'] * 1e3:.0f} ms "
+        f"({r['speedup']:.1f}x)"
+    )
+
+
+def check_resnet50(work: Path) -> str:
+    from elastictrain.bench.runs import run_elastictrain, run_plain_horovod
+
+    steps, batch = 80, 64
+    overrides = {
+        "device": "cuda",
+        "task_args": {"model": "resnet50", "num_classes": 1000, "image_size": 224, "augment": False},
+        "data": {"kind": "synthetic", "batch_size": batch, "num_samples": batch * (steps + 10), "loader_workers": 4},
+        "precision": {"mode": "fp16"},
+    }
+    ours = run_elastictrain(work / "elastictrain", world_size=1, max_steps=steps, overrides=overrides)
+    plain = run_plain_horovod(work / "plain", world_size=1, max_steps=steps, overrides=overrides)
+    a, b = ours["samples_per_sec"], plain["samples_per_sec"]
+    return f"elastictrain {a:.0f} samples/s, plain hvd.DistributedOptimizer {b:.0f} ({a / b:.2f}x)"
+
+
+CHECKS: list[Check] = [
+    ("nccl build", check_nccl),
+    ("1-GPU fp16 kill + resume", check_fp16_resume),
+    ("2 workers on 1 GPU, Gloo, SIGKILL", check_shared_gpu_kill),
+    ("checkpoint stall vs torch.save (GPU state)", check_checkpoint_stall),
+    ("ResNet-50 samples/s vs plain Horovod", check_resnet50),
+]
+
+
+def run_checks(checks: list[Check], workdir: Path) -> list[dict[str, Any]]:
+    """Run every check in its own scratch folder; a check that raises gives a FAIL row with a one-line reason."""
+    rows = []
+    for i, (name, fn) in enumerate(checks):
+        t0 = time.monotonic()
+        try:
+            scratch = workdir / f"{i}"
+            scratch.mkdir(parents=True, exist_ok=True)
+            status, detail = "PASS", fn(scratch)
+        except Exception as exc:  # one failing check must not stop the others
+            lines = str(exc).strip().splitlines()
+            status, detail = "FAIL", f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+        rows.append({"check": name, "status": status, "seconds": round(time.monotonic() - t0, 1), "detail": detail})
+        print(f"[gpu-check] {name}: {status} ({detail})", flush=True)
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """The rows as a markdown table (``|`` in a detail is escaped)."""
+    out = ["| check | result | seconds | detail |", "|---|---|---|---|"]
+    for r in rows:
+        detail = str(r["detail"]).replace("|", "\\|")
+        out.append(f"| {r['check']} | {r['status']} | {r['seconds']:.1f} | {detail} |")
+    return "\n".join(out)
+
+
+def main(
+    argv: list[str] | None = None, *, checks: list[Check] | None = None, root: Path = Path("runs/gpu-check")
+) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu-check: no CUDA GPU on this machine (torch.cuda.is_available() is False); nothing to check")
+        return 0
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    rows = run_checks(CHECKS if checks is None else checks, root / f"work-{stamp}")
+    print(format_table(rows))
+    root.mkdir(parents=True, exist_ok=True)
+    out = root / f"{stamp}.json"
+    out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(0), "rows": rows}, indent=2))
+    print(f"gpu-check: table written to {out}")
+    return 0 if all(r["status"] == "PASS" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
