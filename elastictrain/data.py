@@ -223,13 +223,13 @@ def detach_loader_worker(worker_id: int) -> None:
     leaves the trainer's own descriptor, and its connection, untouched.
     """
     import contextlib
-    import ctypes
     import os
     import signal
     import socket
 
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    from elastictrain.lifeline import set_parent_death_signal
+
+    set_parent_death_signal(signal.SIGKILL)
     if os.getppid() == 1:  # the trainer died before the signal was armed
         os._exit(0)
     for name in os.listdir("/proc/self/fd"):

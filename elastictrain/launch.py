@@ -72,6 +72,7 @@ from discovery.record import READY, check_name
 from discovery.registry import EtcdRegistry, RegistryError, RegistryUnavailable
 from elastictrain.config import ConfigError, DiscoveryConfig, JobConfig, load_config
 from elastictrain.config_cli import report_config_error
+from elastictrain.lifeline import set_parent_death_signal
 
 PROG = "elastictrain launch"
 REPO = Path(__file__).resolve().parents[1]
@@ -488,20 +489,16 @@ def etcd_data_dir_in_use(data_dir: Path) -> bool:
     return False
 
 
-PR_SET_PDEATHSIG = 1
-
-
 def die_with_parent(sig: int) -> Callable[[], None]:
     """A ``preexec_fn`` that makes the child receive ``sig`` when the launcher dies, SIGKILL and OOM included.
 
     Linux delivers it when the thread that forked the child exits; the launcher starts every process
     from its main thread. A launcher that died between fork and ``prctl`` is caught by the parent check.
     """
-    libc = ctypes.CDLL(None, use_errno=True)  # loaded before the fork: the child only calls it
     parent = os.getpid()
 
     def preexec() -> None:
-        libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        set_parent_death_signal(sig)
         if os.getppid() != parent:
             os.kill(os.getpid(), sig)
 
