@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from discovery.fileio import atomic_file, write_atomic
 from elastictrain.events import EVENTS_FILE, read_events
+from elastictrain.status import checked_state, lifecycle_state
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -154,9 +155,8 @@ def summarize(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
     recoveries = [r["recovery_seconds"] for r in resets if r["recovery_seconds"] is not None]
     lost_by_resets = sum(r["lost_steps"] for r in resets)
     lost_by_relaunch = sum(r["lost_steps"] for r in relaunches)
-    state = {"done": "done", "stopped": "stopped"}.get(str(last.get("event")), "running")
     return {
-        "state": state,
+        "state": lifecycle_state(events),
         "step": last.get("step"),
         "epoch": last.get("epoch"),
         "world_size": last.get("world_size"),
@@ -260,6 +260,7 @@ def format_table(summary: dict[str, Any]) -> str:
     rec, stall = summary["recovery_seconds"], summary["checkpoints"]["stall_seconds"]
     rows = [
         ("state", summary["state"]),
+        *([("liveness", summary["liveness"])] if summary.get("liveness") else []),
         ("step / epoch", f"{summary['step']} / {summary['epoch']}"),
         ("world size", summary["world_size"]),
         ("wall time", _fmt(summary["wall_seconds"], " s")),
@@ -301,6 +302,7 @@ def report(
     run_dir = Path(run_dir)
     events = read_events(run_dir / EVENTS_FILE) if events is None else events
     summary = summarize(events)
+    summary["state"], summary["live"], summary["liveness"] = checked_state(summary["state"], run_dir)
     png = Path(out) if out is not None else run_dir / REPORT_PNG
     write_png(build_figure(events, summary), png)
     summary["png"] = str(png)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from elastictrain.checkpoint import LocalStorage, load_latest
-from elastictrain.sampler import committed_samples
+from elastictrain.ledger import committed_samples
 from tests.harness.elastic_job import ElasticJob, job_config, logical_hosts
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from elastictrain.events import read_events
-from elastictrain.sampler import committed_samples
+from elastictrain.ledger import committed_samples
 from tests.harness.elastic_job import job_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
