@@ -124,7 +124,7 @@ def _entry_problem(entry: Any) -> str | None:
         return None if _nonneg_int(entry.get("step")) else "restore step must be a non-negative integer"
     if kind == "meta":
         n, drop = entry.get("num_samples"), entry.get("drop_last")
-        if not _nonneg_int(n) or n < 1 or not isinstance(drop, bool):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1 or not isinstance(drop, bool):
             return "meta needs num_samples >= 1 and a boolean drop_last"
         return None
     return f"unknown kind {ascii(kind)[:40]}"
