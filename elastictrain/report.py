@@ -3,7 +3,9 @@
 :func:`summarize` is a pure function of the event list (goodput as defined in docs/events.md);
 :func:`build_figure` draws world size, throughput and loss over time with failures, resets,
 checkpoints and (re)starts marked as vertical lines; :func:`main` writes ``report.png`` and
-``report.json`` into the run dir and prints a summary table.
+``report.json`` into the run dir and prints a summary table. The run's state is the last lifecycle event,
+checked against ``launch.json`` by :func:`elastictrain.status.checked_state` (the same rule as ``status``:
+``stopped (no live process)`` when every process of a ``running`` job is gone).
 """
 
 from __future__ import annotations
