@@ -298,7 +298,7 @@ def kill_during_commit(
     deadline = time.monotonic() + timeout
 
     def newest() -> tuple[Path | None, int]:
-        from elastictrain.sampler import ledger_files
+        from elastictrain.ledger import ledger_files
 
         files = ledger_files(ledger_dir)
         if not files:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from elastictrain.audit import SampleAudit
 
 LOSS_ABS_TOLERANCE = 0.1
 LOSS_REL_TOLERANCE = 0.1
@@ -34,15 +35,6 @@ class Check:
     value: Any = None
 
 
-@dataclass(slots=True)
-class SampleAudit:
-    lost: int = 0
-    duplicated: int = 0
-    epochs_checked: int = 0
-    per_epoch: dict[int, tuple[int, int]] = field(default_factory=dict)
-    """epoch -> (lost, duplicated)."""
-
-
 # ---------------------------------------------------------------------------------------------- completion
 def last_lifecycle_event(events: Sequence[Mapping[str, Any]]) -> str | None:
     last = None
@@ -59,31 +51,11 @@ def check_completed(launcher_exit: int | None, events: Sequence[Mapping[str, Any
 
 
 # ---------------------------------------------------------------------------------------------- samples
-def audit_samples(committed: Mapping[int, Sequence[int]], num_samples: int, epochs: int) -> SampleAudit:
-    """Each epoch ``< epochs`` must hold every id in ``range(num_samples)`` exactly once (``committed``: epoch ->
-    ids of its committed steps, as :func:`elastictrain.sampler.committed_samples` replays them)."""
-    audit = SampleAudit()
-    for epoch in range(epochs):
-        counts = Counter(committed.get(epoch, ()))
-        lost = sum(1 for i in range(num_samples) if counts[i] == 0)
-        dup = sum(c - 1 for c in counts.values() if c > 1) + sum(
-            c for i, c in counts.items() if not 0 <= i < num_samples
-        )
-        audit.per_epoch[epoch] = (lost, dup)
-        audit.lost += lost
-        audit.duplicated += dup
-        audit.epochs_checked += 1
-    for epoch in committed:
-        if epoch >= epochs or epoch < 0:  # training ran into an epoch it should never have started
-            audit.duplicated += len(committed[epoch])
-            audit.per_epoch[epoch] = (0, len(committed[epoch]))
-    return audit
-
-
 def check_exactly_once(audit: SampleAudit | None) -> Check:
+    """The ledger audit (:func:`elastictrain.audit.audit_samples`) as a table row; None: no ledger."""
     if audit is None:
         return Check("every sample exactly once per epoch", False, "no ledger (audit.sample_ledger is off?)")
-    ok = audit.lost == 0 and audit.duplicated == 0 and audit.epochs_checked > 0
+    ok = audit.ok
     bad = {e: v for e, v in audit.per_epoch.items() if v != (0, 0)}
     detail = f"{audit.epochs_checked} epochs: {audit.lost} lost, {audit.duplicated} duplicated"
     return Check("every sample exactly once per epoch", ok, detail + (f" (epoch: (lost, dup) {bad})" if bad else ""))

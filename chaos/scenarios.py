@@ -35,6 +35,7 @@ import yaml
 from chaos import faults
 from chaos import invariants as inv
 from chaos.procs import JobNotFound, JobRef, alive, environ, read_launch_state
+from elastictrain.audit import SampleAudit
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -558,7 +559,7 @@ class Result:
     table: str
     recoveries: list[inv.Recovery]
     summary: dict[str, Any]
-    audit: inv.SampleAudit | None
+    audit: SampleAudit | None
     unloadable: int
 
     @property
@@ -599,8 +600,9 @@ def check_run(
     tier_leftovers: list[str] | None = None,
 ) -> Result:
     """The invariant table of a finished run; ``tier_leftovers``: what the multi-node tier's teardown left."""
+    from elastictrain.audit import audit_samples
+    from elastictrain.ledger import committed_samples
     from elastictrain.report import summarize
-    from elastictrain.sampler import committed_samples
 
     events = run.events()
     chaos_events = faults.read_chaos(run.run_dir / "chaos.jsonl")
@@ -608,7 +610,7 @@ def check_run(
     audit = None
     if (run.run_dir / "ledger").is_dir():
         data = run.cfg["data"]
-        audit = inv.audit_samples(
+        audit = audit_samples(
             committed_samples(run.run_dir / "ledger"), int(data["num_samples"]), int(run.cfg["training"]["epochs"])
         )
     checks.append(inv.check_exactly_once(audit))

@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("elastictrain.launch", "run a job: embedded etcd and agents, horovodrun, supervision"),
     "status": ("elastictrain.status", "show the state of a run from its run_dir"),
     "report": ("elastictrain.report", "timeline PNG and goodput summary of a run"),
+    "audit": ("elastictrain.audit", "check a run's sample ledger: every sample exactly once per epoch"),
     "export": ("elastictrain.export", "write a run's trained model as a plain state_dict plus its config"),
     "bench": ("elastictrain.bench", "measure the performance goals side by side"),
 }

@@ -50,11 +50,11 @@ from elastictrain.checkpoint.resume import check_resume_inputs
 from elastictrain.config import JobConfig
 from elastictrain.data import load_batches
 from elastictrain.events import NullEventLog, open_event_log
+from elastictrain.ledger import SampleLedger
 from elastictrain.policy import ScaleRamp, batch_plan, lr_scale, schedule_factor, training_complete
 from elastictrain.progress import NullProgress, Progress, make_progress
 from elastictrain.sampler import (
     ExactlyOncePlanner,
-    SampleLedger,
     SamplerState,
     StepLog,
     StepPlan,
@@ -458,7 +458,12 @@ class ElasticTrainer:
             )
         if cfg.audit.sample_ledger:
             # The ledger numbers its files in the order in which processes held rank 0 (not by a clock).
-            self.ledger = SampleLedger(cfg.run_path / "ledger", f"{os.getpid()}")
+            self.ledger = SampleLedger(
+                cfg.run_path / "ledger",
+                f"{os.getpid()}",
+                num_samples=self.planner.num_samples,
+                drop_last=cfg.data.drop_last,
+            )
         total = self._total_steps_estimate()
         self.progress = make_progress(
             rank=0, enabled=cfg.tracking.progress_bar, total_steps=total, initial_step=self.counters.step

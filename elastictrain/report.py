@@ -3,7 +3,9 @@
 :func:`summarize` is a pure function of the event list (goodput as defined in docs/events.md);
 :func:`build_figure` draws world size, throughput and loss over time with failures, resets,
 checkpoints and (re)starts marked as vertical lines; :func:`main` writes ``report.png`` and
-``report.json`` into the run dir and prints a summary table.
+``report.json`` into the run dir and prints a summary table. The run's state is the last lifecycle event,
+checked against ``launch.json`` by :func:`elastictrain.status.checked_state` (the same rule as ``status``:
+``stopped (no live process)`` when every process of a ``running`` job is gone).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from discovery.fileio import atomic_file, write_atomic
 from elastictrain.events import EVENTS_FILE, read_events
+from elastictrain.status import checked_state, lifecycle_state
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -154,9 +157,8 @@ def summarize(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
     recoveries = [r["recovery_seconds"] for r in resets if r["recovery_seconds"] is not None]
     lost_by_resets = sum(r["lost_steps"] for r in resets)
     lost_by_relaunch = sum(r["lost_steps"] for r in relaunches)
-    state = {"done": "done", "stopped": "stopped"}.get(str(last.get("event")), "running")
     return {
-        "state": state,
+        "state": lifecycle_state(events),
         "step": last.get("step"),
         "epoch": last.get("epoch"),
         "world_size": last.get("world_size"),
@@ -260,6 +262,7 @@ def format_table(summary: dict[str, Any]) -> str:
     rec, stall = summary["recovery_seconds"], summary["checkpoints"]["stall_seconds"]
     rows = [
         ("state", summary["state"]),
+        *([("liveness", summary["liveness"])] if summary.get("liveness") else []),
         ("step / epoch", f"{summary['step']} / {summary['epoch']}"),
         ("world size", summary["world_size"]),
         ("wall time", _fmt(summary["wall_seconds"], " s")),
@@ -301,6 +304,7 @@ def report(
     run_dir = Path(run_dir)
     events = read_events(run_dir / EVENTS_FILE) if events is None else events
     summary = summarize(events)
+    summary["state"], summary["live"], summary["liveness"] = checked_state(summary["state"], run_dir)
     png = Path(out) if out is not None else run_dir / REPORT_PNG
     write_png(build_figure(events, summary), png)
     summary["png"] = str(png)

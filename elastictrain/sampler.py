@@ -12,11 +12,8 @@ samples; this planner does not.
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -118,81 +115,6 @@ class StepLog:
 
     def load_state_dict(self, entries: list[Any] | None) -> None:
         self.entries = [(int(a), int(b), int(c), int(d)) for a, b, c, d in entries or []]
-
-
-LEDGER_PREFIX = "tenure-"
-"""Ledger files are ``tenure-<sequence>-<name>.jsonl``; the sequence orders them (see :func:`ledger_files`)."""
-_TENURE = re.compile(r"^tenure-(\d+)-")
-
-
-def ledger_files(ledger_dir: str | Path) -> list[Path]:
-    """The ledger files of a run in replay order: the order in which processes held rank 0.
-
-    That order is the sequence number each file took when it was created (one more than the highest in
-    the folder: a logical clock, so skewed host clocks cannot reorder it). Files of an older format
-    (``<creation ns>-<pid>.jsonl``, named by a wall clock) come first, in name order.
-    """
-
-    def key(path: Path) -> tuple[int, str]:
-        m = _TENURE.match(path.name)
-        return (int(m.group(1)) if m else -1, path.name)
-
-    return sorted(Path(ledger_dir).glob("*.jsonl"), key=key)
-
-
-class SampleLedger:
-    """Rank 0's audit record of which sample ids each committed step used (``run_dir/ledger/``).
-
-    One file per process that holds rank 0 (``name`` makes it unique, e.g. host and pid). ``record``
-    lines are written *before* the state is committed, and a ``restore`` line whenever training
-    resumes from a committed step (after a reset or on resume from a checkpoint), meaning "steps after
-    this one were rolled back". :func:`committed_samples` replays the files in :func:`ledger_files` order.
-    """
-
-    def __init__(self, root: str | Path, name: str) -> None:
-        self.dir = Path(root)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        seq = 1 + max((int(m.group(1)) for p in self.dir.glob("*.jsonl") if (m := _TENURE.match(p.name))), default=0)
-        self.path = self.dir / f"{LEDGER_PREFIX}{seq:06d}-{name}.jsonl"
-        self._f = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed in close()
-
-    def _write(self, obj: dict[str, Any]) -> None:
-        self._f.write(json.dumps(obj, separators=(",", ":")) + "\n")
-
-    def record(self, step: int, epoch: int, ids: list[int]) -> None:
-        self._write({"kind": "step", "step": step, "epoch": epoch, "ids": ids})
-
-    def restore(self, step: int) -> None:
-        self._write({"kind": "restore", "step": step})
-
-    def flush(self) -> None:
-        self._f.flush()
-
-    def close(self) -> None:
-        self._f.close()
-
-
-def committed_samples(ledger_dir: str | Path) -> dict[int, list[int]]:
-    """Replay a ledger folder: epoch -> sample ids of every committed step, in step order.
-
-    Files are read in :func:`ledger_files` order; a ``restore`` line drops the entries of later steps.
-    """
-    steps: dict[int, tuple[int, list[int]]] = {}
-    for path in ledger_files(ledger_dir):
-        for line in path.read_text().splitlines():
-            try:
-                entry = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a torn final line of a killed writer
-            if entry["kind"] == "restore":
-                steps = {s: v for s, v in steps.items() if s <= entry["step"]}
-            elif entry["kind"] == "step":
-                steps[entry["step"]] = (entry["epoch"], entry["ids"])
-    out: dict[int, list[int]] = {}
-    for step in sorted(steps):
-        epoch, ids = steps[step]
-        out.setdefault(epoch, []).extend(ids)
-    return out
 
 
 def iter_plans(

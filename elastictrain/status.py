@@ -106,6 +106,24 @@ def launch_liveness(run_dir: Path) -> tuple[bool | None, str]:
     return False, f"no live process: pids {', '.join(map(str, pids)) or '-'} in {LAUNCH_FILE} are gone"
 
 
+def lifecycle_state(events: Sequence[dict[str, Any]]) -> str:
+    """``not_started`` (no event), else the last lifecycle event: ``done``, ``stopped`` or ``running`` (after
+    a ``start``, or when no lifecycle event is there yet). ``tracking_closed`` and the like may follow ``done``."""
+    if not events:
+        return "not_started"
+    lifecycle = next((e for e in reversed(events) if e.get("event") in ("start", "done", "stopped")), events[-1])
+    return {"done": "done", "stopped": "stopped"}.get(str(lifecycle.get("event")), "running")
+
+
+def checked_state(state: str, run_dir: Path) -> tuple[str, bool | None, str | None]:
+    """(state, live, liveness): a ``running`` state checked against ``launch.json`` (:func:`launch_liveness`);
+    ``stopped (no live process)`` when none of its processes is alive. Other states are returned as they are."""
+    if state != "running":
+        return state, None, None
+    live, why = launch_liveness(run_dir)
+    return (NO_LIVE_PROCESS if live is False else state), live, why
+
+
 def summarize_status(events: Sequence[dict[str, Any]], checkpoint: dict[str, Any] | None, now: float) -> dict[str, Any]:
     """The status dict from events (oldest first), the latest checkpoint (or None) and the time."""
     out: dict[str, Any] = {
@@ -157,9 +175,7 @@ def summarize_status(events: Sequence[dict[str, Any]], checkpoint: dict[str, Any
             "ts": ts,
             "age_seconds": max(0.0, now - float(ts)) if isinstance(ts, int | float) else None,
         }
-        # The run's state is its last lifecycle event (``tracking_closed`` and the like may follow ``done``).
-        lifecycle = next((e for e in reversed(events) if e.get("event") in ("start", "done", "stopped")), last)
-        out["state"] = {"done": "done", "stopped": "stopped"}.get(str(lifecycle.get("event")), "running")
+        out["state"] = lifecycle_state(events)
     if out["checkpoint"] is None and last_ckpt_event is not None:  # no checkpoints/ folder readable here
         ts = last_ckpt_event.get("ts")
         out["checkpoint"] = {
@@ -198,11 +214,7 @@ def read_status(
         )
     status = summarize_status(events, checkpoint, now)
     status["run_dir"] = str(run_dir)
-    status["live"], status["liveness"] = None, None
-    if status["state"] == "running":
-        status["live"], status["liveness"] = launch_liveness(run_dir)
-        if status["live"] is False:
-            status["state"] = NO_LIVE_PROCESS
+    status["state"], status["live"], status["liveness"] = checked_state(status["state"], run_dir)
     try:
         status["mlflow_run_id"] = (run_dir / RUN_ID_FILE).read_text().strip() or None
     except OSError:

@@ -15,6 +15,11 @@ Two invariants hold here, not in the worker:
 * **No (step, metric) point twice.** The sender keeps the highest step sent per metric and skips a
   point at or below it (a rollback re-runs steps and the worker logs them again). On resume the
   high-water marks are read once from the store, by the sender thread.
+* **No hole after a killed rank 0.** Points a SIGKILLed rank 0 had queued (at most
+  ``tracking.flush_seconds`` of them) never reach the store, but its ``events.jsonl`` has them. When a
+  tracker opens an existing run it backfills, once, every point of the run log above the store's
+  high-water marks (:func:`backfill_points`: the points the dead sender would have sent), before anything
+  queued. The points come from the events by :func:`event_metrics`, the same values the worker logs.
 
 ``import mlflow`` (about 3 s) happens in the sender thread, so building a tracker costs nothing.
 """
@@ -34,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from discovery import fileio
 from discovery.fileio import temp_path
 from discovery.logconf import get_logger
+from elastictrain.events import EVENTS_FILE, read_events
 
 if TYPE_CHECKING:
     from elastictrain.config import JobConfig
@@ -285,6 +291,49 @@ def _create_sqlite_store_atomically(tracking_uri: str) -> None:
     os.replace(tmp, path)
 
 
+METRICS_EVENT_FIELDS = ("loss", "lr", "world_size", "samples_per_sec", "step_seconds", "commit_seconds")
+"""Fields of a ``metrics`` event that the worker also logs to MLflow under the same names."""
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def event_metrics(event: Mapping[str, Any]) -> dict[str, float]:
+    """The MLflow metrics the worker logs with a run-log event, at the event's ``step``: a ``metrics`` event's
+    :data:`METRICS_EVENT_FIELDS`, an ``epoch_end``'s ``val_*`` values, a ``checkpoint``'s ``stall_seconds``
+    (as ``checkpoint_stall_seconds``) and a ``reset``'s ``recovery_seconds``. Non-numbers are left out."""
+    kind = event.get("event")
+    if kind == "metrics":
+        raw = {k: event.get(k) for k in METRICS_EVENT_FIELDS}
+    elif kind == "epoch_end":
+        raw = {k: v for k, v in event.items() if k.startswith("val_")}
+    elif kind == "checkpoint":
+        raw = {"checkpoint_stall_seconds": event.get("stall_seconds")}
+    elif kind == "reset":
+        raw = {"recovery_seconds": event.get("recovery_seconds")}
+    else:
+        return {}
+    return {k: n for k, v in raw.items() if (n := _number(v)) is not None}
+
+
+def backfill_points(events: list[dict[str, Any]], high_water: dict[str, int]) -> list[MetricPoint]:
+    """The points of ``events`` (the run log, oldest first) that a sender starting from ``high_water`` would
+    have sent: per metric, a point whose step is above every step sent before it. Updates ``high_water``."""
+    points: list[MetricPoint] = []
+    for e in events:
+        step = e.get("step")
+        if not isinstance(step, int) or isinstance(step, bool):
+            continue
+        for key, value in event_metrics(e).items():
+            if step > high_water.get(key, -1):
+                high_water[key] = step
+                points.append(MetricPoint(key, value, int(float(e["ts"]) * 1000), step))
+    return points
+
+
 def default_tracking_uri(run_dir: str | os.PathLike[str]) -> str:
     """``sqlite:///<abs run_dir>/mlflow.db``: the run's own store (MLflow's default is the cwd)."""
     return f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"
@@ -387,6 +436,7 @@ class MlflowTracker:
         self._lock = threading.Lock()
         self._dropped = 0
         self._skipped_duplicates = 0
+        self._backfilled = 0
         self._in_flight = 0
         self._last_drop_warning = -math.inf
         self._run_id: str | None = None
@@ -411,6 +461,11 @@ class MlflowTracker:
     def skipped_duplicates(self) -> int:
         """Metric points not sent because their step was at or below the metric's high-water mark."""
         return self._skipped_duplicates
+
+    @property
+    def backfilled(self) -> int:
+        """Metric points sent from the run log when the run was opened (see :func:`backfill_points`)."""
+        return self._backfilled
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         values = {str(k): str(v)[:MAX_PARAM_VALUE_LENGTH] for k, v in params.items()}
@@ -505,6 +560,8 @@ class MlflowTracker:
             if opened is None:  # closing before the store was reachable
                 self._count_drop(self._drain_uncounted(), "store_unreachable", force=True)
                 return
+            if opened.resumed:
+                self._backfill(backend, opened)
             self._send_loop(backend, opened)
             if not self._abandon.is_set() and self._final_status is not None:
                 try:
@@ -550,6 +607,28 @@ class MlflowTracker:
             metrics_with_history=len(opened.high_water),
         )
         return opened
+
+    def _backfill(self, backend: TrackingBackend, opened: OpenedRun) -> None:
+        """Send the run log's points above the store's high-water marks, once; raise the marks past them."""
+        try:
+            events = read_events(self.run_dir / EVENTS_FILE, on_skip=lambda line, reason: None)
+        except OSError:  # no run log yet (or unreadable): nothing to fill in
+            return
+        points = backfill_points(events, opened.high_water)  # marks rise even if a request fails: never twice
+        size = MAX_METRICS_PER_BATCH - MAX_PARAMS_TAGS_PER_BATCH
+        sent = 0
+        for i in range(0, len(points), size):
+            chunk = points[i : i + size]
+            if self._abandon.is_set():  # close() gave up waiting
+                self._count_drop(len(points) - i, "backfill_abandoned", force=True)
+                break
+            if not self._send(backend, opened.run_id, _Batch(metrics=chunk)):  # counts the chunk's drops
+                self._count_drop(len(points) - i - len(chunk), "backfill_stopped")
+                break
+            sent += len(chunk)
+        self._backfilled = sent
+        if points:
+            log.info("tracking_backfilled", run_id=opened.run_id, points=sent, of=len(points))
 
     def _send_loop(self, backend: TrackingBackend, opened: OpenedRun) -> None:
         high_water = dict(opened.high_water)

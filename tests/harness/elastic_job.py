@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from elastictrain.bench.jobs import ElasticJob, logical_hosts, read_jsonl
-from elastictrain.sampler import committed_samples
+from elastictrain.ledger import committed_samples
 
 __all__ = ["ElasticJob", "assert_exactly_once", "job_config", "logical_hosts", "read_jsonl"]
 

@@ -16,8 +16,9 @@ import pytest
 from chaos import faults
 from chaos import invariants as inv
 from chaos.scenarios import Run, ScenarioError, mlflow_run_ids, reference_loss
+from elastictrain.audit import audit_samples
 from elastictrain.bench.jobs import logical_hosts
-from elastictrain.sampler import committed_samples
+from elastictrain.ledger import committed_samples
 from tests.fixtures.procs import REPO, VENV_BIN
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(480)]
@@ -109,7 +110,7 @@ def test_char_lm_survives_a_sigkill_and_a_scale_up_with_every_invariant(tmp_path
     events = run.events()
     checks = [
         inv.check_completed(code, events),
-        inv.check_exactly_once(inv.audit_samples(committed_samples(run.run_dir / "ledger"), num_samples(), EPOCHS)),
+        inv.check_exactly_once(audit_samples(committed_samples(run.run_dir / "ledger"), num_samples(), EPOCHS)),
         inv.check_final_loss(inv.final_loss(events), reference),
         inv.check_one_mlflow_run(mlflow_run_ids(run.run_dir), (run.run_dir / "mlflow_run_id").read_text().strip()),
         inv.check_no_leftovers(leftovers),

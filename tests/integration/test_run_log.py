@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,8 @@ from typing import Any
 import pytest
 
 from elastictrain.events import read_events
-from elastictrain.sampler import committed_samples
+from elastictrain.ledger import committed_samples, ledger_files
+from tests.fixtures.procs import VENV_BIN
 from tests.harness.elastic_job import job_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -77,17 +79,21 @@ def test_a_completed_run_dir_started_again_trains_nothing_and_exits_0(tmp_path):
     assert "run already complete" in again.stdout + again.stderr
 
 
-def test_failures_are_logged_and_a_shrink_after_a_reset_names_the_size_it_left(tmp_path):
-    """3 workers; a host change at step 3 leaves 2; a worker dies in step 5, leaving 1."""
-    cfg = config(tmp_path / "run")
+@pytest.fixture(scope="module")
+def shrink_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    """One real run, shared: 3 workers; a host change at step 3 leaves 2; a worker dies in step 5, leaving 1."""
+    run = tmp_path_factory.mktemp("shrink") / "run"
     script = [
         {"kind": "initial", "size": 3},
         {"kind": "notice", "step": 3, "size": 2},
         {"kind": "failure", "step": 5, "size": 1},
     ]
-    proc = run_worker(cfg, script)
+    return run, run_worker(config(run), script)
+
+
+def test_failures_are_logged_and_a_shrink_after_a_reset_names_the_size_it_left(shrink_run):
+    run, proc = shrink_run
     assert proc.returncode == 0, proc.stderr[-3000:]
-    run = tmp_path / "run"
     assert len(events(run, "start")) == 1
     failures = events(run, "failure")
     assert [f["reason"] for f in failures] == ["hosts_changed", "worker_failed"], failures
@@ -98,6 +104,35 @@ def test_failures_are_logged_and_a_shrink_after_a_reset_names_the_size_it_left(t
         assert failure["ts"] <= reset["ts"]
     per_epoch = committed_samples(run / "ledger")
     assert sorted(per_epoch[0]) == list(range(NUM_SAMPLES))
+
+
+def test_elastictrain_audit_passes_on_a_real_run_and_fails_once_a_ledger_entry_is_duplicated(shrink_run, tmp_path):
+    run, proc = shrink_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def audit(run_dir: Path) -> subprocess.CompletedProcess:
+        cmd = [str(VENV_BIN / "elastictrain"), "audit", "--run-dir", str(run_dir)]
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+    ok = audit(run)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "epoch 0  complete  expected 480  seen 480  duplicates 0  missing 0" in ok.stdout, ok.stdout
+    assert "verdict  PASS: 1 epochs audited (1 complete, 0 partial)" in ok.stdout
+
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    newest = ledger_files(copy / "ledger")[-1]
+    lines = newest.read_text().splitlines()
+    entries = [json.loads(x) for x in lines if '"kind":"step"' in x]
+    assert entries, lines
+    twice = {**entries[0], "step": max(e["step"] for e in entries) + 1}  # one step's samples used again
+    newest.write_text("\n".join([*lines, json.dumps(twice)]) + "\n")
+    bad = audit(copy)
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    dup = len(twice["ids"])
+    assert f"seen {480 + dup}  duplicates {dup} (e.g. {min(twice['ids'])}" in bad.stdout, bad.stdout
+    assert "verdict  FAIL" in bad.stdout and bad.stderr == ""
 
 
 def test_rank0_moving_away_and_back_writes_no_second_start(tmp_path):

@@ -110,7 +110,7 @@ def test_a_readme_task_module_trains_to_completion_under_launch_and_exports(tmp_
     assert len(epoch_ends) == 4 and epoch_ends[-1]["val_abs_error"] < 0.05, epoch_ends[-1]
     assert epoch_ends[-1]["val_loss"] < 0.01 and epoch_ends[-1]["val_accuracy"] is None
 
-    from elastictrain.sampler import committed_samples
+    from elastictrain.ledger import committed_samples
 
     per_epoch = committed_samples(run / "ledger")
     assert all(sorted(ids) == list(range(512)) for ids in per_epoch.values()) and len(per_epoch) == 4

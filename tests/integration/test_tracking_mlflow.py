@@ -136,3 +136,54 @@ def test_tracking_server_stopped_mid_training_never_blocks_a_step_and_the_drops_
     assert any(e["event"] == "tracking_points_dropped" for e in logs)
     closed = [e for e in logs if e["event"] == "tracking_closed"]
     assert closed and closed[0]["dropped"] == tracker.dropped
+
+
+def test_a_new_rank0_backfills_from_the_run_log_what_a_killed_rank0_never_sent_to_the_store(tmp_path: Path) -> None:
+    """The first rank 0 sent steps 1..10 and was killed with 11..20 in its flush window; its EventLog wrote all
+    20. The next rank 0 opens the same sqlite store: every step is there once, with the run log's values."""
+    from mlflow import MlflowClient
+
+    from elastictrain.events import EventLog
+
+    run_dir = tmp_path / "run"
+    cfg = config_from_dict({"job": "backfill-job", "run_dir": str(run_dir)}, env={})
+    killed = make_tracker(cfg, rank=0)
+    assert isinstance(killed, MlflowTracker)
+    log_steps(killed, range(1, 11))
+    run_id = killed.wait_started(60)
+    killed.close(status=None)  # what reached the store before the SIGKILL
+
+    run_log = EventLog(run_dir / "events.jsonl")
+    for step in range(1, 21):
+        run_log.emit(
+            "metrics",
+            step=step,
+            epoch=0,
+            world_size=2,
+            ts=1_700_000_000.0 + step,
+            loss=1.0 / step,
+            lr=0.1,
+            samples_per_sec=100.0 + step,
+            step_seconds=0.5,
+            commit_seconds=0.01,
+            steps=1,
+        )
+        if step == 15:
+            run_log.emit("checkpoint", step=15, epoch=0, world_size=2, stall_seconds=0.25, write_seconds=1.0, ok=True)
+    run_log.close()
+
+    new = make_tracker(cfg, rank=0)
+    assert isinstance(new, MlflowTracker)
+    log_steps(new, range(18, 26))  # the new rank 0 resumed from the commit at 17: 18..20 again, then on
+    assert new.wait_started(60) == run_id
+    new.close()
+    uri = f"sqlite:///{run_dir.resolve() / 'mlflow.db'}"
+    assert_one_run_without_duplicate_points(uri, cfg.job, run_id, list(range(1, 26)))
+    # loss, lr, world_size, samples_per_sec for 11..20; step_seconds, commit_seconds for 1..20; one stall
+    assert new.dropped == 0 and new.backfilled == 4 * 10 + 2 * 20 + 1
+    client = MlflowClient(tracking_uri=uri)
+    loss = {m.step: (m.value, m.timestamp) for m in client.get_metric_history(run_id, "loss")}
+    assert loss[15] == (1.0 / 15, (1_700_000_000 + 15) * 1000), "backfilled with the run log's value and time"
+    for key in ("step_seconds", "commit_seconds"):  # the first rank 0 never sent these: all 20 from the log
+        assert sorted(m.step for m in client.get_metric_history(run_id, key)) == list(range(1, 21)), key
+    assert [m.step for m in client.get_metric_history(run_id, "checkpoint_stall_seconds")] == [15]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from chaos import faults
 from chaos import invariants as inv
 from chaos.scenarios import config_hash, soak_schedule
+from elastictrain.audit import audit_samples
 
 
 def ev(ts: float, event: str, step: int = 0, **fields: object) -> dict[str, object]:
@@ -21,11 +22,11 @@ def test_a_job_is_complete_only_when_the_launcher_exits_0_and_the_last_lifecycle
 
 def test_every_sample_exactly_once_counts_lost_and_duplicated_ids_per_epoch() -> None:
     good = {0: [3, 1, 0, 2], 1: [2, 0, 3, 1]}
-    audit = inv.audit_samples(good, num_samples=4, epochs=2)
+    audit = audit_samples(good, num_samples=4, epochs=2)
     assert (audit.lost, audit.duplicated, audit.epochs_checked) == (0, 0, 2)
     assert inv.check_exactly_once(audit).ok
 
-    bad = inv.audit_samples({0: [0, 1, 1, 2, 3], 1: [0, 1, 2]}, num_samples=4, epochs=2)
+    bad = audit_samples({0: [0, 1, 1, 2, 3], 1: [0, 1, 2]}, num_samples=4, epochs=2)
     assert (bad.lost, bad.duplicated) == (1, 1)
     assert bad.per_epoch == {0: (0, 1), 1: (1, 0)}
     check = inv.check_exactly_once(bad)
@@ -33,7 +34,7 @@ def test_every_sample_exactly_once_counts_lost_and_duplicated_ids_per_epoch() ->
 
 
 def test_samples_of_an_epoch_past_the_last_or_out_of_range_ids_count_as_duplicated() -> None:
-    audit = inv.audit_samples({0: [0, 1, 7], 1: [0]}, num_samples=2, epochs=1)
+    audit = audit_samples({0: [0, 1, 7], 1: [0]}, num_samples=2, epochs=1)
     assert audit.duplicated == 2 and audit.lost == 0
     assert not inv.check_exactly_once(None).ok, "no ledger is a failure, not a pass"
 

@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from elastictrain.config import ElasticConfig, ScheduleConfig, TrainingConfig
+from elastictrain.ledger import SampleLedger, committed_samples
 from elastictrain.policy import ScaleRamp, batch_plan, lr_scale, schedule_factor
-from elastictrain.sampler import ExactlyOncePlanner, SampleLedger, SamplerState, committed_samples, shares
+from elastictrain.sampler import ExactlyOncePlanner, SamplerState, shares
 from elastictrain.state import CommittedState, Counters
 from elastictrain.step import Precision, train_step
 
@@ -256,7 +257,7 @@ def test_ledger_files_replay_in_the_order_rank0_was_held_even_when_the_later_hos
     second.record(3, 0, [33])
     second.close()
     assert committed_samples(tmp_path) == {0: [10, 20, 33]}
-    from elastictrain.sampler import ledger_files
+    from elastictrain.ledger import ledger_files
 
     assert ledger_files(tmp_path) == [first.path, second.path]
 

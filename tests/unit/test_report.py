@@ -10,6 +10,7 @@ import pytest
 
 from elastictrain.events import EVENTS_FILE
 from elastictrain.report import build_figure, kept_step_seconds, main, summarize
+from tests.fixtures.procs import dead_pid
 
 T0 = 1_000_000.0
 
@@ -200,3 +201,28 @@ def test_report_leaves_no_temp_file_in_the_run_dir(tmp_path: Path) -> None:
     write_events(run_dir, RUN_WITH_A_RESET)
     assert main(["--run-dir", str(run_dir), "--json"]) == 0
     assert sorted(p.name for p in run_dir.iterdir()) == [EVENTS_FILE, "report.json", "report.png"]
+
+
+def test_report_of_a_running_job_whose_processes_are_all_gone_says_stopped_no_live_process(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The events stop mid-run (everything SIGKILLed); launch.json names only dead pids of this host."""
+    import socket
+
+    run_dir = tmp_path / "run"
+    write_events(run_dir, RUN_WITH_A_RESET[:-1])  # no done: the events alone say running
+    dead = dead_pid()
+    launch = {"pid": dead, "host": socket.gethostname(), "agents": {"a": dead}, "create_times": {str(dead): 1.0}}
+    (run_dir / "launch.json").write_text(json.dumps(launch))
+    assert main(["--run-dir", str(run_dir), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["state"] == "stopped (no live process)" and summary["live"] is False
+    assert json.loads((run_dir / "report.json").read_text())["state"] == "stopped (no live process)"
+    assert main(["--run-dir", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "stopped (no live process)" in out and "no live process: pids" in out
+
+
+def test_report_of_a_finished_run_stays_done_when_bookkeeping_events_follow_done(tmp_path: Path) -> None:
+    closed = ev(61, "tracking_closed", 30, world_size=1, run_id="r", dropped=0)
+    assert summarize([*RUN_WITH_A_RESET, closed])["state"] == "done"

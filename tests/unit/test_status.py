@@ -11,6 +11,7 @@ import pytest
 
 from elastictrain.events import EVENTS_FILE
 from elastictrain.status import main, read_status
+from tests.fixtures.procs import dead_pid
 
 T0 = 1_000_000.0
 
@@ -160,16 +161,6 @@ def test_status_skips_a_well_formed_line_with_wrong_types_and_warns(
     assert warning.startswith("elastictrain status: warning: events.jsonl line 2: ts must be a finite number")
 
 
-def _dead_pid() -> int:
-    """The pid of a child that has exited and been reaped (so nothing answers to it now, barring reuse)."""
-    import subprocess
-    import sys
-
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
-
-
 def _write_launch(run_dir: Path, **fields: Any) -> None:
     (run_dir / "launch.json").write_text(json.dumps({"launch_id": "x", "job": "j", **fields}))
 
@@ -180,7 +171,7 @@ def test_a_running_run_whose_launch_pids_are_all_gone_is_stopped_no_live_process
     import socket
 
     run_dir = make_run_dir(tmp_path, checkpoint=False)
-    dead = _dead_pid()
+    dead = dead_pid()
     _write_launch(
         run_dir,
         pid=dead,
@@ -225,7 +216,7 @@ def test_a_running_run_with_a_live_launcher_stays_running(tmp_path: Path) -> Non
 
 def test_launch_json_from_another_host_leaves_liveness_unknown(tmp_path: Path) -> None:
     run_dir = make_run_dir(tmp_path, checkpoint=False)
-    dead = _dead_pid()
+    dead = dead_pid()
     _write_launch(run_dir, pid=dead, host="another-host.invalid", agents={}, create_times={str(dead): 1.0})
     st = read_status(run_dir, now=T0 + 81)
     assert st["state"] == "running" and st["live"] is None

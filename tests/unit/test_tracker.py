@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import uuid
 from pathlib import Path
@@ -177,6 +178,74 @@ def test_a_resumed_tracker_reads_the_high_water_marks_from_the_store(store: Fake
     resumed.close()
     assert store.points(first.run_id, "loss") == list(range(1, 26))
     assert store.points(first.run_id, "samples_per_sec") == list(range(13, 26))
+
+
+def test_a_new_rank0_backfills_the_run_log_points_a_killed_rank0_never_sent_once(
+    store: FakeStore, tmp_path: Path
+) -> None:
+    """Rank 0 sent loss up to step 10, then was SIGKILLed with steps 20 and 30 (and a checkpoint, a validation)
+    still in its flush window. events.jsonl has them; the next rank 0 (which resumed from the commit at 25
+    and re-ran step 30) must put each of them in the store exactly once."""
+    from elastictrain.events import EVENTS_FILE
+
+    killed = tracker(store, tmp_path)
+    for step in range(1, 11):
+        killed.log_metrics({"loss": 1.0 / step}, step=step)
+    killed.close(status=None)
+    run_id = killed.run_id
+
+    def metrics(ts: float, step: int, loss: float) -> dict:
+        fields = {"loss": loss, "lr": 0.1, "samples_per_sec": 50.0, "step_seconds": 0.2, "commit_seconds": 0.01}
+        return {"ts": ts, "event": "metrics", "step": step, "epoch": 0, "world_size": 2, "steps": 10, **fields}
+
+    log = [
+        {"ts": 100.0, "event": "start", "step": 0, "epoch": 0, "world_size": 2},
+        metrics(110.0, 10, 0.1),
+        metrics(120.0, 20, 0.05),
+        {"ts": 121.0, "event": "checkpoint", "step": 20, "epoch": 0, "world_size": 2, "stall_seconds": 0.3},
+        metrics(130.0, 30, 0.04),
+        {"ts": 131.0, "event": "epoch_end", "step": 30, "epoch": 0, "world_size": 2, "val_loss": 0.7,
+         "val_accuracy": None},
+        # the next rank 0: a failure, the reset at the commit of step 25, step 30 run again
+        {"ts": 132.0, "event": "failure", "step": 25, "epoch": 0, "world_size": 2, "reason": "worker_failed"},
+        {"ts": 135.0, "event": "reset", "step": 25, "epoch": 0, "world_size": 1, "recovery_seconds": 3.0},
+        metrics(140.0, 30, 0.045),
+    ]  # fmt: skip
+    (tmp_path / EVENTS_FILE).write_text("".join(json.dumps(e) + "\n" for e in log) + '{"ts": 141, "ev')
+
+    new = tracker(store, tmp_path)
+    new.log_metrics({"recovery_seconds": 3.0}, step=25)  # what it logs live meanwhile
+    new.log_metrics({"loss": 0.045}, step=30)
+    new.log_metrics({"loss": 0.03}, step=40)
+    assert new.wait_started(10) == run_id
+    new.close(status=None)
+    assert store.points(run_id, "loss") == [*range(1, 11), 20, 30, 40]
+    for key in ("lr", "samples_per_sec", "step_seconds", "commit_seconds", "world_size"):
+        assert store.points(run_id, key) == [10, 20, 30], key
+    assert store.points(run_id, "checkpoint_stall_seconds") == [20]
+    assert store.points(run_id, "val_loss") == [30] and store.points(run_id, "val_accuracy") == []
+    assert store.points(run_id, "recovery_seconds") == [25]
+    loss20 = next(p for p in store.runs[run_id]["metrics"] if p.key == "loss" and p.step == 20)
+    assert (loss20.value, loss20.timestamp_ms) == (0.05, 120_000)
+    loss30 = [p.value for p in store.runs[run_id]["metrics"] if p.key == "loss" and p.step == 30]
+    assert loss30 == [0.04], "the first value of a step wins, as when the sender was alive"
+    assert new.backfilled == 2 + 5 * 3 + 1 + 1 + 1 and new.dropped == 0
+
+    again = tracker(store, tmp_path)  # a later rank 0: everything is in the store already
+    assert again.wait_started(10) == run_id
+    again.close()
+    assert again.backfilled == 0
+    assert store.points(run_id, "loss") == [*range(1, 11), 20, 30, 40]
+
+
+def test_a_fresh_run_is_not_backfilled_from_an_old_run_log(store: FakeStore, tmp_path: Path) -> None:
+    from elastictrain.events import EVENTS_FILE
+
+    line = {"ts": 1.0, "event": "metrics", "step": 10, "epoch": 0, "world_size": 1, "loss": 1.0}
+    (tmp_path / EVENTS_FILE).write_text(json.dumps(line) + "\n")
+    t = tracker(store, tmp_path)
+    t.close()
+    assert store.points(t.run_id, "loss") == [] and t.backfilled == 0
 
 
 def test_params_are_logged_once_and_a_changed_value_becomes_a_tag(store: FakeStore, tmp_path: Path) -> None:
