@@ -49,7 +49,21 @@ from elastictrain.checkpoint.resume import META_KEY as RESUME_META_KEY
 from elastictrain.checkpoint.resume import check_resume_inputs
 from elastictrain.config import JobConfig
 from elastictrain.data import load_batches
-from elastictrain.events import NullEventLog, open_event_log
+from elastictrain.events import (
+    Commit,
+    Done,
+    EpochEnd,
+    EventSink,
+    Failure,
+    Metrics,
+    NullEventLog,
+    Reset,
+    Start,
+    Stopped,
+    TrackingClosed,
+    checkpoint_event,
+    open_event_log,
+)
 from elastictrain.ledger import SampleLedger
 from elastictrain.policy import ScaleRamp, batch_plan, lr_scale, schedule_factor, training_complete
 from elastictrain.progress import NullProgress, Progress, make_progress
@@ -364,7 +378,7 @@ class ElasticTrainer:
         self.config_hash = cfg.digest()
         self.stop_requested = False
         # Rank-0 services, created when this process first holds rank 0.
-        self.events: Any = NullEventLog()
+        self.events: EventSink = NullEventLog()
         self.tracker: Tracker = NullTracker()
         self.checkpointer: Checkpointer | None = None
         self.ledger: SampleLedger | None = None
@@ -525,11 +539,7 @@ class ElasticTrainer:
     def _on_checkpoint_event(self, name: str, fields: dict[str, Any]) -> None:
         c = self.counters
         self.events.emit(
-            name,
-            step=fields.get("step", c.step),
-            epoch=self.sampler.epoch,
-            world_size=self.ctx.size,
-            **{k: v for k, v in fields.items() if k not in ("step", "epoch", "world_size")},
+            checkpoint_event(name, fields, step=c.step, epoch=self.sampler.epoch, world_size=self.ctx.size)
         )
         if name == "checkpoint":
             self.tracker.log_metrics(
@@ -627,13 +637,14 @@ class ElasticTrainer:
         if self._pending_reset is not None:
             self._pending_reset["lost_steps"] = self.state.lost_steps
             self.events.emit(  # by whoever holds rank 0 now (the one that saw it may be dead), at its time
-                "failure",
-                step=c.step,
-                epoch=self.sampler.epoch,
-                world_size=self._pending_reset["old_size"],
-                ts=self._pending_reset["failure_ts"],
-                reason=self._pending_reset["reason"],
-                error=self.state.failure_error,
+                Failure(
+                    step=c.step,
+                    epoch=self.sampler.epoch,
+                    world_size=self._pending_reset["old_size"],
+                    ts=self._pending_reset["failure_ts"],
+                    reason=self._pending_reset["reason"],
+                    error=self.state.failure_error,
+                )
             )
         self.state.failure = None
         self.state.failure_error = ""
@@ -650,16 +661,17 @@ class ElasticTrainer:
         hosts = self._hosts = sorted(set(hvd.allgather_object(self.ctx.host)))  # a collective: every rank
         if starting:  # once per start of the job (fresh or resumed); a new rank 0 after a reset is a `reset`
             self.events.emit(
-                "start",
-                step=c.step,
-                epoch=self.sampler.epoch,
-                world_size=new_size,
-                hosts=hosts,
-                resumed_from_step=self.resumed_from,
-                resumed_world_size=self.resumed_world_size,
-                config_hash=self.config_hash,
-                run_id=self.tracker.run_id,
-                attempt=self.attempt,
+                Start(
+                    step=c.step,
+                    epoch=self.sampler.epoch,
+                    world_size=new_size,
+                    hosts=hosts,
+                    resumed_from_step=self.resumed_from,
+                    resumed_world_size=self.resumed_world_size,
+                    config_hash=self.config_hash,
+                    run_id=self.tracker.run_id,
+                    attempt=self.attempt,
+                )
             )
         log.info(
             "training",
@@ -771,13 +783,14 @@ class ElasticTrainer:
         self.counters.resets += 1
         hosts = self._hosts  # gathered by every rank in _after_sync: no collective on only some ranks
         self.events.emit(
-            "reset",
-            step=self.counters.step,
-            epoch=self.sampler.epoch,
-            world_size=self.ctx.size,
-            recovery_seconds=round(recovery, 3),
-            hosts=hosts,
-            **r,
+            Reset(
+                step=self.counters.step,
+                epoch=self.sampler.epoch,
+                world_size=self.ctx.size,
+                recovery_seconds=round(recovery, 3),
+                hosts=hosts,
+                **r,
+            )
         )
         self.tracker.log_metrics({"recovery_seconds": recovery}, step=self.counters.step)
         self.tracker.set_tags({"hosts": ",".join(hosts)})
@@ -799,12 +812,17 @@ class ElasticTrainer:
             "commit_seconds": self.state.last_commit_seconds,
         }
         self.events.emit(
-            "metrics",
-            step=c.step,
-            epoch=self.sampler.epoch,
-            world_size=self.ctx.size,
-            steps=m["steps"],
-            **{k: v for k, v in values.items() if k != "world_size"},
+            Metrics(
+                step=c.step,
+                epoch=self.sampler.epoch,
+                world_size=self.ctx.size,
+                steps=m["steps"],
+                loss=values["loss"],
+                lr=values["lr"],
+                samples_per_sec=values["samples_per_sec"],
+                step_seconds=values["step_seconds"],
+                commit_seconds=values["commit_seconds"],
+            )
         )
         self.tracker.log_metrics(values, step=c.step)
         self._last_loss = values["loss"]
@@ -830,11 +848,12 @@ class ElasticTrainer:
         self._write_ledger()
         state.save()
         self.events.emit(
-            "commit",
-            step=c.step,
-            epoch=self.sampler.epoch,
-            world_size=self.ctx.size,
-            commit_seconds=round(state.last_commit_seconds, 6),
+            Commit(
+                step=c.step,
+                epoch=self.sampler.epoch,
+                world_size=self.ctx.size,
+                commit_seconds=round(state.last_commit_seconds, 6),
+            )
         )
         if checkpoint:
             self._checkpoint()
@@ -901,12 +920,15 @@ class ElasticTrainer:
         val_loss, val_acc = val.get("val_loss"), val.get("val_accuracy")
         epoch = self.sampler.epoch
         self.events.emit(
-            "epoch_end",
-            step=self.counters.step,
-            epoch=epoch,
-            world_size=self.ctx.size,
-            epoch_seconds=round(time.perf_counter() - t0, 3),
-            **{"val_loss": val_loss, "val_accuracy": val_acc, **val},
+            EpochEnd(
+                step=self.counters.step,
+                epoch=epoch,
+                world_size=self.ctx.size,
+                epoch_seconds=round(time.perf_counter() - t0, 3),
+                val_loss=val_loss,
+                val_accuracy=val_acc,
+                val_metrics=val,
+            )
         )
         if val:
             self.tracker.log_metrics(val, step=self.counters.step)
@@ -929,13 +951,14 @@ class ElasticTrainer:
             if not checkpointed:
                 log.error("the final checkpoint could not be written", step=self.counters.step)
         self.events.emit(
-            "done",
-            step=self.counters.step,
-            epoch=self.sampler.epoch,
-            world_size=self.ctx.size,
-            final_loss=self._last_loss,
-            val_accuracy=getattr(self, "last_val_accuracy", None),
-            checkpointed=checkpointed,
+            Done(
+                step=self.counters.step,
+                epoch=self.sampler.epoch,
+                world_size=self.ctx.size,
+                final_loss=self._last_loss,
+                val_accuracy=getattr(self, "last_val_accuracy", None),
+                checkpointed=checkpointed,
+            )
         )
 
     def publish_report(self) -> None:
@@ -973,12 +996,13 @@ class ElasticTrainer:
         if self.tracker.dropped:
             log.warning("tracking points dropped", dropped=self.tracker.dropped)
         self.events.emit(
-            "tracking_closed",
-            step=self.counters.step,
-            epoch=self.sampler.epoch,
-            world_size=self.ctx.size,
-            run_id=self.tracker.run_id,
-            dropped=self.tracker.dropped,
+            TrackingClosed(
+                step=self.counters.step,
+                epoch=self.sampler.epoch,
+                world_size=self.ctx.size,
+                run_id=self.tracker.run_id,
+                dropped=self.tracker.dropped,
+            )
         )
         self.events.close()
 
@@ -999,12 +1023,13 @@ def run(cfg: JobConfig) -> int:
     except StopRequested:
         ok = trainer.checkpoint_last_commit()
         trainer.events.emit(
-            "stopped",
-            step=trainer.counters.step,
-            epoch=trainer.sampler.epoch,
-            world_size=trainer.ctx.size,
-            signal="SIGTERM",
-            checkpointed=ok,
+            Stopped(
+                step=trainer.counters.step,
+                epoch=trainer.sampler.epoch,
+                world_size=trainer.ctx.size,
+                signal="SIGTERM",
+                checkpointed=ok,
+            )
         )
         log.warning("stopped by SIGTERM", step=trainer.counters.step, checkpointed=ok)
         status = "KILLED"

@@ -1,27 +1,42 @@
-"""The run's event log: ``run_dir/events.jsonl``, one JSON object per line (format: docs/events.md).
+"""The run's event log, ``run_dir/events.jsonl``: event names, one frozen dataclass per event, writer, reader.
 
-Rank 0 owns an :class:`EventLog`; every other rank gets a :class:`NullEventLog` from
-:func:`open_event_log`, so the worker calls ``events.emit(...)`` without testing its rank.
+This module is the only place that knows the log's format (docs/events.md is generated from it by
+``scripts/gen_events_doc.py``; a unit test keeps the two equal). Everything that writes or reads the log
+goes through it:
 
-``emit`` serialises the line on the caller's thread (microseconds) and enqueues it; a background
-thread appends it with one ``write`` of the whole line, so the training thread never waits on the
-disk. ``close`` drains the queue and fsyncs. :func:`read_events` reads the file back for ``status``,
-``report`` and the chaos invariants.
+- **Names**: :class:`EventKind`. **Records**: a frozen dataclass per kind (:class:`Start`, :class:`Reset`, ...),
+  all with the common header ``ts``, ``step``, ``epoch``, ``world_size`` (:class:`Event`). Fields added after
+  a log was written are ``None`` when it is read back, so every kind-specific field is optional.
+- **Writer**: rank 0 owns an :class:`EventLog`; every other rank gets a :class:`NullEventLog` from
+  :func:`open_event_log`, so the worker calls ``events.emit(Reset(...))`` without testing its rank.
+  ``emit`` serialises the line on the caller's thread (:func:`encode`, microseconds) and enqueues it; a
+  background thread appends it with one ``write`` of the whole line, so the training thread never waits
+  on the disk. ``close`` drains the queue and fsyncs.
+- **Reader**: :func:`read_events` validates each untrusted line (:func:`parse_event`) and returns typed
+  events; :func:`lifecycle` and :func:`training_completed` answer the questions the launcher, ``status``
+  and the chaos checks ask of a log.
+
+Import-light on purpose (no torch): the launcher and ``status`` import it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import enum
 import json
 import math
 import os
 import queue
 import threading
 import time
+import types
+import typing
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from discovery.logconf import get_logger
 
@@ -30,12 +45,259 @@ EVENTS_FILE = "events.jsonl"
 log = get_logger("elastictrain.events")
 
 
+class EventKind(enum.StrEnum):
+    """The ``event`` value of a line: one per dataclass below."""
+
+    START = "start"
+    FAILURE = "failure"
+    RESET = "reset"
+    COMMIT = "commit"
+    METRICS = "metrics"
+    EPOCH_END = "epoch_end"
+    CHECKPOINT = "checkpoint"
+    CHECKPOINT_FAILED = "checkpoint_failed"
+    CHECKPOINT_SKIPPED = "checkpoint_skipped"
+    DONE = "done"
+    TRACKING_CLOSED = "tracking_closed"
+    STOPPED = "stopped"
+
+
+def _doc(text: str) -> Any:
+    """A kind-specific field: optional (``None`` when an older writer left it out), documented by ``text``."""
+    return field(default=None, metadata={"doc": text})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Event:
+    """The header every line has. Subclasses add their fields in the order they are written."""
+
+    KIND: ClassVar[EventKind]
+    WHEN: ClassVar[str]
+    step: int
+    """Global optimizer steps completed."""
+    epoch: int
+    """0-based epoch."""
+    world_size: int
+    """Workers in the job when the event was written."""
+    ts: float = field(default_factory=time.time)
+    """Unix seconds; taken when the event is built unless given (a ``failure`` written later gives its own)."""
+
+    @property
+    def name(self) -> str:
+        return self.KIND.value
+
+    def fields(self) -> dict[str, Any]:
+        """The kind-specific fields, in the order they are written."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _HEADER}
+
+    def to_record(self) -> dict[str, Any]:
+        """The JSON object of the line: ``ts``, ``event``, ``step``, ``epoch``, ``world_size``, then the fields."""
+        record: dict[str, Any] = {
+            "ts": self.ts,
+            "event": self.KIND.value,
+            "step": self.step,
+            "epoch": self.epoch,
+            "world_size": self.world_size,
+        }
+        record.update(self.fields())
+        return record
+
+
+_HEADER = ("ts", "step", "epoch", "world_size")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Start(Event):
+    KIND = EventKind.START
+    WHEN = (
+        "the job starts or resumes training (once per launch of the workers; a new rank 0 after a reset writes a"
+        " `reset`, not a `start`)"
+    )
+    hosts: list[str] | None = field(default=None, metadata={"doc": "list of host names"})
+    resumed_from_step: int | None = _doc("int or null")
+    resumed_world_size: int | None = _doc(
+        "the world size of the checkpoint resumed from, or null; a resume at another size is a `start`, never a `reset`"
+    )
+    config_hash: str | None = _doc("")
+    run_id: str | None = _doc(
+        "MLflow; at a job's start rank 0 waits up to `tracking.open_wait_seconds` for it, so it is null only when"
+        " tracking is off, the store did not answer in time, or this process became rank 0 in a reset"
+    )
+    attempt: int | None = _doc("launcher relaunch count, 0 first")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Failure(Event):
+    KIND = EventKind.FAILURE
+    WHEN = (
+        "a collective failed (HorovodInternalError) or a host change was announced; one per `reset`, just before"
+        " it. Written by the process that holds rank 0 after the recovery (the one that saw it may be dead), with"
+        " `ts` the failure's time (the failed step's start, or when the notice arrived) and `world_size` the size"
+        " before it"
+    )
+    reason: str | None = _doc("`worker_failed` \\| `hosts_removed` \\| `hosts_changed`")
+    error: str | None = _doc("first line of Horovod's error; empty for a notice")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Reset(Event):
+    KIND = EventKind.RESET
+    WHEN = "training continues after a membership change"
+    recovery_seconds: float | None = _doc("from the failure/notice to the first completed step at the new size")
+    hosts: list[str] | None = field(default=None, metadata={"doc": ""})
+    old_size: int | None = _doc("")
+    new_size: int | None = _doc("")
+    reason: str | None = _doc("as in `failure`")
+    lost_steps: int | None = _doc("optimizer steps rolled back to the last commit")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Commit(Event):
+    KIND = EventKind.COMMIT
+    WHEN = "an in-memory commit"
+    commit_seconds: float | None = _doc("")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Metrics(Event):
+    KIND = EventKind.METRICS
+    WHEN = "every `training.log_every_steps` steps"
+    steps: int | None = _doc("steps in the interval")
+    loss: float | None = _doc("")
+    lr: float | None = _doc("")
+    samples_per_sec: float | None = _doc("")
+    step_seconds: float | None = _doc("mean over the interval")
+    commit_seconds: float | None = _doc("the last in-memory commit's duration")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EpochEnd(Event):
+    KIND = EventKind.EPOCH_END
+    WHEN = "end of an epoch"
+    epoch_seconds: float | None = _doc("")
+    val_loss: float | None = _doc("null without validation")
+    val_accuracy: float | None = _doc("null without validation")
+    val_metrics: Mapping[str, float | None] = field(
+        default_factory=dict,
+        metadata={"doc": "the task's other validation metrics, one field each", "wire": "val_<name>"},
+    )
+    """Other ``val_*`` values keyed by their full field name; flattened into the line when written."""
+
+    def fields(self) -> dict[str, Any]:
+        out = {"epoch_seconds": self.epoch_seconds, "val_loss": self.val_loss, "val_accuracy": self.val_accuracy}
+        out.update((k, v) for k, v in self.val_metrics.items() if k not in out)
+        return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Checkpoint(Event):
+    KIND = EventKind.CHECKPOINT
+    WHEN = "a checkpoint became `latest`"
+    path: str | None = _doc("")
+    stall_seconds: float | None = _doc("training-thread stall")
+    write_seconds: float | None = _doc("")
+    total_seconds: float | None = _doc("from the save's start to `latest`")
+    bytes: int | None = _doc("size written")
+    pruned: list[str] | None = field(default=None, metadata={"doc": "older checkpoints removed"})
+    ok: bool | None = _doc("true")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointFailed(Event):
+    KIND = EventKind.CHECKPOINT_FAILED
+    WHEN = "a save failed"
+    error: str | None = _doc("")
+    stall_seconds: float | None = _doc("")
+    failures: int | None = _doc("count so far")
+    ok: bool | None = _doc("false")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointSkipped(Event):
+    KIND = EventKind.CHECKPOINT_SKIPPED
+    WHEN = "a save was due while the previous one was still writing; it is skipped"
+    in_flight_step: int | None = _doc("step of the save still writing")
+    skipped: int | None = _doc("count so far")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Done(Event):
+    KIND = EventKind.DONE
+    WHEN = "training complete"
+    final_loss: float | None = _doc("")
+    val_accuracy: float | None = _doc("")
+    checkpointed: bool | None = _doc(
+        "bool: the final checkpoint of the last commit was written; null when checkpoints are off"
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrackingClosed(Event):
+    KIND = EventKind.TRACKING_CLOSED
+    WHEN = "rank 0 closed its MLflow sender (end of the process)"
+    run_id: str | None = _doc("")
+    dropped: int | None = _doc("points that could not be sent: server slow or down")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Stopped(Event):
+    KIND = EventKind.STOPPED
+    WHEN = "a worker left before completion (SIGTERM)"
+    signal: str | None = _doc("")
+    checkpointed: bool | None = _doc("bool: the last commit was checkpointed; false when it could not be")
+
+
+EVENT_TYPES: dict[EventKind, type[Event]] = {
+    cls.KIND: cls
+    for cls in (
+        Start,
+        Failure,
+        Reset,
+        Commit,
+        Metrics,
+        EpochEnd,
+        Checkpoint,
+        CheckpointFailed,
+        CheckpointSkipped,
+        Done,
+        TrackingClosed,
+        Stopped,
+    )
+}
+"""Every event kind and its dataclass, in the order docs/events.md lists them."""
+
+E = TypeVar("E", bound=Event)
+
+_CHECKPOINTER_KINDS = (EventKind.CHECKPOINT, EventKind.CHECKPOINT_FAILED, EventKind.CHECKPOINT_SKIPPED)
+
+
+def checkpoint_event(name: str, fields: Mapping[str, Any], *, step: int, epoch: int, world_size: int) -> Event:
+    """The run-log event of a :class:`~elastictrain.checkpoint.Checkpointer` report ``on_event(name, fields)``:
+    at the save's ``step`` when the report names one (else ``step``), with the fields the event defines."""
+    kind = EventKind(name)
+    if kind not in _CHECKPOINTER_KINDS:
+        raise ValueError(f"{name!r} is not a checkpointer event ({', '.join(_CHECKPOINTER_KINDS)})")
+    cls = EVENT_TYPES[kind]
+    own = {f.name for f in dataclasses.fields(cls)} - set(_HEADER)
+    at = fields.get("step")
+    return cls(
+        step=at if isinstance(at, int) else step,
+        epoch=epoch,
+        world_size=world_size,
+        **{k: v for k, v in fields.items() if k in own},
+    )
+
+
+def of_kind(events: Iterable[Event], kind: type[E]) -> list[E]:
+    """The events of one kind, in order: ``of_kind(events, Reset)``."""
+    return [e for e in events if isinstance(e, kind)]
+
+
+# ------------------------------------------------------------------------------------------------ writer
 class EventSink(Protocol):
     """What the worker calls; :class:`EventLog` on rank 0, :class:`NullEventLog` elsewhere."""
 
-    def emit(
-        self, event: str, *, step: int, epoch: int, world_size: int, ts: float | None = None, **fields: Any
-    ) -> None: ...
+    def emit(self, event: Event) -> None: ...
 
     def flush(self, timeout: float | None = None) -> bool: ...
 
@@ -53,13 +315,9 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def encode_event(event: str, *, ts: float, step: int, epoch: int, world_size: int, fields: dict[str, Any]) -> bytes:
+def encode(event: Event) -> bytes:
     """One line of events.jsonl (with its newline). Unknown types are written as ``str(value)``."""
-    record: dict[str, Any] = {"ts": ts, "event": event, "step": step, "epoch": epoch, "world_size": world_size}
-    for key, value in fields.items():
-        if key in record:
-            raise ValueError(f"event field {key!r} is reserved (ts, event, step, epoch, world_size)")
-        record[key] = value
+    record = event.to_record()
     try:
         text = json.dumps(record, allow_nan=False, separators=(",", ":"), default=str)
     except ValueError:  # a NaN or inf somewhere (a diverged loss): write null instead
@@ -79,9 +337,8 @@ class EventLog:
     training never sees it.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        self._clock = clock
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._pending = 0
         self._cond = threading.Condition()
@@ -110,16 +367,12 @@ class EventLog:
         except OSError as e:  # pragma: no cover - unreadable file; appending still works
             log.warning("events_check_failed", path=str(self.path), error=str(e))
 
-    def emit(
-        self, event: str, *, step: int, epoch: int, world_size: int, ts: float | None = None, **fields: Any
-    ) -> None:
-        """Record ``event`` now (``ts`` is taken here, not when the line is written; pass ``ts`` for an event
-        that happened earlier, such as a failure written by the rank 0 that recovered from it)."""
-        when = self._clock() if ts is None else ts
-        line = encode_event(event, ts=when, step=step, epoch=epoch, world_size=world_size, fields=fields)
+    def emit(self, event: Event) -> None:
+        """Record ``event`` (its ``ts`` was taken when it was built, or given for an earlier happening)."""
+        line = encode(event)
         with self._cond:
             if self._closed:
-                log.debug("event_after_close", event_name=event)
+                log.debug("event_after_close", event_name=event.name)
                 return
             self._pending += 1
         self._queue.put(line)
@@ -178,9 +431,7 @@ def _close_at_exit(ref: weakref.ref[EventLog]) -> None:
 class NullEventLog:
     """The event log of ranks other than 0: every call does nothing."""
 
-    def emit(
-        self, event: str, *, step: int, epoch: int, world_size: int, ts: float | None = None, **fields: Any
-    ) -> None:
+    def emit(self, event: Event) -> None:
         pass
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -195,57 +446,172 @@ def open_event_log(run_dir: str | os.PathLike[str], rank: int) -> EventLog | Nul
     return EventLog(Path(run_dir) / EVENTS_FILE) if rank == 0 else NullEventLog()
 
 
-def event_problem(record: object) -> str | None:
-    """Why a parsed line is not a usable event, or None: ``event`` a string, ``ts`` a finite number,
-    and ``step``, ``epoch`` and ``world_size`` integers where present (the fields every reader uses)."""
+# ------------------------------------------------------------------------------------------------ reader
+class EventError(ValueError):
+    """A parsed line that is not a usable event; the message says why (one line)."""
+
+
+def _conforms(value: Any, tp: Any) -> bool:
+    """Whether a JSON value fits a field's annotation (int is never bool; float accepts int; finite only)."""
+    if tp is Any:
+        return True
+    if tp is type(None):
+        return value is None
+    origin = typing.get_origin(tp)
+    if origin in (types.UnionType, typing.Union):
+        return any(_conforms(value, arg) for arg in typing.get_args(tp))
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return isinstance(value, list) and all(_conforms(v, item) for v in value)
+    if origin in (dict, Mapping):
+        _, item = typing.get_args(tp)
+        return isinstance(value, dict) and all(_conforms(v, item) for v in value.values())
+    if isinstance(value, bool):
+        return tp is bool
+    if tp is float:
+        return isinstance(value, int | float) and math.isfinite(value)
+    return isinstance(value, tp)
+
+
+_HINTS: dict[type[Event], dict[str, Any]] = {
+    cls: {f.name: typing.get_type_hints(cls)[f.name] for f in dataclasses.fields(cls)} for cls in EVENT_TYPES.values()
+}
+
+
+def parse_event(record: object) -> Event:
+    """The typed event of one parsed line; raises :class:`EventError` naming the first problem.
+
+    Checked: a JSON object whose ``event`` is a known kind, ``ts`` a finite number, ``step``, ``epoch``,
+    ``world_size`` integers, and every kind-specific field of its documented type or null. Keys the kind
+    does not define are ignored (a newer writer's additions); ``val_*`` keys of an ``epoch_end`` are its
+    ``val_metrics``.
+    """
     if not isinstance(record, dict):
-        return "not a JSON object"
-    if not isinstance(record.get("event"), str):
-        return "event must be a string"
+        raise EventError("not a JSON object")
+    name = record.get("event")
+    if not isinstance(name, str):
+        raise EventError("event must be a string")
+    try:
+        cls = EVENT_TYPES[EventKind(name)]
+    except ValueError:
+        raise EventError(f"unknown event {ascii(name)[:40]}") from None
     ts = record.get("ts")
     if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts):
-        return f"ts must be a finite number, got {ascii(ts)[:40]}"
+        raise EventError(f"ts must be a finite number, got {ascii(ts)[:40]}")
+    values: dict[str, Any] = {"ts": float(ts)}
     for key in ("step", "epoch", "world_size"):
         value = record.get(key)
-        if key in record and (isinstance(value, bool) or not isinstance(value, int)):
-            return f"{key} must be an integer, got {ascii(value)[:40]}"
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise EventError(f"{key} must be an integer, got {ascii(value)[:40]}")
+        values[key] = value
+    hints = _HINTS[cls]
+    for key, tp in hints.items():
+        if key in values or key not in record:
+            continue
+        value = record[key]
+        if not _conforms(value, tp):
+            raise EventError(f"{name}.{key} has the wrong type: {ascii(value)[:40]}")
+        values[key] = float(value) if tp == float | None and isinstance(value, int) else value
+    if cls is EpochEnd:
+        extra = {k: v for k, v in record.items() if k.startswith("val_") and k not in hints}
+        if not _conforms(extra, hints["val_metrics"]):
+            raise EventError(f"{name}: a val_* field is not a number")
+        values["val_metrics"] = extra
+    return cls(**values)
+
+
+def event_problem(record: object) -> str | None:
+    """Why a parsed line is not a usable event (:func:`parse_event`), or None."""
+    try:
+        parse_event(record)
+    except EventError as e:
+        return str(e)
     return None
 
 
-def read_events(
-    path: str | os.PathLike[str], on_skip: Callable[[int, str], None] | None = None
-) -> list[dict[str, Any]]:
+def parse_events(lines: Iterable[bytes], on_skip: Callable[[int, str], None], *, first_line: int = 1) -> list[Event]:
+    """The events of complete lines (no torn tail), reporting each unusable one as ``on_skip(line, reason)``."""
+    events: list[Event] = []
+    for i, raw in enumerate(lines, start=first_line):
+        if not raw.strip():
+            continue
+        try:
+            events.append(parse_event(json.loads(raw)))
+        except (ValueError, UnicodeDecodeError) as e:
+            on_skip(i, str(e) if isinstance(e, EventError) else "not JSON")
+    return events
+
+
+def read_events(path: str | os.PathLike[str], on_skip: Callable[[int, str], None] | None = None) -> list[Event]:
     """Every well-formed event of ``path`` in file order.
 
     A line that does not parse (the final line of a writer that was killed mid-write, or a line an
     old writer left half-written before a relaunch) is skipped; one that is not the last is also
-    reported. A line that parses but has fields of the wrong type (:func:`event_problem`) is skipped
-    and always reported. ``on_skip(line_number, reason)`` receives each report (default: a
-    structlog warning). Raises ``FileNotFoundError`` when the file does not exist.
+    reported. A line that parses but is not a usable event (:func:`parse_event`) is skipped and always
+    reported. ``on_skip(line_number, reason)`` receives each report (default: a structlog warning).
+    Raises ``FileNotFoundError`` when the file does not exist.
     """
     if on_skip is None:
 
         def on_skip(line: int, reason: str) -> None:
             log.warning("events_malformed_line", path=str(path), line=line, reason=reason)
 
-    data = Path(path).read_bytes()
-    lines = data.split(b"\n")
-    events: list[dict[str, Any]] = []
-    last = len(lines) - 1
-    while last >= 0 and not lines[last].strip():
-        last -= 1
-    for i, raw in enumerate(lines):
-        if not raw.strip():
-            continue
-        try:
-            record = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            if i != last:
-                on_skip(i + 1, "not JSON")
-            continue
-        problem = event_problem(record)
-        if problem is not None:
-            on_skip(i + 1, problem)
-            continue
-        events.append(record)
+    lines = Path(path).read_bytes().split(b"\n")
+    while lines and not lines[-1].strip():
+        lines.pop()
+    events = parse_events(lines[:-1], on_skip)
+    if lines:  # the last line may be a torn write in progress: skipped silently when it is not JSON
+        report = on_skip
+
+        def tail_skip(line: int, reason: str) -> None:
+            if reason != "not JSON":
+                report(line, reason)
+
+        events += parse_events(lines[-1:], tail_skip, first_line=len(lines))
     return events
+
+
+# ------------------------------------------------------------------------------------------------ queries
+class Lifecycle(enum.StrEnum):
+    """Where a job stands by its log: the last ``start``/``done``/``stopped`` decides."""
+
+    NOT_STARTED = "not_started"
+    """No event at all."""
+    RUNNING = "running"
+    """The last lifecycle event is a ``start`` (or none yet): running, or crashed without a word."""
+    DONE = "done"
+    STOPPED = "stopped"
+
+
+_LIFECYCLE = {EventKind.START: Lifecycle.RUNNING, EventKind.DONE: Lifecycle.DONE, EventKind.STOPPED: Lifecycle.STOPPED}
+
+
+def lifecycle(events: Sequence[Event]) -> Lifecycle:
+    """The job's state by its log; events after the last lifecycle event (``tracking_closed``,
+    a ``failure`` with its ``reset``) do not change it."""
+    if not events:
+        return Lifecycle.NOT_STARTED
+    for e in reversed(events):
+        if e.KIND in _LIFECYCLE:
+            return _LIFECYCLE[e.KIND]
+    return Lifecycle.RUNNING
+
+
+def training_completed(events: Sequence[Event]) -> bool:
+    """Whether the log says training completed: its last lifecycle event is ``done``."""
+    return lifecycle(events) is Lifecycle.DONE
+
+
+# ------------------------------------------------------------------------------------------------ docs
+def markdown_table() -> str:
+    """The event table of docs/events.md, built from the dataclasses (``scripts/gen_events_doc.py``)."""
+    rows = ["| event | when | fields |", "|---|---|---|"]
+    for kind, cls in EVENT_TYPES.items():
+        parts = []
+        for f in dataclasses.fields(cls):
+            if f.name in _HEADER:
+                continue
+            doc = f.metadata.get("doc", "")
+            parts.append(f"`{f.metadata.get('wire', f.name)}`" + (f" ({doc})" if doc else ""))
+        rows.append(f"| `{kind.value}` | {cls.WHEN} | {', '.join(parts)} |")
+    return "\n".join(rows) + "\n"
