@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastictrain.audit import SampleAudit
+from elastictrain.events import Event, Metrics, Reset, Start, lifecycle, of_kind, training_completed
 
 LOSS_ABS_TOLERANCE = 0.1
 LOSS_REL_TOLERANCE = 0.1
@@ -36,18 +37,10 @@ class Check:
 
 
 # ---------------------------------------------------------------------------------------------- completion
-def last_lifecycle_event(events: Sequence[Mapping[str, Any]]) -> str | None:
-    last = None
-    for e in events:
-        if e.get("event") in ("start", "done", "stopped"):
-            last = e.get("event")
-    return last
-
-
-def check_completed(launcher_exit: int | None, events: Sequence[Mapping[str, Any]]) -> Check:
-    ended = last_lifecycle_event(events)
-    ok = launcher_exit == 0 and ended == "done"
-    return Check("job completed", ok, f"launcher exit {launcher_exit}, last lifecycle event {ended!r}", launcher_exit)
+def check_completed(launcher_exit: int | None, events: Sequence[Event]) -> Check:
+    ended = lifecycle(events)
+    ok = launcher_exit == 0 and training_completed(events)
+    return Check("job completed", ok, f"launcher exit {launcher_exit}, run log says {ended.value!r}", launcher_exit)
 
 
 # ---------------------------------------------------------------------------------------------- samples
@@ -62,11 +55,11 @@ def check_exactly_once(audit: SampleAudit | None) -> Check:
 
 
 # ---------------------------------------------------------------------------------------------- loss
-def final_loss(events: Sequence[Mapping[str, Any]]) -> tuple[int, float] | None:
+def final_loss(events: Sequence[Event]) -> tuple[int, float] | None:
     """(step, loss) of the last ``metrics`` event (``done.final_loss`` is not filled by the worker)."""
-    for e in reversed(events):
-        if e.get("event") == "metrics" and isinstance(e.get("loss"), int | float) and isinstance(e.get("step"), int):
-            return int(e["step"]), float(e["loss"])
+    for e in reversed(of_kind(events, Metrics)):
+        if e.loss is not None:
+            return e.step, e.loss
     return None
 
 
@@ -158,7 +151,7 @@ class Recovery:
     lost_steps: int | None
 
 
-def recoveries(faults: Sequence[Mapping[str, Any]], events: Sequence[Mapping[str, Any]]) -> list[Recovery]:
+def recoveries(faults: Sequence[Mapping[str, Any]], events: Sequence[Event]) -> list[Recovery]:
     """Match every fault with the first ``reset`` (or a relaunch ``start``) after it and before the next fault.
 
     Faults with no reset between them (two hosts killed at once) are one burst: each is matched with a reset
@@ -166,45 +159,37 @@ def recoveries(faults: Sequence[Mapping[str, Any]], events: Sequence[Mapping[str
     """
     hits = [f for f in faults if f.get("action") in FAULT_ACTIONS and "phase" not in f and "skipped" not in f]
     hits.sort(key=lambda f: float(f["ts"]))
-    recovered_at = sorted(
-        float(e.get("ts", 0))
-        for e in events
-        if e.get("event") == "reset" or (e.get("event") == "start" and e.get("resumed_from_step") is not None)
-    )
+    recovered_at = sorted(e.ts for e in events if isinstance(e, Reset) or _relaunch(e))
     out = []
     for f in hits:
         t = float(f["ts"])
         # Only faults that must cause a reset form bursts; an outage or a freeze keeps to its own window.
         first = next((ts for ts in recovered_at if ts >= t), math.inf) if f.get("action") in RESET_EXPECTED else t
         t_next = next((float(h["ts"]) for h in hits if float(h["ts"]) > max(t, first)), math.inf)
-        window = [e for e in events if t <= float(e.get("ts", 0)) < t_next]
+        window = [e for e in events if t <= e.ts < t_next]
         # A reset after the fault; else (the whole job went down) the relaunch's start from a checkpoint.
-        resets = [e for e in window if e.get("event") == "reset"]
+        resets = of_kind(window, Reset)
         # Prefer the reset the fault causes (a drain: hosts_removed), not a grow-back of an earlier fault.
         wanted = EXPECTED_REASONS.get(str(f.get("action")), ())
-        reset = next((e for e in resets if e.get("reason") in wanted), resets[0] if resets else None)
-        relaunch = next(
-            (e for e in window if e.get("event") == "start" and e.get("resumed_from_step") is not None), None
-        )
-        match = (relaunch or reset) if f.get("action") == "kill-job" else (reset or relaunch)
+        reset = next((e for e in resets if e.reason in wanted), resets[0] if resets else None)
+        relaunch = next((e for e in of_kind(window, Start) if _relaunch(e)), None)
+        match: Reset | Start | None = (relaunch or reset) if f.get("action") == "kill-job" else (reset or relaunch)
         if match is None:
             out.append(Recovery(str(f["action"]), t, None, None, None, None))
             continue
-        rec = match.get("recovery_seconds")
-        reason: str | None = match.get("reason")
-        if match.get("event") == "start":
-            rec, reason = float(match["ts"]) - t, "relaunch"
-        out.append(
-            Recovery(
-                str(f["action"]),
-                t,
-                reason,
-                float(rec) if isinstance(rec, int | float) else None,
-                float(match["ts"]) - t,
-                match.get("lost_steps") if isinstance(match.get("lost_steps"), int) else None,
-            )
-        )
+        rec: float | None
+        reason: str | None
+        if isinstance(match, Start):
+            rec, reason, lost = match.ts - t, "relaunch", None
+        else:
+            rec, reason, lost = match.recovery_seconds, match.reason, match.lost_steps
+        out.append(Recovery(str(f["action"]), t, reason, rec, match.ts - t, lost))
     return out
+
+
+def _relaunch(e: Event) -> bool:
+    """A ``start`` that resumed from a checkpoint (a relaunch after the whole job went down)."""
+    return isinstance(e, Start) and e.resumed_from_step is not None
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -253,7 +238,7 @@ RETURN_MARKERS = ("host-returns", "partition-host")
 """Chaos events after which a node is back: it booted again, or its partition ended (``phase: end``)."""
 
 
-def check_rejoined(faults: Sequence[Mapping[str, Any]], events: Sequence[Mapping[str, Any]]) -> Check:
+def check_rejoined(faults: Sequence[Mapping[str, Any]], events: Sequence[Event]) -> Check:
     """Multi-node tier: every node that came back after a fault is in the ring again (a later ``reset``
     lists it among its hosts), i.e. horovodrun started a worker on it over ssh."""
     name = "node rejoined the ring after it came back"
@@ -268,22 +253,13 @@ def check_rejoined(faults: Sequence[Mapping[str, Any]], events: Sequence[Mapping
         return Check(name, False, "no node came back (no host-returns or partition end recorded)")
     parts, ok = [], True
     for host, ts in sorted(back.items()):
-        rejoin = next(
-            (
-                e
-                for e in events
-                if e.get("event") == "reset" and float(e.get("ts", 0)) >= ts and host in (e.get("hosts") or [])
-            ),
-            None,
-        )
+        rejoin = next((e for e in of_kind(events, Reset) if e.ts >= ts and host in (e.hosts or [])), None)
         if rejoin is None:
             ok = False
             parts.append(f"{host}: not back in the ring")
         else:
-            late = float(rejoin["ts"]) - ts
-            parts.append(
-                f"{host}: in the ring {late:.1f}s later (step {rejoin.get('step')}, {rejoin.get('world_size')} workers)"
-            )
+            late = rejoin.ts - ts
+            parts.append(f"{host}: in the ring {late:.1f}s later (step {rejoin.step}, {rejoin.world_size} workers)")
     return Check(name, ok, "; ".join(parts))
 
 

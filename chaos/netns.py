@@ -56,6 +56,7 @@ import psutil
 from chaos import faults
 from chaos.procs import JobRef
 from chaos.scenarios import LAUNCH_FLAGS, Run, ScenarioError
+from elastictrain.events import Reset, of_kind
 
 SUBNET = "169.254.77.0/24"
 """Link-local: never routed beyond this machine. The tier's default subnet."""
@@ -777,7 +778,7 @@ class ClusterRun(Run):
 
     def wait_reset_after(self, ts: float, timeout: float = 90) -> None:
         self.wait_for(
-            lambda: any(e.get("event") == "reset" and float(e.get("ts", 0)) >= ts for e in self.events()),
+            lambda: any(e.ts >= ts for e in of_kind(self.events(), Reset)),
             timeout,
             "a reset after the fault",
         )

@@ -36,6 +36,7 @@ from chaos import faults
 from chaos import invariants as inv
 from chaos.procs import JobNotFound, JobRef, alive, environ, read_launch_state
 from elastictrain.audit import SampleAudit
+from elastictrain.events import EVENTS_FILE, Checkpoint, Commit, Event, Metrics, Reset, Start, of_kind, read_events
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -183,26 +184,29 @@ class Run:
         return self.exit_code
 
     # -- what the job wrote
-    def events(self) -> list[dict[str, Any]]:
-        return faults.read_chaos(self.run_dir / "events.jsonl")  # the same JSON-lines reader
+    def events(self) -> list[Event]:
+        try:
+            return read_events(self.run_dir / EVENTS_FILE, on_skip=lambda line, reason: None)
+        except FileNotFoundError:
+            return []
 
     def step(self) -> int:
-        return max((e.get("step", 0) for e in self.events() if isinstance(e.get("step"), int)), default=0)
+        return max((e.step for e in self.events()), default=0)
 
     def wait_step(self, step: int, timeout: float = 120) -> None:
         self.wait_for(lambda: self.step() >= step, timeout, f"step {step}")
 
     def world_size(self) -> int | None:
         for e in reversed(self.events()):
-            if e.get("event") in ("start", "reset", "metrics"):
-                return int(e["world_size"])
+            if isinstance(e, Start | Reset | Metrics):
+                return e.world_size
         return None
 
     def wait_world(self, size: int, timeout: float = 120) -> None:
         self.wait_for(lambda: self.world_size() == size, timeout, f"world size {size}")
 
     def checkpoint_steps(self) -> list[int]:
-        return [int(e["step"]) for e in self.events() if e.get("event") == "checkpoint"]
+        return [e.step for e in of_kind(self.events(), Checkpoint)]
 
     def victim_host(self) -> str:
         """A host whose worker is not rank 0 (so a host fault does not also hit the ledger writer)."""
@@ -350,7 +354,7 @@ def _kill_rank0_spare_writer(r: Run) -> None:
         r.wait_for(writer_gone, 20, f"writer {writer} to die with its trainer", interval=0.02)
         died = time.time() - killed_at
     # The new rank 0 checkpoints after the kill; then the old writer (if alive) may finish its older save.
-    r.wait_for(lambda: any(float(e["ts"]) > killed_at for e in r.events() if e.get("event") == "checkpoint"), 120,
+    r.wait_for(lambda: any(e.ts > killed_at for e in of_kind(r.events(), Checkpoint)), 120,
                "a checkpoint by the new rank 0")  # fmt: skip
     latest_path = r.run_dir / "checkpoints" / "latest"
     before = latest_path.read_text().strip()
@@ -390,7 +394,7 @@ def _agent_killed(r: Run) -> None:
     r.wait_step(20)
     host = r.victim_host()
     faults.kill_agent(r.job(), r.log, host)
-    r.wait_for(lambda: any(e.get("event") == "reset" for e in r.events()), 60, "the host to leave (lease expiry)")
+    r.wait_for(lambda: bool(of_kind(r.events(), Reset)), 60, "the host to leave (lease expiry)")
     r.restart_agent(host)
 
 
@@ -659,12 +663,12 @@ def check_run(
     )
 
 
-def check_trained_during(chaos_events: list[dict[str, Any]], events: list[dict[str, Any]], action: str) -> inv.Check:
+def check_trained_during(chaos_events: list[dict[str, Any]], events: Sequence[Event], action: str) -> inv.Check:
     start = next((f for f in chaos_events if f.get("action") == action and "phase" not in f), None)
     end = next((f for f in chaos_events if f.get("action") == action and f.get("phase") == "end"), None)
     if start is None or end is None:
         return inv.Check("training continued during the outage", False, "outage not recorded")
-    steps = [e["step"] for e in events if e.get("event") == "commit" and start["ts"] <= e["ts"] <= end["ts"]]
+    steps = [e.step for e in of_kind(events, Commit) if start["ts"] <= e.ts <= end["ts"]]
     ok = len(steps) >= 2 and max(steps) > min(steps)
     detail = f"commits at steps {min(steps)}..{max(steps)} during it" if steps else "no commit during it"
     return inv.Check("training continued during the outage", ok, detail)

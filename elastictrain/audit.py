@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from elastictrain.events import EVENTS_FILE, read_events
+from elastictrain.events import EVENTS_FILE, Lifecycle, lifecycle, read_events
 from elastictrain.ledger import LEDGER_DIR, LedgerError, read_ledger
 
 CONFIG_FILE = "config.yaml"  # the resolved config rank 0 writes into the run dir
@@ -178,8 +178,6 @@ def audit_run_dir(
 ) -> RunAudit:
     """Audit ``run_dir`` (rules in the module docstring). Raises :class:`AuditError` when it cannot be
     audited. ``num_samples`` overrides the ledger's; ``on_skip`` hears of unusable events.jsonl lines."""
-    from elastictrain.status import lifecycle_state
-
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise AuditError(f"--run-dir {run_dir}: not a directory")
@@ -202,14 +200,14 @@ def audit_run_dir(
         events = []
     except OSError as e:
         raise AuditError(f"{run_dir / EVENTS_FILE}: cannot read ({e.strerror})") from None
-    state = lifecycle_state(events)
+    state = lifecycle(events)
     newest = max(ledger.committed)
-    if (state == "done" and max_steps is None) or newest >= epochs:
+    if (state is Lifecycle.DONE and max_steps is None) or newest >= epochs:
         audit = audit_samples(ledger.committed, n, epochs, drop_last=bool(ledger.drop_last))
     else:  # stopped, running or cut short by max_steps: the newest epoch may be incomplete
         audit = audit_samples(ledger.committed, n, newest + 1, last_partial=True, drop_last=bool(ledger.drop_last))
     return RunAudit(
-        run_dir, audit, n, bool(ledger.drop_last), ledger.files, ledger.steps, ledger.torn_lines, epochs, state
+        run_dir, audit, n, bool(ledger.drop_last), ledger.files, ledger.steps, ledger.torn_lines, epochs, state.value
     )
 
 

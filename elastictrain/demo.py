@@ -32,7 +32,7 @@ from typing import Any
 import psutil
 
 from elastictrain.config import ConfigError, JobConfig, load_config
-from elastictrain.events import read_events
+from elastictrain.events import Commit, EpochEnd, Event, Reset, Start, of_kind, read_events
 from elastictrain.launch import LAUNCH_ID_ENV, STATE_FILE, is_worker, local_logical_hosts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,13 +60,13 @@ class Demo:
         print(f"[{time.monotonic() - self.t0:6.1f}s] {msg}", flush=True)
 
     # -- polling
-    def events(self) -> list[dict[str, Any]]:
+    def events(self) -> list[Event]:
         try:
             return read_events(self.events_path)
         except FileNotFoundError:
             return []
 
-    def wait_for(self, what: str, predicate: Callable[[list[dict[str, Any]]], Any], timeout: float) -> Any:
+    def wait_for(self, what: str, predicate: Callable[[list[Event]], Any], timeout: float) -> Any:
         deadline = time.monotonic() + timeout
         while True:
             value = predicate(self.events())
@@ -114,9 +114,9 @@ class Demo:
         with self.log_path.open("ab") as log:
             self.launcher = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=Path.cwd())
 
-    def world(self, evs: list[dict[str, Any]]) -> int | None:
-        sized = [e for e in evs if e.get("event") in ("start", "reset")]
-        return sized[-1]["world_size"] if sized else None
+    def world(self, evs: list[Event]) -> int | None:
+        sized = [e for e in evs if isinstance(e, Start | Reset)]
+        return sized[-1].world_size if sized else None
 
     def run(self) -> int:
         self.prepare()
@@ -124,7 +124,7 @@ class Demo:
         state = self.state()
         self.wait_for("start at 2 workers", lambda evs: self.world(evs) == 2, 90)
         self.say(f"training on 2 workers ({', '.join(self.hosts[:2])}); etcd {state['etcd']}")
-        self.wait_for("steps", lambda evs: max((e["step"] for e in evs), default=0) >= 15, 60)
+        self.wait_for("steps", lambda evs: max((e.step for e in evs), default=0) >= 15, 60)
 
         third = self.hosts[2]
         self.extra_agent = self._start_agent(state, third)
@@ -132,7 +132,7 @@ class Demo:
         self.wait_for("growth to 3 workers", lambda evs: self.world(evs) == 3, 90)
         self.say("grew to 3 workers")
         n = len(self.events())
-        self.wait_for("steps at 3 workers", lambda evs: sum(e["event"] == "commit" for e in evs[n:]) >= 2, 60)
+        self.wait_for("steps at 3 workers", lambda evs: len(of_kind(evs[n:], Commit)) >= 2, 60)
 
         victim_host = self.hosts[1]
         victim = self._worker_on(state["launch_id"], victim_host)
@@ -141,20 +141,20 @@ class Demo:
         self.say(f"fault 2/3: SIGKILL to the worker on {victim_host!r} (pid {victim.pid})")
         self.wait_for(
             "recovery from the killed worker",
-            lambda evs: any(e["event"] == "reset" and e.get("reason") == "worker_failed" for e in evs[n:]),
+            lambda evs: any(e.reason == "worker_failed" for e in of_kind(evs[n:], Reset)),
             120,
         )
         self.say("recovered at 2 workers; the killed host returns after its blacklist cooldown")
         self.wait_for("growth back to 3 workers", lambda evs: self.world(evs[n:]) == 3, 90)
         self.say("back at 3 workers")
         n = len(self.events())
-        self.wait_for("steps at 3 workers", lambda evs: sum(e["event"] == "commit" for e in evs[n:]) >= 2, 60)
+        self.wait_for("steps at 3 workers", lambda evs: len(of_kind(evs[n:], Commit)) >= 2, 60)
 
         self.extra_agent.send_signal(signal.SIGTERM)
         self.say(f"fault 3/3: host {third!r} drained (SIGTERM to its agent, like a spot-instance notice)")
         self.wait_for(
             "graceful shrink to 2 workers",
-            lambda evs: any(e["event"] == "reset" and e.get("new_size") == 2 for e in evs[n:]),
+            lambda evs: any(e.new_size == 2 for e in of_kind(evs[n:], Reset)),
             90,
         )
         self.say("shrank to 2 workers; training to the end")
@@ -218,8 +218,8 @@ class Demo:
 
         evs = self.events()
         s = summarize(evs)
-        epochs = [e for e in evs if e.get("event") == "epoch_end" and e.get("val_accuracy") is not None]
-        acc = epochs[-1]["val_accuracy"] if epochs else None
+        accs = [e.val_accuracy for e in of_kind(evs, EpochEnd) if e.val_accuracy is not None]
+        acc = accs[-1] if accs else None
         print()
         print("=" * 78)
         print(f"demo summary ({self.cfg.job}, run_dir {self.run_dir})")

@@ -70,6 +70,7 @@ from discovery.endpoints import EtcdAccess
 from discovery.fileio import write_atomic
 from discovery.record import READY, check_name
 from discovery.registry import EtcdRegistry, RegistryError, RegistryUnavailable
+from elastictrain import events as run_log
 from elastictrain.config import ConfigError, DiscoveryConfig, JobConfig, load_config
 from elastictrain.config_cli import report_config_error
 from elastictrain.lifeline import set_parent_death_signal
@@ -365,20 +366,11 @@ def decide_after_exit(
 
 
 def training_completed(events_path: Path) -> bool:
-    """Whether the last ``start``/``done``/``stopped`` event of ``events.jsonl`` is ``done``."""
-    last = None
+    """Whether ``events.jsonl`` says training completed (:func:`elastictrain.events.training_completed`)."""
     try:
-        with events_path.open("rb") as f:
-            for raw in f:
-                try:
-                    event = json.loads(raw).get("event")
-                except (ValueError, AttributeError):
-                    continue
-                if event in ("start", "done", "stopped"):
-                    last = event
+        return run_log.training_completed(run_log.read_events(events_path, on_skip=lambda line, reason: None))
     except OSError:
         return False
-    return last == "done"
 
 
 @dataclass(slots=True)

@@ -20,8 +20,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from discovery.fileio import atomic_file, write_atomic
-from elastictrain.events import EVENTS_FILE, read_events
-from elastictrain.status import checked_state, lifecycle_state
+from elastictrain.events import (
+    EVENTS_FILE,
+    Checkpoint,
+    CheckpointFailed,
+    Done,
+    Event,
+    EventKind,
+    Failure,
+    Metrics,
+    Reset,
+    Start,
+    lifecycle,
+    of_kind,
+    read_events,
+)
+from elastictrain.status import checked_state
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -30,15 +44,11 @@ REPORT_JSON = "report.json"
 REPORT_PNG = "report.png"
 # Vertical marks on the timeline: event -> (colour, line style, legend label).
 MARK_STYLES: dict[str, tuple[str, str, str]] = {
-    "start": ("tab:blue", "-", "start / relaunch"),
-    "failure": ("tab:red", "--", "failure"),
-    "reset": ("tab:orange", "-.", "reset"),
-    "checkpoint": ("tab:green", ":", "checkpoint"),
+    EventKind.START: ("tab:blue", "-", "start / relaunch"),
+    EventKind.FAILURE: ("tab:red", "--", "failure"),
+    EventKind.RESET: ("tab:orange", "-.", "reset"),
+    EventKind.CHECKPOINT: ("tab:green", ":", "checkpoint"),
 }
-
-
-def _num(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 def _stats(values: list[float]) -> dict[str, float | None]:
@@ -52,7 +62,7 @@ def _stats(values: list[float]) -> dict[str, float | None]:
     }
 
 
-def kept_step_seconds(events: Sequence[dict[str, Any]]) -> tuple[float, int]:
+def kept_step_seconds(events: Sequence[Event]) -> tuple[float, int]:
     """Productive seconds and re-run steps, from the ``metrics`` events alone.
 
     Each ``metrics`` event covers steps ``(step - steps, step]`` at ``step_seconds`` each. A later
@@ -61,11 +71,9 @@ def kept_step_seconds(events: Sequence[dict[str, Any]]) -> tuple[float, int]:
     """
     segments: list[tuple[int, int, float]] = []  # (first step exclusive, last step inclusive, seconds each)
     rerun = 0
-    for ev in events:
-        if ev.get("event") != "metrics":
-            continue
-        end, n, sec = ev.get("step"), ev.get("steps"), _num(ev.get("step_seconds"))
-        if not isinstance(end, int) or not isinstance(n, int) or n <= 0 or sec is None:
+    for ev in of_kind(events, Metrics):
+        end, n, sec = ev.step, ev.steps, ev.step_seconds
+        if n is None or n <= 0 or sec is None:
             continue
         lo = end - n
         kept: list[tuple[int, int, float]] = []
@@ -82,15 +90,15 @@ def kept_step_seconds(events: Sequence[dict[str, Any]]) -> tuple[float, int]:
     return sum((b - a) * s for a, b, s in segments), rerun
 
 
-def summarize(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def summarize(events: Sequence[Event]) -> dict[str, Any]:
     """The run's summary: goodput, recovery per reset, lost steps, checkpoint stall, marks (seconds
     since the first event) and the latest state. Pure: the same events give the same dict."""
     if not events:
         raise ValueError("no events")
-    t0 = next((e["ts"] for e in events if e.get("event") == "start"), events[0]["ts"])
-    dones = [e for e in events if e.get("event") == "done"]
-    t_end = dones[-1]["ts"] if dones else events[-1]["ts"]
-    wall = max(0.0, float(t_end) - float(t0))
+    t0 = next((e.ts for e in of_kind(events, Start)), events[0].ts)
+    dones = of_kind(events, Done)
+    t_end = dones[-1].ts if dones else events[-1].ts
+    wall = max(0.0, t_end - t0)
     productive, rerun = kept_step_seconds(events)
 
     marks: dict[str, list[float]] = {kind: [] for kind in MARK_STYLES}
@@ -102,70 +110,69 @@ def summarize(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
     checkpoint_failures = 0
     last_failure_ts: float | None = None
     max_step = -1
-    last_metrics: dict[str, Any] | None = None
+    last_metrics: Metrics | None = None
     starts = 0
     last_attempt: Any = None
     for ev in events:
-        kind, ts = ev.get("event"), float(ev["ts"])
+        ts = ev.ts
         t = ts - t0
-        step = ev.get("step")
-        if kind in marks:
-            marks[kind].append(t)
-        if kind == "start":
+        step = ev.step
+        if ev.KIND in marks:
+            marks[ev.KIND].append(t)
+        if isinstance(ev, Start):
             starts += 1
-            resumed = ev.get("resumed_from_step")
-            attempt = ev.get("attempt")
+            resumed = ev.resumed_from_step
+            attempt = ev.attempt
             # A relaunch is a new launcher attempt; a new rank-0 process within one attempt is not.
             new_attempt = attempt != last_attempt if attempt is not None else isinstance(resumed, int)
             last_attempt = attempt
             if starts > 1 and new_attempt:
                 lost = max(0, max_step - resumed) if isinstance(resumed, int) else max(0, max_step)
                 relaunches.append({"t": t, "resumed_from_step": resumed, "lost_steps": lost})
-        elif kind == "failure":
+        elif isinstance(ev, Failure):
             last_failure_ts = ts
-            failures.append({"t": t, "step": step, "reason": ev.get("reason"), "error": ev.get("error")})
-        elif kind == "reset":
-            recovery = _num(ev.get("recovery_seconds"))
+            failures.append({"t": t, "step": step, "reason": ev.reason, "error": ev.error})
+        elif isinstance(ev, Reset):
+            recovery = ev.recovery_seconds
             if recovery is None and last_failure_ts is not None:
                 recovery = ts - last_failure_ts
             resets.append(
                 {
                     "t": t,
                     "step": step,
-                    "reason": ev.get("reason"),
-                    "old_size": ev.get("old_size"),
-                    "new_size": ev.get("new_size", ev.get("world_size")),
+                    "reason": ev.reason,
+                    "old_size": ev.old_size,
+                    "new_size": ev.world_size if ev.new_size is None else ev.new_size,
                     "recovery_seconds": recovery,
-                    "lost_steps": ev.get("lost_steps") if isinstance(ev.get("lost_steps"), int) else 0,
+                    "lost_steps": ev.lost_steps or 0,
                 }
             )
             last_failure_ts = None
-        elif kind == "checkpoint":
-            if (s := _num(ev.get("stall_seconds"))) is not None:
-                stalls.append(s)
-            if (w := _num(ev.get("write_seconds"))) is not None:
-                writes.append(w)
-        elif kind == "checkpoint_failed":
+        elif isinstance(ev, Checkpoint):
+            if ev.stall_seconds is not None:
+                stalls.append(ev.stall_seconds)
+            if ev.write_seconds is not None:
+                writes.append(ev.write_seconds)
+        elif isinstance(ev, CheckpointFailed):
             checkpoint_failures += 1
-        elif kind == "metrics":
+        elif isinstance(ev, Metrics):
             last_metrics = ev
-        if isinstance(step, int):
-            max_step = max(max_step, step)
+        max_step = max(max_step, step)
 
     last = events[-1]
-    throughput = [v for e in events if e.get("event") == "metrics" if (v := _num(e.get("samples_per_sec")))]
+    throughput = [e.samples_per_sec for e in of_kind(events, Metrics) if e.samples_per_sec]
     recoveries = [r["recovery_seconds"] for r in resets if r["recovery_seconds"] is not None]
     lost_by_resets = sum(r["lost_steps"] for r in resets)
     lost_by_relaunch = sum(r["lost_steps"] for r in relaunches)
     return {
-        "state": lifecycle_state(events),
-        "step": last.get("step"),
-        "epoch": last.get("epoch"),
-        "world_size": last.get("world_size"),
+        "state": lifecycle(events).value,
+        "step": last.step,
+        "epoch": last.epoch,
+        "world_size": last.world_size,
         "wall_seconds": wall,
         "productive_seconds": productive,
         "goodput": productive / wall if wall > 0 else None,
-        "final_loss": dones[-1].get("final_loss") if dones else (last_metrics or {}).get("loss"),
+        "final_loss": dones[-1].final_loss if dones else last_metrics.loss if last_metrics else None,
         "starts": starts,
         "failures": failures,
         "resets": resets,
@@ -185,11 +192,11 @@ def summarize(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "mean": statistics.fmean(throughput) if throughput else None,
             "last": throughput[-1] if throughput else None,
         },
-        "marks": marks,
+        "marks": {str(k): v for k, v in marks.items()},
     }
 
 
-def build_figure(events: Sequence[dict[str, Any]], summary: dict[str, Any] | None = None) -> Figure:
+def build_figure(events: Sequence[Event], summary: dict[str, Any] | None = None) -> Figure:
     """The timeline: world size, samples/s and loss against minutes since start, with marks.
 
     Every mark is an ``axvline`` whose gid is ``mark-<kind>`` (kind as in :data:`MARK_STYLES`), drawn
@@ -199,23 +206,23 @@ def build_figure(events: Sequence[dict[str, Any]], summary: dict[str, Any] | Non
     from matplotlib.figure import Figure
 
     summary = summary if summary is not None else summarize(events)
-    t0 = next((float(e["ts"]) for e in events if e.get("event") == "start"), float(events[0]["ts"]))
+    t0 = next((e.ts for e in of_kind(events, Start)), events[0].ts)
 
-    def minutes(e: dict[str, Any]) -> float:
-        return (float(e["ts"]) - t0) / 60.0
+    def minutes(e: Event) -> float:
+        return (e.ts - t0) / 60.0
 
-    sized = [e for e in events if isinstance(e.get("world_size"), int)]
-    metrics = [e for e in events if e.get("event") == "metrics"]
+    sized = list(events)
+    metrics = of_kind(events, Metrics)
     fig = Figure(figsize=(11, 7.5), layout="constrained")
     FigureCanvasAgg(fig)
     ax_ws, ax_tp, ax_loss = fig.subplots(3, 1, sharex=True)
-    ax_ws.step([minutes(e) for e in sized], [e["world_size"] for e in sized], where="post", color="black")
+    ax_ws.step([minutes(e) for e in sized], [e.world_size for e in sized], where="post", color="black")
     ax_ws.set_ylabel("world size")
     ax_ws.set_ylim(bottom=0)
-    tp = [(minutes(e), v) for e in metrics if (v := _num(e.get("samples_per_sec"))) is not None]
+    tp = [(minutes(e), v) for e in metrics if (v := e.samples_per_sec) is not None]
     ax_tp.plot([x for x, _ in tp], [y for _, y in tp], marker=".", color="tab:purple")
     ax_tp.set_ylabel("samples/s")
-    loss = [(minutes(e), v) for e in metrics if (v := _num(e.get("loss"))) is not None]
+    loss = [(minutes(e), v) for e in metrics if (v := e.loss) is not None]
     ax_loss.plot([x for x, _ in loss], [y for _, y in loss], marker=".", color="tab:brown")
     ax_loss.set_ylabel("loss")
     ax_loss.set_xlabel("minutes since start")
@@ -297,7 +304,7 @@ def format_table(summary: dict[str, Any]) -> str:
 def report(
     run_dir: str | os.PathLike[str],
     out: str | os.PathLike[str] | None = None,
-    events: Sequence[dict[str, Any]] | None = None,
+    events: Sequence[Event] | None = None,
 ) -> dict[str, Any]:
     """Write ``report.png`` (or ``out``) and ``report.json`` for ``run_dir``; return the summary.
     ``events``: the run's events when already read (default: read ``events.jsonl``)."""

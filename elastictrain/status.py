@@ -26,7 +26,18 @@ from typing import Any
 
 import psutil
 
-from elastictrain.events import EVENTS_FILE, read_events
+from elastictrain.events import (
+    EVENTS_FILE,
+    Checkpoint,
+    Event,
+    Failure,
+    Lifecycle,
+    Metrics,
+    Reset,
+    Start,
+    lifecycle,
+    read_events,
+)
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
@@ -106,28 +117,19 @@ def launch_liveness(run_dir: Path) -> tuple[bool | None, str]:
     return False, f"no live process: pids {', '.join(map(str, pids)) or '-'} in {LAUNCH_FILE} are gone"
 
 
-def lifecycle_state(events: Sequence[dict[str, Any]]) -> str:
-    """``not_started`` (no event), else the last lifecycle event: ``done``, ``stopped`` or ``running`` (after
-    a ``start``, or when no lifecycle event is there yet). ``tracking_closed`` and the like may follow ``done``."""
-    if not events:
-        return "not_started"
-    lifecycle = next((e for e in reversed(events) if e.get("event") in ("start", "done", "stopped")), events[-1])
-    return {"done": "done", "stopped": "stopped"}.get(str(lifecycle.get("event")), "running")
-
-
 def checked_state(state: str, run_dir: Path) -> tuple[str, bool | None, str | None]:
     """(state, live, liveness): a ``running`` state checked against ``launch.json`` (:func:`launch_liveness`);
     ``stopped (no live process)`` when none of its processes is alive. Other states are returned as they are."""
-    if state != "running":
+    if state != Lifecycle.RUNNING:
         return state, None, None
     live, why = launch_liveness(run_dir)
     return (NO_LIVE_PROCESS if live is False else state), live, why
 
 
-def summarize_status(events: Sequence[dict[str, Any]], checkpoint: dict[str, Any] | None, now: float) -> dict[str, Any]:
+def summarize_status(events: Sequence[Event], checkpoint: dict[str, Any] | None, now: float) -> dict[str, Any]:
     """The status dict from events (oldest first), the latest checkpoint (or None) and the time."""
     out: dict[str, Any] = {
-        "state": "not_started",
+        "state": Lifecycle.NOT_STARTED.value,
         "step": None,
         "epoch": None,
         "world_size": None,
@@ -140,52 +142,46 @@ def summarize_status(events: Sequence[dict[str, Any]], checkpoint: dict[str, Any
         "resets": [],
         "checkpoint": checkpoint,
     }
-    last_ckpt_event: dict[str, Any] | None = None
+    last_ckpt_event: Checkpoint | None = None
     for ev in events:
-        kind = ev.get("event")
-        if kind in ("start", "reset") and isinstance(ev.get("hosts"), list):
-            out["hosts"] = [str(h) for h in ev["hosts"]]
-        if kind == "start":
+        if isinstance(ev, Start | Reset) and ev.hosts is not None:
+            out["hosts"] = list(ev.hosts)
+        if isinstance(ev, Start):
             out["attempts"] += 1
-        elif kind == "failure":
+        elif isinstance(ev, Failure):
             out["failures"] += 1
-        elif kind == "reset":
+        elif isinstance(ev, Reset):
             out["resets"].append(
                 {
-                    "ts": ev.get("ts"),
-                    "step": ev.get("step"),
-                    "reason": ev.get("reason"),
-                    "old_size": ev.get("old_size"),
-                    "new_size": ev.get("new_size", ev.get("world_size")),
-                    "recovery_seconds": ev.get("recovery_seconds"),
-                    "lost_steps": ev.get("lost_steps"),
+                    "ts": ev.ts,
+                    "step": ev.step,
+                    "reason": ev.reason,
+                    "old_size": ev.old_size,
+                    "new_size": ev.world_size if ev.new_size is None else ev.new_size,
+                    "recovery_seconds": ev.recovery_seconds,
+                    "lost_steps": ev.lost_steps,
                 }
             )
-        elif kind == "metrics":
-            out["samples_per_sec"] = ev.get("samples_per_sec")
-            out["loss"] = ev.get("loss")
-        elif kind == "checkpoint":
+        elif isinstance(ev, Metrics):
+            out["samples_per_sec"] = ev.samples_per_sec
+            out["loss"] = ev.loss
+        elif isinstance(ev, Checkpoint):
             last_ckpt_event = ev
     if events:
         last = events[-1]
-        out["step"], out["epoch"], out["world_size"] = last.get("step"), last.get("epoch"), last.get("world_size")
-        ts = last.get("ts")
-        out["last_event"] = {
-            "event": last.get("event"),
-            "ts": ts,
-            "age_seconds": max(0.0, now - float(ts)) if isinstance(ts, int | float) else None,
-        }
-        out["state"] = lifecycle_state(events)
+        out["step"], out["epoch"], out["world_size"] = last.step, last.epoch, last.world_size
+        out["last_event"] = {"event": last.name, "ts": last.ts, "age_seconds": max(0.0, now - last.ts)}
+        out["state"] = lifecycle(events).value
     if out["checkpoint"] is None and last_ckpt_event is not None:  # no checkpoints/ folder readable here
-        ts = last_ckpt_event.get("ts")
+        e = last_ckpt_event
         out["checkpoint"] = {
-            "name": Path(str(last_ckpt_event.get("path", ""))).name or None,
-            "path": last_ckpt_event.get("path"),
-            "step": last_ckpt_event.get("step"),
-            "epoch": last_ckpt_event.get("epoch"),
-            "world_size": last_ckpt_event.get("world_size"),
-            "created_at": ts,
-            "age_seconds": max(0.0, now - float(ts)) if isinstance(ts, int | float) else None,
+            "name": Path(e.path or "").name or None,
+            "path": e.path,
+            "step": e.step,
+            "epoch": e.epoch,
+            "world_size": e.world_size,
+            "created_at": e.ts,
+            "age_seconds": max(0.0, now - e.ts),
             "source": "events",
         }
     return out

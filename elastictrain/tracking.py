@@ -31,7 +31,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from discovery import fileio
 from discovery.fileio import temp_path
 from discovery.logconf import get_logger
-from elastictrain.events import EVENTS_FILE, read_events
+from elastictrain.events import EVENTS_FILE, Checkpoint, EpochEnd, Event, Metrics, Reset, read_events
 
 if TYPE_CHECKING:
     from elastictrain.config import JobConfig
@@ -301,36 +301,33 @@ def _number(value: Any) -> float | None:
     return float(value)
 
 
-def event_metrics(event: Mapping[str, Any]) -> dict[str, float]:
+def event_metrics(event: Event) -> dict[str, float]:
     """The MLflow metrics the worker logs with a run-log event, at the event's ``step``: a ``metrics`` event's
     :data:`METRICS_EVENT_FIELDS`, an ``epoch_end``'s ``val_*`` values, a ``checkpoint``'s ``stall_seconds``
     (as ``checkpoint_stall_seconds``) and a ``reset``'s ``recovery_seconds``. Non-numbers are left out."""
-    kind = event.get("event")
-    if kind == "metrics":
-        raw = {k: event.get(k) for k in METRICS_EVENT_FIELDS}
-    elif kind == "epoch_end":
-        raw = {k: v for k, v in event.items() if k.startswith("val_")}
-    elif kind == "checkpoint":
-        raw = {"checkpoint_stall_seconds": event.get("stall_seconds")}
-    elif kind == "reset":
-        raw = {"recovery_seconds": event.get("recovery_seconds")}
+    raw: dict[str, Any]
+    if isinstance(event, Metrics):
+        raw = {k: getattr(event, k) for k in METRICS_EVENT_FIELDS}
+    elif isinstance(event, EpochEnd):
+        raw = {k: v for k, v in event.fields().items() if k.startswith("val_")}
+    elif isinstance(event, Checkpoint):
+        raw = {"checkpoint_stall_seconds": event.stall_seconds}
+    elif isinstance(event, Reset):
+        raw = {"recovery_seconds": event.recovery_seconds}
     else:
         return {}
     return {k: n for k, v in raw.items() if (n := _number(v)) is not None}
 
 
-def backfill_points(events: list[dict[str, Any]], high_water: dict[str, int]) -> list[MetricPoint]:
+def backfill_points(events: Sequence[Event], high_water: dict[str, int]) -> list[MetricPoint]:
     """The points of ``events`` (the run log, oldest first) that a sender starting from ``high_water`` would
     have sent: per metric, a point whose step is above every step sent before it. Updates ``high_water``."""
     points: list[MetricPoint] = []
     for e in events:
-        step = e.get("step")
-        if not isinstance(step, int) or isinstance(step, bool):
-            continue
         for key, value in event_metrics(e).items():
-            if step > high_water.get(key, -1):
-                high_water[key] = step
-                points.append(MetricPoint(key, value, int(float(e["ts"]) * 1000), step))
+            if e.step > high_water.get(key, -1):
+                high_water[key] = e.step
+                points.append(MetricPoint(key, value, int(e.ts * 1000), e.step))
     return points
 
 

@@ -236,9 +236,11 @@ def test_host_watch_counts_vanished_and_reregistered_hosts_as_lost_but_not_drain
 def test_training_completed_reads_the_last_lifecycle_event(tmp_path: Path) -> None:
     p = tmp_path / "events.jsonl"
     assert not training_completed(p)
-    p.write_text('{"event": "start"}\n{"event": "done"}\n{"event": "checkpoint"}\n')
+    head = '"step": 1, "epoch": 0, "world_size": 2'
+    start, done = (f'{{"ts": 1, "event": "{kind}", {head}}}\n' for kind in ("start", "done"))
+    p.write_text(start + done + f'{{"ts": 2, "event": "tracking_closed", {head}}}\n')
     assert training_completed(p)
-    p.write_text('{"event": "done"}\n{"event": "start"}\n{"torn')
+    p.write_text(done + start + '{"torn')
     assert not training_completed(p)
 
 
