@@ -74,6 +74,7 @@ from elastictrain import events as run_log
 from elastictrain.config import ConfigError, DiscoveryConfig, JobConfig, load_config
 from elastictrain.config_cli import report_config_error
 from elastictrain.lifeline import set_parent_death_signal
+from elastictrain.live_view import LiveView
 
 PROG = "elastictrain launch"
 REPO = Path(__file__).resolve().parents[1]
@@ -152,6 +153,9 @@ class LaunchOptions:
     """After SIGTERM to the workers: how long they may take (rank 0 checkpoints) before SIGKILL."""
     drain_grace_seconds: float = 10.0
     """Of the embedded agents: seconds between SIGTERM (draining) and revoking the lease."""
+    status_every_seconds: float = 30.0
+    """Live view (:mod:`elastictrain.live_view`): a JSON status line this often when stdout is not a terminal
+    (on a terminal one line is rewritten every second); 0 turns it off."""
 
     def __post_init__(self) -> None:
         if self.min_np < 1:
@@ -166,6 +170,7 @@ class LaunchOptions:
         if self.max_relaunches < 0:
             raise LaunchError(f"--max-relaunches must be >= 0, got {self.max_relaunches}")
         for name, value in (
+            ("--status-every", self.status_every_seconds),
             ("--wait-hosts-seconds", self.wait_hosts_seconds),
             ("--stop-timeout", self.stop_timeout_seconds),
             ("--drain-grace", self.drain_grace_seconds),
@@ -664,8 +669,11 @@ class Launcher:
         self.cfg = cfg
         self.horovodrun = list(horovodrun)
         self.etcd_binary = etcd_binary
-        self.out = out or (lambda line: print(f"{PROG}: {line}", flush=True))
         self.run_dir = cfg.run_path.resolve()
+        t = cfg.training
+        self.live = LiveView(self.run_dir / "events.jsonl", sys.stdout, every_seconds=opts.status_every_seconds,
+                             epochs=t.epochs, max_steps=t.max_steps)  # fmt: skip
+        self.out = self.live.around(out or (lambda line: print(f"{PROG}: {line}", flush=True)))
         self.tracker = ProcessTracker()
         self.launch_id = uuid.uuid4().hex
         self.stop_signal: int | None = None
@@ -693,6 +701,7 @@ class Launcher:
         try:
             return self._supervise()
         finally:
+            self.live.close()
             self.shutdown()
 
     def _supervise(self) -> int:
@@ -949,6 +958,7 @@ class Launcher:
                     _terminate(self.hvd_proc)
                     break
                 next_poll = now + REGISTRY_POLL_SECONDS
+            self.live.tick()
             time.sleep(POLL_SECONDS)
         rc = self.hvd_proc.wait() if self.hvd_proc.poll() is not None else -1
         # Nothing of this attempt may outlive it (a worker stuck in a rendezvous, a checkpoint writer).
@@ -1096,6 +1106,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="start workers from a warm process per host (embedded agents keep one), so a scale-up waits for no "
         "interpreter start; hosts without one start workers cold",
     )
+    p.add_argument(
+        "--status-every",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="live view: a JSON status line every S seconds when stdout is not a terminal; 0: off (30)",
+    )
     etcd_endpoints.add_arguments(p)  # --cacert --cert --key --user --password-file, for --etcd
     return p
 
@@ -1174,6 +1191,7 @@ def parse(argv: Sequence[str]) -> tuple[LaunchOptions, JobConfig]:
         stop_timeout_seconds=args.stop_timeout,
         drain_grace_seconds=args.drain_grace,
         hot_join=args.hot_join,
+        status_every_seconds=args.status_every,
     )
     if opts.embedded and len(hosts) < opts.min_np:
         raise LaunchError(
