@@ -6,10 +6,11 @@ from chaos import faults
 from chaos import invariants as inv
 from chaos.scenarios import config_hash, soak_schedule
 from elastictrain.audit import audit_samples
+from elastictrain.events import Event, parse_event
 
 
-def ev(ts: float, event: str, step: int = 0, **fields: object) -> dict[str, object]:
-    return {"ts": ts, "event": event, "step": step, "epoch": 0, "world_size": 3, **fields}
+def ev(ts: float, event: str, step: int = 0, **fields: object) -> Event:
+    return parse_event({"ts": ts, "event": event, "step": step, "epoch": 0, "world_size": 3, **fields})
 
 
 def test_a_job_is_complete_only_when_the_launcher_exits_0_and_the_last_lifecycle_event_is_done() -> None:

@@ -9,6 +9,7 @@ import torch
 from elastictrain.checkpoint import load_latest
 from elastictrain.config import JobConfig
 from elastictrain.elastic import ElasticTrainer
+from elastictrain.events import Done
 from tests.fixtures.trainer import GatedStorage, trainer
 
 
@@ -42,8 +43,8 @@ def test_the_end_of_a_job_after_a_skipped_periodic_save_writes_the_final_checkpo
     _skip_a_periodic_save_of(trainer, storage)
     trainer._finish(SimpleNamespace(save=lambda: None))
     assert storage.get_latest() == "step-00000007"
-    done = [f for e, f in trainer.events.emitted if e == "done"]
-    assert len(done) == 1 and done[0]["checkpointed"] is True
+    done = trainer.events.of(Done)
+    assert len(done) == 1 and done[0].checkpointed is True
     trainer.checkpointer.close()
 
 
@@ -53,8 +54,8 @@ def test_a_final_checkpoint_that_cannot_be_written_is_reported_not_claimed(tmp_p
     storage.fail = True
     assert trainer.checkpoint_last_commit() is False
     trainer._finish(SimpleNamespace(save=lambda: None))
-    done = [f for e, f in trainer.events.emitted if e == "done"]
-    assert done[0]["checkpointed"] is False
+    done = trainer.events.of(Done)
+    assert done[0].checkpointed is False
     assert storage.get_latest() is None
     storage.fail = False  # a later attempt (the disk has room again) writes it
     assert trainer.checkpoint_last_commit() is True and storage.get_latest() == "step-00000009"

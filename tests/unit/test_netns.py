@@ -8,6 +8,7 @@ from chaos import invariants as inv
 from chaos import netns
 from chaos.scenarios import SCENARIOS, base_config
 from elastictrain.config import DiscoveryConfig
+from elastictrain.events import Event, parse_event
 from elastictrain.launch import agent_command, ssh_runs_train
 
 
@@ -135,8 +136,8 @@ def test_partitions_must_be_followed_by_a_reset_that_drops_the_node() -> None:
     assert set(inv.EXPECTED_REASONS["partition-host"]) == {"hosts_removed", "worker_failed"}
 
 
-def ev(ts: float, event: str, **fields: object) -> dict[str, object]:
-    return {"ts": ts, "event": event, "step": int(ts), "world_size": 3, **fields}
+def ev(ts: float, event: str, **fields: object) -> Event:
+    return parse_event({"ts": ts, "event": event, "step": int(ts), "epoch": 0, "world_size": 3, **fields})
 
 
 def test_a_node_counts_as_rejoined_only_in_a_reset_after_it_came_back() -> None:

@@ -8,15 +8,15 @@ from typing import Any
 
 import pytest
 
-from elastictrain.events import EVENTS_FILE
+from elastictrain.events import EVENTS_FILE, Event, encode, parse_event
 from elastictrain.report import build_figure, kept_step_seconds, main, summarize
 from tests.fixtures.procs import dead_pid
 
 T0 = 1_000_000.0
 
 
-def ev(t: float, event: str, step: int, world_size: int = 2, epoch: int = 0, **fields: Any) -> dict[str, Any]:
-    return {"ts": T0 + t, "event": event, "step": step, "epoch": epoch, "world_size": world_size, **fields}
+def ev(t: float, event: str, step: int, world_size: int = 2, epoch: int = 0, **fields: Any) -> Event:
+    return parse_event({"ts": T0 + t, "event": event, "step": step, "epoch": epoch, "world_size": world_size, **fields})
 
 
 # Two workers, one dies at t=25 (step 25; steps 21..25 never logged); the commit was at step 20.
@@ -130,9 +130,11 @@ def test_the_timeline_draws_every_mark_on_each_of_its_three_axes() -> None:
     assert fig.get_suptitle() == "goodput 66.7% · 1 resets · 5 lost steps"
 
 
-def write_events(run_dir: Path, events: list[dict[str, Any]], tail: str = "") -> None:
+def write_events(run_dir: Path, events: list[Event | dict[str, Any]], tail: str = "") -> None:
+    """``events`` as lines: typed events as the writer encodes them, dicts as they are (damaged lines)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / EVENTS_FILE).write_text("".join(json.dumps(e) + "\n" for e in events) + tail)
+    lines = [encode(e).decode() if isinstance(e, Event) else json.dumps(e) + "\n" for e in events]
+    (run_dir / EVENTS_FILE).write_text("".join(lines) + tail)
 
 
 def test_report_command_writes_a_png_and_report_json_and_prints_the_table(
