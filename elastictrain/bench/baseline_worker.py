@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.utils.data import default_collate
 
 from elastictrain.config import JobConfig, load_config
-from elastictrain.events import EventLog, NullEventLog, open_event_log
+from elastictrain.events import Done, Event, EventLog, Metrics, NullEventLog, Reset, Start, open_event_log
 from elastictrain.task import build_task
 
 
@@ -39,11 +39,11 @@ class _Events:
         self.cfg = cfg
         self.log: EventLog | NullEventLog = NullEventLog()
 
-    def emit(self, event: str, **fields: Any) -> None:
+    def emit(self, event: Event) -> None:
         if hvd.rank() == 0 and isinstance(self.log, NullEventLog):
             self.log = open_event_log(self.cfg.run_path, 0)
         if hvd.rank() == 0:
-            self.log.emit(event, **fields)
+            self.log.emit(event)
             self.log.flush(timeout=5)
 
     def close(self) -> None:
@@ -116,14 +116,15 @@ class _Meter:
         total = hvd.allreduce(local, op=hvd.Sum, name="metrics").tolist()
         now = time.perf_counter()
         events.emit(
-            "metrics",
-            step=step,
-            epoch=epoch,
-            world_size=hvd.size(),
-            steps=self.steps,
-            loss=total[1] / max(1, hvd.size() * self.steps),
-            samples_per_sec=total[0] / max(1e-9, now - self.t_last),
-            step_seconds=self.step_seconds / max(1, self.steps),
+            Metrics(
+                step=step,
+                epoch=epoch,
+                world_size=hvd.size(),
+                steps=self.steps,
+                loss=total[1] / max(1, hvd.size() * self.steps),
+                samples_per_sec=total[0] / max(1e-9, now - self.t_last),
+                step_seconds=self.step_seconds / max(1, self.steps),
+            )
         )
         self.reset()
         self.t_last = now
@@ -139,7 +140,7 @@ def run_plain(cfg: JobConfig) -> int:
     rank, size = hvd.rank(), hvd.size()
     steps_per_epoch = len(train_set) // (bs * size)
     max_steps = t.max_steps or steps_per_epoch * t.epochs
-    events.emit("start", step=0, epoch=0, world_size=size, hosts=[], resumed_from_step=None)
+    events.emit(Start(step=0, epoch=0, world_size=size, hosts=[], resumed_from_step=None))
     meter, step, epoch = _Meter(), 0, 0
     while step < max_steps:
         order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(t.seed + epoch)).tolist()
@@ -158,7 +159,7 @@ def run_plain(cfg: JobConfig) -> int:
             if step % t.log_every_steps == 0:
                 meter.log(events, step, epoch)
         epoch += 1
-    events.emit("done", step=step, epoch=epoch, world_size=size)
+    events.emit(Done(step=step, epoch=epoch, world_size=size))
     events.close()
     return 0
 
@@ -183,7 +184,7 @@ def run_stock_elastic(cfg: JobConfig) -> int:
 
     @hvd.elastic.run
     def train(state: Any) -> None:
-        events.emit("start", step=state.step, epoch=state.epoch, world_size=hvd.size(), hosts=[])
+        events.emit(Start(step=state.step, epoch=state.epoch, world_size=hvd.size(), hosts=[]))
         seen["old_size"] = hvd.size()
         while state.epoch < t.epochs:
             for batch_idx, (x, y) in enumerate(loader):
@@ -200,12 +201,14 @@ def run_stock_elastic(cfg: JobConfig) -> int:
                 if seen["pending"] is not None:
                     pending, seen["pending"] = seen["pending"], None
                     events.emit(
-                        "reset",
-                        step=state.step,
-                        epoch=state.epoch,
-                        world_size=hvd.size(),
-                        new_size=hvd.size(),
-                        **pending,
+                        Reset(
+                            step=state.step,
+                            epoch=state.epoch,
+                            world_size=hvd.size(),
+                            new_size=hvd.size(),
+                            lost_steps=pending["lost_steps"],
+                            old_size=pending["old_size"],
+                        )
                     )
                 if state.step % t.log_every_steps == 0:
                     meter.log(events, state.step, state.epoch)
@@ -216,7 +219,7 @@ def run_stock_elastic(cfg: JobConfig) -> int:
             state.commit()
 
     train(state)
-    events.emit("done", step=state.step, epoch=state.epoch, world_size=hvd.size())
+    events.emit(Done(step=state.step, epoch=state.epoch, world_size=hvd.size()))
     events.close()
     return 0
 

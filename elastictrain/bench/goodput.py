@@ -25,12 +25,14 @@ import random
 import signal
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from elastictrain.bench.core import BenchContext, Goal, Metric, Result, threads_per_worker
 from elastictrain.bench.jobs import ElasticJob, logical_hosts
 from elastictrain.bench.procs import BenchError
+from elastictrain.events import Event, Metrics, Reset, Start, of_kind
 
 NAME = "goodput"
 GOAL = Goal(">=", 0.85)
@@ -54,24 +56,24 @@ def job_config(run_dir: Path) -> dict[str, Any]:
     }
 
 
-def own_goodput(events: list[dict[str, Any]], kills: list[float], t0: float, t_end: float) -> dict[str, Any]:
+def own_goodput(events: Sequence[Event], kills: list[float], t0: float, t_end: float) -> dict[str, Any]:
     """Goodput from the kill times and the ``reset`` events (see the module docstring)."""
-    resets = [e for e in events if e["event"] == "reset" and t0 <= e["ts"] <= t_end]
-    steps = [e["step_seconds"] for e in events if e["event"] == "metrics" and t0 <= e["ts"] <= t_end]
+    resets = [e for e in of_kind(events, Reset) if t0 <= e.ts <= t_end]
+    steps = [e.step_seconds for e in of_kind(events, Metrics) if t0 <= e.ts <= t_end and e.step_seconds is not None]
     step_s = statistics.median(steps) if steps else 0.0
     down = 0.0
     used: set[int] = set()
     for k in kills:
-        nxt = next((i for i, e in enumerate(resets) if e["ts"] >= k and i not in used), None)
+        nxt = next((i for i, e in enumerate(resets) if e.ts >= k and i not in used), None)
         if nxt is None:
             down += t_end - k  # not recovered within the window
             continue
         used.add(nxt)
-        down += resets[nxt]["ts"] - k
+        down += resets[nxt].ts - k
     for i, e in enumerate(resets):
         if i not in used:
-            down += float(e.get("recovery_seconds") or 0.0)
-    lost = sum(int(e.get("lost_steps") or 0) for e in resets)
+            down += e.recovery_seconds or 0.0
+    lost = sum(e.lost_steps or 0 for e in resets)
     wall = t_end - t0
     return {
         "goodput": max(0.0, wall - down - lost * step_s) / wall,
@@ -105,8 +107,8 @@ def run(ctx: BenchContext) -> Result:
     kills: list[dict[str, Any]] = []
     try:
         job.start()
-        start = job.wait_event(lambda e: e["event"] == "start", 240, what="the first start event")
-        t0 = start["ts"]
+        start = job.wait_event(Start, lambda e: True, 240, what="the first start event")
+        t0 = start.ts
         t_end = t0 + window
         ctx.progress(f"job started; {window:.0f} s window, a SIGKILL every {every:.0f} s")
         next_kill = t0 + every
@@ -124,7 +126,7 @@ def run(ctx: BenchContext) -> Result:
             if job.proc is not None and job.proc.poll() is not None:
                 raise BenchError(f"the job ended during the window (exit {job.proc.returncode}):\n{job.tail(20)}")
             time.sleep(0.2)
-        events = [e for e in job.events() if e["ts"] <= t_end]
+        events = [e for e in job.events() if e.ts <= t_end]
     finally:
         job.close()
     s = summarize(events)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from elastictrain.bench.procs import BenchError, kill_tree, wait_until
+from elastictrain.events import Done, Reset, Start
 
 DEVICE = "cuda"
 """The device of the jobs of the checks (a CPU run of the job checks sets ``cpu`` to try their logic)."""
@@ -80,11 +81,11 @@ def check_fp16_resume(work: Path) -> str:
         rc = second.start().wait(300)
         if rc != 0:
             raise BenchError(f"the resumed job exited {rc}: {second.tail(1)}")
-        starts = second.events("start")
+        starts = second.events(Start)
     finally:
         second.close()
-    if not starts or starts[-1].get("resumed_from_step") != ckpt.step:
-        raise BenchError(f"resumed from {starts[-1].get('resumed_from_step') if starts else None}, not {ckpt.step}")
+    if not starts or starts[-1].resumed_from_step != ckpt.step:
+        raise BenchError(f"resumed from {starts[-1].resumed_from_step if starts else None}, not {ckpt.step}")
     return f"killed after step {ckpt.step}, resumed there on {DEVICE} and finished"
 
 
@@ -100,15 +101,15 @@ def check_shared_gpu_kill(work: Path) -> str:
         rc = job.wait(300)
         if rc != 0:
             raise BenchError(f"job exited {rc} after the SIGKILL: {job.tail(1)}")
-        done, resets = job.events("done"), job.events("reset")
+        done, resets = job.events(Done), job.events(Reset)
     finally:
         job.close()
     if not done or not resets:
         raise BenchError(f"{len(done)} done and {len(resets)} reset events after the SIGKILL (1 and >= 1 expected)")
     r = resets[0]
     return (
-        f"rank 1 SIGKILLed; reset {r['old_size']}->{r['new_size']} in {r['recovery_seconds']:.1f}s, "
-        f"finished at step {done[-1]['step']}"
+        f"rank 1 SIGKILLed; reset {r.old_size}->{r.new_size} in {r.recovery_seconds or 0.0:.1f}s, "
+        f"finished at step {done[-1].step}"
     )
 
 

@@ -19,12 +19,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, overload
 
 import psutil
 import yaml
 
 from elastictrain.bench.procs import BIN_DIR, BenchError, kill_tree, wait_until
+from elastictrain.events import E, Event, of_kind, read_events
 
 
 def logical_hosts() -> list[str]:
@@ -158,12 +159,22 @@ class ElasticJob:
             raise BenchError("the job was not started")
         return self.proc
 
-    def events(self, name: str | None = None) -> list[dict[str, Any]]:
-        evs = read_jsonl(self.events_path)
-        return [e for e in evs if name is None or e["event"] == name]
+    @overload
+    def events(self) -> list[Event]: ...
+
+    @overload
+    def events(self, kind: type[E]) -> list[E]: ...
+
+    def events(self, kind: type[Event] = Event) -> list[Any]:
+        """The run log's events (only those of ``kind`` when given); [] before the file exists."""
+        try:
+            evs = read_events(self.events_path, on_skip=lambda line, reason: None)
+        except FileNotFoundError:
+            return []
+        return of_kind(evs, kind)
 
     def step(self) -> int:
-        return max((e["step"] for e in self.events()), default=0)
+        return max((e.step for e in self.events()), default=0)
 
     def wait_step(self, step: int, timeout: float = 120) -> None:
         proc = self._running()
@@ -175,14 +186,15 @@ class ElasticJob:
         if proc.poll() is not None:
             raise BenchError(f"job ended early (exit {proc.returncode}):\n{self.tail()}")
 
-    def wait_event(self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 120, what: str = "") -> dict:
+    def wait_event(self, kind: type[E], predicate: Callable[[E], bool], timeout: float = 120, what: str = "") -> E:
+        """The first event of ``kind`` that satisfies ``predicate``, waiting for it up to ``timeout`` seconds."""
         proc = self._running()
 
-        def find() -> dict | None:
-            return next((e for e in self.events() if predicate(e)), None)
+        def find() -> E | None:
+            return next((e for e in of_kind(self.events(), kind) if predicate(e)), None)
 
         found = wait_until(lambda: find() or proc.poll() is not None, timeout, what=what or "an event")
-        if not isinstance(found, dict):
+        if not isinstance(found, kind):
             raise BenchError(f"job ended before {what or 'the event'} (exit {proc.returncode}):\n{self.tail()}")
         return found
 

@@ -31,6 +31,7 @@ import psutil
 from elastictrain.bench.core import BenchContext, Goal, Metric, Result, summary
 from elastictrain.bench.jobs import ElasticJob, logical_hosts
 from elastictrain.bench.procs import BenchError, wait_until
+from elastictrain.events import Reset, Start
 
 NAME = "kill_distribution"
 GOAL_P95 = Goal("<=", 2.0)
@@ -70,8 +71,10 @@ def current_rank0(job: ElasticJob) -> psutil.Process:
 
 def _size_now(job: ElasticJob) -> int | None:
     for e in reversed(job.events()):
-        if e["event"] in ("reset", "start"):
-            return e.get("new_size", e.get("world_size"))
+        if isinstance(e, Reset) and e.new_size is not None:
+            return e.new_size
+        if isinstance(e, Reset | Start):
+            return e.world_size
     return None
 
 
@@ -98,15 +101,13 @@ def kill_once(job: ElasticJob, kind: str, rng: random.Random) -> dict[str, Any]:
     for p in victims:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.send_signal(signal.SIGKILL)
-    reset = job.wait_event(
-        lambda e: e["event"] == "reset" and e["ts"] >= t_kill, timeout=4 * GLOO_TIMEOUT_SECONDS, what="a reset"
-    )
+    reset = job.wait_event(Reset, lambda e: e.ts >= t_kill, timeout=4 * GLOO_TIMEOUT_SECONDS, what="a reset")
     return {
         "kind": kind,
-        "seconds": reset["ts"] - t_kill,
-        "new_size": reset.get("new_size"),
-        "lost_steps": reset.get("lost_steps"),
-        "worker_recovery_seconds": reset.get("recovery_seconds"),
+        "seconds": reset.ts - t_kill,
+        "new_size": reset.new_size,
+        "lost_steps": reset.lost_steps,
+        "worker_recovery_seconds": reset.recovery_seconds,
     }
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from elastictrain.bench.core import BenchContext, Goal, Metric, Result, alternate, summary, threads_per_worker
 from elastictrain.bench.jobs import HOROVODRUN, STOCK_HOROVODRUN, ElasticJob, logical_hosts, train_command
+from elastictrain.events import Reset
 
 NAME = "recovery"
 GOAL_KILL = Goal("<=", 5.0)
@@ -53,22 +54,23 @@ def stock_command(cfg_path: Path) -> list[str]:
     return [sys.executable, "-m", "elastictrain.bench.baseline_worker", "stock-elastic", "--config", str(cfg_path)]
 
 
-def _reset_after(job: ElasticJob, ts: float, new_size: int, timeout: float) -> dict[str, Any]:
+def _reset_after(job: ElasticJob, ts: float, new_size: int, timeout: float) -> Reset:
     return job.wait_event(
-        lambda e: e["event"] == "reset" and e["ts"] >= ts and e.get("new_size") == new_size,
+        Reset,
+        lambda e: e.ts >= ts and e.new_size == new_size,
         timeout,
         what=f"the first step at {new_size} workers",
     )
 
 
-def _outcome(reset: dict[str, Any], t_fault: float) -> dict[str, Any]:
+def _outcome(reset: Reset, t_fault: float) -> dict[str, Any]:
     """Seconds from the fault to the first step at the new size, steps rolled back, and (elastictrain only)
     the worker's own ``recovery_seconds`` (from the failure or host notice it saw)."""
     return {
-        "seconds": reset["ts"] - t_fault,
-        "lost_steps": reset.get("lost_steps"),
-        "step": reset["step"],
-        "worker_recovery_seconds": reset.get("recovery_seconds"),
+        "seconds": reset.ts - t_fault,
+        "lost_steps": reset.lost_steps,
+        "step": reset.step,
+        "worker_recovery_seconds": reset.recovery_seconds,
     }
 
 
@@ -101,7 +103,7 @@ def trial(
         reset = _reset_after(job, t_kill, 2, timeout=4 * GLOO_TIMEOUT_SECONDS)
         kill = _outcome(reset, t_kill)
         log(f"SIGKILL: {kill['seconds']:.2f} s to the first step at 2 workers, {kill['lost_steps']} steps rolled back")
-        job.wait_step(reset["step"] + 10, timeout=120)
+        job.wait_step(reset.step + 10, timeout=120)
         drained = job.worker(rank=1).environ()["HOROVOD_HOSTNAME"]
         t_drain = time.time()
         job.set_hosts([h for h in job.hosts if h != drained])

@@ -14,14 +14,16 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from elastictrain.bench.core import threads_per_worker
-from elastictrain.bench.jobs import ElasticJob, logical_hosts, read_jsonl
+from elastictrain.bench.jobs import ElasticJob, logical_hosts
 from elastictrain.bench.procs import BIN_DIR, BenchError, TreeCpuMonitor, kill_tree
+from elastictrain.events import EVENTS_FILE, Checkpoint, Commit, Event, Metrics, of_kind, read_events
 
 WARMUP_STEPS = 20
 """Steps excluded from throughput: process start, first allocations, MLflow run creation."""
@@ -48,24 +50,24 @@ def merge_config(cfg: dict[str, Any], overrides: dict[str, Any] | None) -> dict[
     return out
 
 
-def steady_throughput(events: list[dict[str, Any]], *, batch: int, warmup_steps: int = WARMUP_STEPS) -> dict[str, Any]:
+def steady_throughput(events: Sequence[Event], *, batch: int, warmup_steps: int = WARMUP_STEPS) -> dict[str, Any]:
     """Samples/s from the ``metrics`` events after ``warmup_steps``: samples between the first and the last
     such event over the time between them (commits and checkpoints inside the window count), plus the
     median of the per-interval ``samples_per_sec``."""
-    metrics = [e for e in events if e.get("event") == "metrics" and e["step"] > warmup_steps]
+    metrics = [e for e in of_kind(events, Metrics) if e.step > warmup_steps]
     if len(metrics) < 2:
         raise BenchError(f"fewer than 2 metrics events after step {warmup_steps}: the run was too short")
     first, last = metrics[0], metrics[-1]
-    ws = last["world_size"]
-    samples = (last["step"] - first["step"]) * batch * ws
-    seconds = last["ts"] - first["ts"]
+    ws = last.world_size
+    samples = (last.step - first.step) * batch * ws
+    seconds = last.ts - first.ts
     return {
         "samples_per_sec": samples / seconds,
-        "interval_median_samples_per_sec": statistics.median(e["samples_per_sec"] for e in metrics[1:]),
-        "step_seconds_median": statistics.median(e["step_seconds"] for e in metrics[1:]),
-        "steps_measured": last["step"] - first["step"],
+        "interval_median_samples_per_sec": statistics.median(e.samples_per_sec or 0.0 for e in metrics[1:]),
+        "step_seconds_median": statistics.median(e.step_seconds or 0.0 for e in metrics[1:]),
+        "steps_measured": last.step - first.step,
         "seconds_measured": seconds,
-        "window_ts": [first["ts"], last["ts"]],
+        "window_ts": [first.ts, last.ts],
         "world_size": ws,
     }
 
@@ -116,8 +118,8 @@ def run_elastictrain(
             monitor.stop()
         job.close()
     out = add_cpu_usage(steady_throughput(events, batch=cfg["data"].get("batch_size", 32)), monitor)
-    out["commit_seconds"] = [e["commit_seconds"] for e in events if e["event"] == "commit" and e["step"] > 0]
-    out["checkpoint_stall_seconds"] = [e["stall_seconds"] for e in events if e["event"] == "checkpoint"]
+    out["commit_seconds"] = [e.commit_seconds for e in of_kind(events, Commit) if e.step > 0]
+    out["checkpoint_stall_seconds"] = [e.stall_seconds for e in of_kind(events, Checkpoint)]
     out["wall_seconds"] = time.monotonic() - t0
     return out
 
@@ -162,7 +164,7 @@ def run_plain_horovod(
         tail = "\n".join((workdir / "horovodrun.log").read_text(errors="replace").splitlines()[-20:])
         raise BenchError(f"plain Horovod loop {'timed out' if rc is None else f'exited {rc}'}:\n{tail}")
     out = add_cpu_usage(
-        steady_throughput(read_jsonl(workdir / "run" / "events.jsonl"), batch=cfg["data"].get("batch_size", 32)),
+        steady_throughput(read_events(workdir / "run" / EVENTS_FILE), batch=cfg["data"].get("batch_size", 32)),
         monitor,
     )
     out["wall_seconds"] = time.monotonic() - t0

@@ -27,6 +27,7 @@ import yaml
 from elastictrain.bench.core import BenchContext, Goal, Metric, Result, alternate, summary, threads_per_worker
 from elastictrain.bench.jobs import ElasticJob, logical_hosts, train_command
 from elastictrain.bench.procs import kill_tree
+from elastictrain.events import Reset
 from elastictrain.zygote import DIR_ENV, READY_LINE
 
 NAME = "scale_up"
@@ -91,11 +92,12 @@ def trial(workdir: Path, hot: bool, hosts: list[str], log: Callable[[str], None]
         t_listed = time.time()
         job.set_hosts(hosts[:3])
         reset = job.wait_event(
-            lambda e: e["event"] == "reset" and e["ts"] >= t_listed and e.get("new_size") == 3,
+            Reset,
+            lambda e: e.ts >= t_listed and e.new_size == 3,
             timeout=180,
             what="the first step at 3 workers",
         )
-        out = {"pause": reset["recovery_seconds"], "wall": reset["ts"] - t_listed}
+        out = {"pause": reset.recovery_seconds, "wall": reset.ts - t_listed}
         log(f"{'hot' if hot else 'cold'}: pause {out['pause']:.2f} s ({out['wall']:.2f} s from the listing)")
         return out
     finally:

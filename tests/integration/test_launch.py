@@ -23,7 +23,21 @@ import psutil
 import pytest
 import yaml
 
+from elastictrain.events import (
+    EVENTS_FILE,
+    Checkpoint,
+    Commit,
+    Done,
+    Event,
+    Metrics,
+    Reset,
+    Start,
+    Stopped,
+    of_kind,
+    read_events,
+)
 from elastictrain.launch import EXIT_STOPPED, LAUNCH_ID_ENV, STATE_FILE, is_worker
+from elastictrain.live_view import STATUS_KIND
 from tests.fixtures.etcd import ETCD_BIN, EtcdServer
 from tests.fixtures.procs import REPO, VENV_BIN, ProcessGroup, free_port, wait_until
 
@@ -59,15 +73,11 @@ def write_config(tmp_path: Path, job: str, *, max_steps: int, mlflow: bool = Fal
     return path
 
 
-def events(run_dir: Path) -> list[dict]:
-    path = run_dir / "events.jsonl"
-    if not path.exists():
+def events(run_dir: Path) -> list[Event]:
+    try:
+        return read_events(run_dir / EVENTS_FILE)
+    except FileNotFoundError:
         return []
-    out = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(ValueError):
-            out.append(json.loads(line))
-    return out
 
 
 def launch_state(run_dir: Path) -> dict | None:
@@ -150,12 +160,17 @@ def test_launch_with_embedded_etcd_runs_a_short_job_to_completion(
     procs: ProcessGroup, tmp_path: Path, no_leftovers: list[Launch]
 ) -> None:
     config = write_config(tmp_path, "launch-ok", max_steps=10)
-    launch = Launch(procs, config, tmp_path)
+    launch = Launch(procs, config, tmp_path, "--status-every", "1")
     no_leftovers.append(launch)
     assert launch.wait(timeout=120) == 0, launch.log()
     evs = events(launch.run_dir)
-    assert [e["step"] for e in evs if e["event"] == "done"] == [10]
-    assert {e["world_size"] for e in evs if e["event"] == "start"} == {2}
+    statuses = [json.loads(line) for line in launch.log_path.read_text().splitlines() if line.startswith("{")]
+    live = [v for v in statuses if v.get("kind") == STATUS_KIND]
+    assert live, f"no JSON status line on a non-terminal stdout; log: {launch.log()}"
+    assert all(set(v) >= {"state", "step", "world_size", "samples_per_sec", "loss", "eta_seconds"} for v in live)
+    assert any(v["step"] is not None and v["world_size"] == 2 for v in live), live
+    assert [e.step for e in of_kind(evs, Done)] == [10]
+    assert {e.world_size for e in of_kind(evs, Start)} == {2}
     out = launch.log()
     assert "-m elastictrain.hvdrun -np 2 --min-np 2 --max-np 2 --host-discovery-script" in out, "the command is printed"
     assert "ELASTICTRAIN_ATTEMPT=0" in out and "training completed" in out
@@ -174,7 +189,7 @@ def test_full_preemption_relaunches_and_resumes_from_the_checkpoint_in_the_same_
     run_dir = launch.run_dir
 
     def checkpointed_step() -> int | None:
-        steps = [e["step"] for e in events(run_dir) if e["event"] == "checkpoint"]
+        steps = [e.step for e in of_kind(events(run_dir), Checkpoint)]
         return max(steps) if steps else None
 
     wait_until(checkpointed_step, 120, interval=0.1, what=f"a first checkpoint; launcher log: {launch.log()}")
@@ -182,7 +197,7 @@ def test_full_preemption_relaunches_and_resumes_from_the_checkpoint_in_the_same_
     first_run_id = (run_dir / "mlflow_run_id").read_text().strip()
     state = launch_state(run_dir)
     assert state is not None
-    assert not any(e["event"] == "done" for e in events(run_dir)), "the job finished before the preemption"
+    assert not of_kind(events(run_dir), Done), "the job finished before the preemption"
 
     # Full preemption: every machine goes away, agents and workers at once.
     victims = [psutil.Process(pid) for pid in state["agents"].values()]
@@ -190,7 +205,7 @@ def test_full_preemption_relaunches_and_resumes_from_the_checkpoint_in_the_same_
     assert len(victims) == 4, [v.cmdline() for v in victims]
     for v in victims:
         v.kill()
-    step_at_preemption = max(e["step"] for e in events(run_dir))
+    step_at_preemption = max(e.step for e in events(run_dir))
     wait_until(lambda: "relaunch 1 when hosts return" in launch.log(), 60, interval=0.2, what="the relaunch decision")
 
     # The machines come back: new agents under the same host names (the launcher starts no agents again).
@@ -205,13 +220,13 @@ def test_full_preemption_relaunches_and_resumes_from_the_checkpoint_in_the_same_
     assert launch.wait(timeout=180) == 0, launch.log()
 
     evs = events(run_dir)
-    starts = [e for e in evs if e["event"] == "start"]
-    assert [s["attempt"] for s in starts] == [0, 1], starts
-    assert [s["run_id"] for s in starts] == [first_run_id] * 2, "each attempt's start event links its MLflow run"
-    resumed = starts[1]["resumed_from_step"]
+    starts = of_kind(evs, Start)
+    assert [s.attempt for s in starts] == [0, 1], starts
+    assert [s.run_id for s in starts] == [first_run_id] * 2, "each attempt's start event links its MLflow run"
+    resumed = starts[1].resumed_from_step
     assert isinstance(resumed, int) and 10 <= resumed <= step_at_preemption, (resumed, step_at_preemption)
-    assert starts[1]["step"] == resumed, "the relaunch continued from the checkpoint's step"
-    assert [e["step"] for e in evs if e["event"] == "done"] == [steps]
+    assert starts[1].step == resumed, "the relaunch continued from the checkpoint's step"
+    assert [e.step for e in of_kind(evs, Done)] == [steps]
     assert (run_dir / "mlflow_run_id").read_text().strip() == first_run_id
     with contextlib.closing(sqlite3.connect(run_dir / "mlflow.db")) as db:
         assert db.execute("select run_uuid from runs").fetchall() == [(first_run_id,)], "one MLflow run for the job"
@@ -229,7 +244,7 @@ def test_sigterm_to_the_launcher_checkpoints_the_last_commit_exits_143_and_leave
     run_dir = launch.run_dir
 
     def commits() -> list[int]:
-        return [e["step"] for e in events(run_dir) if e["event"] == "commit"]
+        return [e.step for e in of_kind(events(run_dir), Commit)]
 
     wait_until(lambda: any(s >= 15 for s in commits()), 120, interval=0.1, what=f"commits; log: {launch.log()}")
     state = launch_state(run_dir)
@@ -239,8 +254,8 @@ def test_sigterm_to_the_launcher_checkpoints_the_last_commit_exits_143_and_leave
     assert "stopped by SIGTERM" in launch.log()
 
     evs = events(run_dir)
-    stopped = [e for e in evs if e["event"] == "stopped"]
-    assert stopped and stopped[-1]["checkpointed"] is True, stopped
+    stopped = of_kind(evs, Stopped)
+    assert stopped and stopped[-1].checkpointed is True, stopped
     last_commit = max(commits())
     from elastictrain.checkpoint import LocalStorage, load_latest
 
@@ -258,7 +273,7 @@ def test_a_second_launch_is_refused_and_a_sigkilled_launcher_takes_every_process
     config = write_config(tmp_path, "launch-lock", max_steps=100_000)
     launch = Launch(procs, config, tmp_path)
     run_dir = launch.run_dir
-    wait_until(lambda: any(e["event"] == "commit" for e in events(run_dir)), 120, interval=0.1,
+    wait_until(lambda: bool(of_kind(events(run_dir), Commit)), 120, interval=0.1,
                what=f"a first commit; log: {launch.log()}")  # fmt: skip
     state = launch_state(run_dir)
     assert state is not None and state["horovodrun_pid"], state
@@ -364,7 +379,7 @@ def test_hot_join_forks_workers_from_warm_zygotes_and_a_killed_one_rejoins_warm(
     launch = Launch(procs, config, tmp_path, "--hot-join")
     no_leftovers.append(launch)
     first = wait_until(lambda: len(zygote_workers(launch)) == 2 and zygote_workers(launch), 120, what="2 warm workers")
-    wait_until(lambda: any(e["event"] == "metrics" for e in events(launch.run_dir)), 120, what="training")
+    wait_until(lambda: bool(of_kind(events(launch.run_dir), Metrics)), 120, what="training")
     first[0].kill()
     pids = {p.pid for p in first}
     wait_until(
@@ -372,5 +387,5 @@ def test_hot_join_forks_workers_from_warm_zygotes_and_a_killed_one_rejoins_warm(
     )
     assert launch.wait(timeout=200) == 0, launch.log()
     evs = events(launch.run_dir)
-    assert [e["step"] for e in evs if e["event"] == "done"] == [400]
-    assert any(e["event"] == "reset" for e in evs), "the kill caused a reset"
+    assert [e.step for e in of_kind(evs, Done)] == [400]
+    assert of_kind(evs, Reset), "the kill caused a reset"
