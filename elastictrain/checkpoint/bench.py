@@ -31,6 +31,7 @@ import torch
 
 from elastictrain.checkpoint.checkpointer import Checkpointer
 from elastictrain.checkpoint.storage import LocalStorage
+from elastictrain.events import Checkpoint, Event, checkpoint_event, of_kind
 
 
 def _make_state(state_mb: int, device: str = "cpu") -> dict[str, Any]:
@@ -114,12 +115,12 @@ def bench_checkpoint_stall(
     write_s: list[float] = []
     steady: list[float] = []
     during: list[float] = []
-    events: list[dict[str, Any]] = []
+    events: list[Event] = []
     ckpt = Checkpointer(
         LocalStorage(os.path.join(tmp, "checkpoints")),
         keep_last=1,
         writer="process",
-        on_event=lambda name, fields: events.append({"event": name, **fields}),
+        on_event=lambda name, fields: events.append(checkpoint_event(name, fields, step=0, epoch=0, world_size=1)),
     )
     try:
         for _ in range(5):
@@ -142,9 +143,9 @@ def bench_checkpoint_stall(
                     steps_this_write.append(loop.step())
                 during.extend(steps_this_write[:-1] or steps_this_write)  # the last may straddle the end
                 ckpt.wait()
-                ok = [e for e in events if e["event"] == "checkpoint" and e["step"] == r + 1]
+                ok = [e for e in of_kind(events, Checkpoint) if e.step == r + 1 and e.write_seconds is not None]
                 if ok:
-                    write_s.append(float(ok[0]["write_seconds"]))
+                    write_s.append(float(ok[0].write_seconds or 0.0))
         stats = ckpt.stats
     finally:
         ckpt.close()

@@ -18,6 +18,7 @@ from chaos import invariants as inv
 from chaos.scenarios import Run, ScenarioError, mlflow_run_ids, reference_loss
 from elastictrain.audit import audit_samples
 from elastictrain.bench.jobs import logical_hosts
+from elastictrain.events import EpochEnd, Reset, of_kind
 from elastictrain.ledger import committed_samples
 from tests.fixtures.procs import REPO, VENV_BIN
 
@@ -89,12 +90,14 @@ def test_char_lm_survives_a_sigkill_and_a_scale_up_with_every_invariant(tmp_path
         run.wait_step(25)
         kill = faults.kill_worker(run.job(), run.log, rng=NotRank0(run))
 
-        def resets_after_kill() -> list[dict[str, Any]]:
-            return [e for e in run.events() if e.get("event") == "reset" and e["ts"] > kill["ts"]]
+        def resets_after_kill() -> list[Reset]:
+            return [e for e in of_kind(run.events(), Reset) if e.ts > kill["ts"]]
 
-        run.wait_for(lambda: any(e["reason"] == "worker_failed" for e in resets_after_kill()), 60, "the recovery")
+        run.wait_for(lambda: any(e.reason == "worker_failed" for e in resets_after_kill()), 60, "the recovery")
         run.wait_for(
-            lambda: any(e["new_size"] > e["old_size"] for e in resets_after_kill()), 90, "the scale-up (host back)"
+            lambda: any((e.new_size or 0) > (e.old_size or 0) for e in resets_after_kill()),
+            90,
+            "the scale-up (host back)",
         )
         code = run.wait_exit(240)
     except ScenarioError as e:
@@ -116,5 +119,6 @@ def test_char_lm_survives_a_sigkill_and_a_scale_up_with_every_invariant(tmp_path
         inv.check_no_leftovers(leftovers),
     ]
     assert inv.passed(checks), inv.format_table("char-lm under a SIGKILL and a scale-up", checks)
-    epoch_ends = [e for e in events if e["event"] == "epoch_end"]
-    assert len(epoch_ends) == EPOCHS and epoch_ends[-1]["val_perplexity"] < epoch_ends[0]["val_perplexity"] * 1.05
+    epoch_ends = of_kind(events, EpochEnd)
+    perplexity = [e.val_metrics["val_perplexity"] for e in epoch_ends]
+    assert len(epoch_ends) == EPOCHS and perplexity[-1] < perplexity[0] * 1.05, perplexity

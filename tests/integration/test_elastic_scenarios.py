@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from elastictrain.checkpoint import LocalStorage, load_latest
+from elastictrain.events import Done, Metrics, Reset
 from tests.harness.elastic_job import ElasticJob, assert_exactly_once, job_config, logical_hosts
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
@@ -36,7 +37,7 @@ def run_job(jobs, tmp_path, name, hosts, **cfg) -> ElasticJob:
 
 
 def assert_loss_falls(job: ElasticJob) -> None:
-    losses = [e["loss"] for e in job.events("metrics")]
+    losses = [e.loss for e in job.events(Metrics) if e.loss is not None]
     assert len(losses) >= 4
     first, last = sum(losses[:2]) / 2, sum(losses[-2:]) / 2
     assert last < first, f"loss did not fall: {losses}"
@@ -55,9 +56,9 @@ def test_scale_up_2_to_3_keeps_every_sample_exactly_once(jobs, tmp_path):
     job.wait_step(8)
     job.set_hosts(HOSTS[:3])
     assert job.wait() == 0, job.tail()
-    resets = job.events("reset")
-    assert any(r["old_size"] == 2 and r["new_size"] == 3 for r in resets), resets
-    assert job.events("done")
+    resets = job.events(Reset)
+    assert any((r.old_size, r.new_size) == (2, 3) for r in resets), resets
+    assert job.events(Done)
     assert_exactly_once(job, 3072, 2)
     assert_loss_falls(job)
 
@@ -68,8 +69,8 @@ def test_graceful_removal_3_to_2_loses_no_step(jobs, tmp_path):
     job.wait_step(8)
     job.set_hosts(HOSTS[:2])
     assert job.wait() == 0, job.tail()
-    resets = job.events("reset")
-    shrink = [r for r in resets if r["old_size"] == 3 and r["new_size"] == 2]
+    resets = job.events(Reset)
+    shrink = [r for r in resets if (r.old_size, r.new_size) == (3, 2)]
     assert shrink, resets
     assert_exactly_once(job, 3072, 2)
     assert_loss_falls(job)
@@ -82,8 +83,8 @@ def test_worker_killed_mid_epoch_rolls_back_and_keeps_every_sample_exactly_once(
     host, _ = job.kill_worker(rank=2, sig=signal.SIGKILL)
     job.set_hosts([h for h in HOSTS[:3] if h != host])  # the machine is gone, as a cloud would report
     assert job.wait() == 0, job.tail()
-    resets = job.events("reset")
-    assert any(r["new_size"] == 2 for r in resets), resets
+    resets = job.events(Reset)
+    assert any(r.new_size == 2 for r in resets), resets
     assert_exactly_once(job, 3072, 2)
     assert_loss_falls(job)
 
@@ -104,7 +105,7 @@ def test_global_policy_parameters_match_a_fault_free_run(jobs, tmp_path):
     faulty.wait_step(3)
     faulty.set_hosts(HOSTS[:2])
     assert faulty.wait() == 0, faulty.tail()
-    assert any(r["old_size"] == 3 and r["new_size"] == 2 for r in faulty.events("reset")), "no resize 3 -> 2"
+    assert any((r.old_size, r.new_size) == (3, 2) for r in faulty.events(Reset)), "no resize 3 -> 2"
     a, b = final_params(clean), final_params(faulty)
     rel = float((a - b).norm() / a.norm())
     assert rel < 1e-4, f"relative L2 difference {rel:.3e}"

@@ -7,7 +7,7 @@ import signal
 import pytest
 
 from elastictrain.checkpoint import LocalStorage, load_latest
-from elastictrain.events import read_events
+from elastictrain.events import Commit, Done, Start, Stopped, TrackingClosed, of_kind, read_events
 from tests.fixtures.procs import kill_tree, wait_until
 from tests.harness.elastic_job import ElasticJob, assert_exactly_once, job_config, logical_hosts
 
@@ -45,8 +45,8 @@ def test_full_job_killed_mid_epoch_resumes_at_the_checkpoint_in_the_same_mlflow_
     jobs.append(second.start())
     assert second.wait() == 0, second.tail()
 
-    starts = [e for e in read_events(second.events_path) if e["event"] == "start"]
-    assert starts[-1]["resumed_from_step"] == ckpt.step  # the step counter continues from the checkpoint
+    starts = of_kind(read_events(second.events_path), Start)
+    assert starts[-1].resumed_from_step == ckpt.step  # the step counter continues from the checkpoint
     assert_exactly_once(second, 1536, 1)  # across both runs, via the ledger's restore marker
 
     from mlflow.tracking import MlflowClient
@@ -60,14 +60,14 @@ def test_full_job_killed_mid_epoch_resumes_at_the_checkpoint_in_the_same_mlflow_
     assert max(steps) > killed_at  # points from after the resume are in the same run
     run = runs[0]
     # Rank 0 waits for the tracking run before the first step of each attempt: both start events link to it.
-    assert [e["run_id"] for e in read_events(second.events_path) if e["event"] == "start"] == [run.info.run_id] * 2
+    assert [e.run_id for e in of_kind(read_events(second.events_path), Start)] == [run.info.run_id] * 2
     assert run.data.tags["horovod"] == "0.28.1" and run.data.tags["torch"].startswith("2.")
     assert run.data.params["training.epochs"] == "1"
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config.yaml", "report.png", "report.json"} <= artifacts, artifacts
     assert (second.run_dir / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    done = [e for e in read_events(second.events_path) if e["event"] == "done"]
-    assert done and isinstance(done[-1]["final_loss"], float)
+    done = of_kind(read_events(second.events_path), Done)
+    assert done and isinstance(done[-1].final_loss, float)
 
 
 def test_sigterm_to_the_workers_checkpoints_the_last_commit_before_they_exit(jobs, tmp_path):
@@ -78,9 +78,9 @@ def test_sigterm_to_the_workers_checkpoints_the_last_commit_before_they_exit(job
     for w in job.workers():
         w.send_signal(signal.SIGTERM)
     job.wait()
-    stopped = job.events("stopped")
-    assert stopped and stopped[-1]["checkpointed"] is True, job.tail()
-    last_commit = max(e["step"] for e in job.events("commit"))
+    stopped = job.events(Stopped)
+    assert stopped and stopped[-1].checkpointed is True, job.tail()
+    last_commit = max(e.step for e in job.events(Commit))
     ckpt = load_latest(LocalStorage.for_run_dir(job.run_dir))
     assert ckpt is not None and ckpt.step == last_commit
 
@@ -98,6 +98,6 @@ def test_tracking_server_stopped_mid_training_costs_points_not_the_job(jobs, tmp
     job.wait_step(10)
     mlflow_server.stop()
     assert job.wait() == 0, job.tail()
-    assert job.events("done")
-    closed = job.events("tracking_closed")
-    assert closed and closed[-1]["dropped"] > 0, closed
+    assert job.events(Done)
+    closed = job.events(TrackingClosed)
+    assert closed and (closed[-1].dropped or 0) > 0, closed

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from elastictrain.events import read_events
+from elastictrain.events import EVENTS_FILE, Done, E, EpochEnd, Event, Failure, Reset, Start, of_kind, read_events
 from elastictrain.ledger import committed_samples, ledger_files
 from tests.fixtures.procs import VENV_BIN
 from tests.harness.elastic_job import job_config
@@ -52,9 +52,8 @@ def run_worker(cfg: dict[str, Any], script: list[dict[str, Any]], timeout: float
     )
 
 
-def events(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
-    evs = read_events(run_dir / "events.jsonl")
-    return [e for e in evs if kind is None or e["event"] == kind]
+def events(run_dir: Path, kind: type[E] = Event) -> list[E]:  # type: ignore[assignment]
+    return of_kind(read_events(run_dir / EVENTS_FILE), kind)
 
 
 def test_a_host_notice_at_the_final_epoch_end_does_not_train_another_epoch(tmp_path):
@@ -63,8 +62,8 @@ def test_a_host_notice_at_the_final_epoch_end_does_not_train_another_epoch(tmp_p
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "run"
     assert sorted(committed_samples(run / "ledger")) == [0], "trained into an epoch past training.epochs"
-    assert max(e["step"] for e in events(run)) == 30
-    assert len(events(run, "epoch_end")) == 1 and len(events(run, "done")) == 1
+    assert max(e.step for e in events(run)) == 30
+    assert len(events(run, EpochEnd)) == 1 and len(events(run, Done)) == 1
 
 
 def test_a_completed_run_dir_started_again_trains_nothing_and_exits_0(tmp_path):
@@ -75,7 +74,7 @@ def test_a_completed_run_dir_started_again_trains_nothing_and_exits_0(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     run = tmp_path / "run"
     assert sorted(committed_samples(run / "ledger")) == [0]
-    assert max(e["step"] for e in events(run)) == 30
+    assert max(e.step for e in events(run)) == 30
     assert "run already complete" in again.stdout + again.stderr
 
 
@@ -94,14 +93,14 @@ def shrink_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subproce
 def test_failures_are_logged_and_a_shrink_after_a_reset_names_the_size_it_left(shrink_run):
     run, proc = shrink_run
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert len(events(run, "start")) == 1
-    failures = events(run, "failure")
-    assert [f["reason"] for f in failures] == ["hosts_changed", "worker_failed"], failures
-    assert "scripted: a peer died" in failures[1]["error"]
-    resets = [(r["old_size"], r["new_size"], r["reason"], r["lost_steps"]) for r in events(run, "reset")]
+    assert len(events(run, Start)) == 1
+    failures = events(run, Failure)
+    assert [f.reason for f in failures] == ["hosts_changed", "worker_failed"], failures
+    assert "scripted: a peer died" in (failures[1].error or "")
+    resets = [(r.old_size, r.new_size, r.reason, r.lost_steps) for r in events(run, Reset)]
     assert resets == [(3, 2, "hosts_changed", 0), (2, 1, "worker_failed", 1)], resets
-    for failure, reset in zip(failures, events(run, "reset"), strict=True):  # each failure before its reset
-        assert failure["ts"] <= reset["ts"]
+    for failure, reset in zip(failures, events(run, Reset), strict=True):  # each failure before its reset
+        assert failure.ts <= reset.ts
     per_epoch = committed_samples(run / "ledger")
     assert sorted(per_epoch[0]) == list(range(NUM_SAMPLES))
 
@@ -145,7 +144,7 @@ def test_rank0_moving_away_and_back_writes_no_second_start(tmp_path):
     proc = run_worker(cfg, script)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "run"
-    assert len(events(run, "start")) == 1, events(run, "start")
+    assert len(events(run, Start)) == 1, events(run, Start)
     from elastictrain.status import read_status
 
     assert read_status(run)["attempts"] == 1
@@ -157,12 +156,12 @@ def test_a_resume_at_another_world_size_is_a_start_with_the_old_size_not_a_reset
     assert first.returncode == 0, first.stderr[-3000:]
     second = run_worker(config(run, training__max_steps=12), [])
     assert second.returncode == 0, second.stderr[-3000:]
-    starts = events(run, "start")
+    starts = events(run, Start)
     assert len(starts) == 2
-    assert starts[1]["resumed_from_step"] == 6 and starts[1]["resumed_world_size"] == 2, starts[1]
-    assert starts[1]["world_size"] == 1
-    assert events(run, "reset") == [], events(run, "reset")
-    assert max(e["step"] for e in events(run)) == 12
+    assert starts[1].resumed_from_step == 6 and starts[1].resumed_world_size == 2, starts[1]
+    assert starts[1].world_size == 1
+    assert events(run, Reset) == [], events(run, Reset)
+    assert max(e.step for e in events(run)) == 12
 
 
 def test_launching_a_completed_run_dir_says_so_and_exits_0_without_starting_anything(tmp_path):

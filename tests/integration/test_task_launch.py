@@ -4,7 +4,6 @@ gets its weights out; a bad task is one line and exit 2 within seconds, with not
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import time
@@ -14,6 +13,7 @@ import pytest
 import torch
 import yaml
 
+from elastictrain.events import EVENTS_FILE, Done, EpochEnd, of_kind, read_events
 from tests.fixtures.procs import VENV_BIN, ProcessGroup, kill_tree
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -103,12 +103,12 @@ def test_a_readme_task_module_trains_to_completion_under_launch_and_exports(tmp_
         procs.cleanup()
     assert code == 0, log.read_text()[-3000:]
     run = tmp_path / "runs" / "linreg"
-    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
-    done = [e for e in events if e["event"] == "done"]
-    assert len(done) == 1 and done[0]["final_loss"] < 0.01, done
-    epoch_ends = [e for e in events if e["event"] == "epoch_end"]
-    assert len(epoch_ends) == 4 and epoch_ends[-1]["val_abs_error"] < 0.05, epoch_ends[-1]
-    assert epoch_ends[-1]["val_loss"] < 0.01 and epoch_ends[-1]["val_accuracy"] is None
+    events = read_events(run / EVENTS_FILE)
+    done = of_kind(events, Done)
+    assert len(done) == 1 and (done[0].final_loss or 1.0) < 0.01, done
+    epoch_ends = of_kind(events, EpochEnd)
+    assert len(epoch_ends) == 4 and (epoch_ends[-1].val_metrics["val_abs_error"] or 1.0) < 0.05, epoch_ends[-1]
+    assert (epoch_ends[-1].val_loss or 1.0) < 0.01 and epoch_ends[-1].val_accuracy is None
 
     from elastictrain.ledger import committed_samples
 

@@ -143,7 +143,7 @@ def test_a_new_rank0_backfills_from_the_run_log_what_a_killed_rank0_never_sent_t
     20. The next rank 0 opens the same sqlite store: every step is there once, with the run log's values."""
     from mlflow import MlflowClient
 
-    from elastictrain.events import EventLog
+    from elastictrain.events import Checkpoint, EventLog, Metrics
 
     run_dir = tmp_path / "run"
     cfg = config_from_dict({"job": "backfill-job", "run_dir": str(run_dir)}, env={})
@@ -156,20 +156,21 @@ def test_a_new_rank0_backfills_from_the_run_log_what_a_killed_rank0_never_sent_t
     run_log = EventLog(run_dir / "events.jsonl")
     for step in range(1, 21):
         run_log.emit(
-            "metrics",
-            step=step,
-            epoch=0,
-            world_size=2,
-            ts=1_700_000_000.0 + step,
-            loss=1.0 / step,
-            lr=0.1,
-            samples_per_sec=100.0 + step,
-            step_seconds=0.5,
-            commit_seconds=0.01,
-            steps=1,
+            Metrics(
+                step=step,
+                epoch=0,
+                world_size=2,
+                ts=1_700_000_000.0 + step,
+                loss=1.0 / step,
+                lr=0.1,
+                samples_per_sec=100.0 + step,
+                step_seconds=0.5,
+                commit_seconds=0.01,
+                steps=1,
+            )
         )
         if step == 15:
-            run_log.emit("checkpoint", step=15, epoch=0, world_size=2, stall_seconds=0.25, write_seconds=1.0, ok=True)
+            run_log.emit(Checkpoint(step=15, epoch=0, world_size=2, stall_seconds=0.25, write_seconds=1.0, ok=True))
     run_log.close()
 
     new = make_tracker(cfg, rank=0)
