@@ -34,6 +34,7 @@ from elastictrain.bench.core import (
     write_results,
 )
 from elastictrain.bench.procs import BenchError, TreeCpuMonitor, read_steal, wait_until
+from elastictrain.events import Metrics, Reset
 
 
 def test_contenders_run_interleaved_a_b_b_a_and_each_gets_its_repeat_index() -> None:
@@ -196,16 +197,10 @@ def test_progress_lines_go_to_the_stream_with_elapsed_time_and_scope() -> None:
     assert stream.getvalue() == "[bench +  12.3s] recovery: stock 1/3\n"
 
 
-def metrics_event(step: int, ts: float, sps: float, world_size: int = 2, step_seconds: float = 0.1) -> dict:
-    return {
-        "event": "metrics",
-        "step": step,
-        "ts": ts,
-        "samples_per_sec": sps,
-        "world_size": world_size,
-        "step_seconds": step_seconds,
-        "steps": 10,
-    }
+def metrics_event(step: int, ts: float, sps: float, world_size: int = 2, step_seconds: float = 0.1) -> Metrics:
+    return Metrics(
+        step=step, epoch=0, ts=ts, samples_per_sec=sps, world_size=world_size, step_seconds=step_seconds, steps=10
+    )
 
 
 def test_steady_throughput_skips_warm_up_and_counts_the_whole_window() -> None:
@@ -234,8 +229,8 @@ def test_commit_share_spreads_the_median_commit_over_the_default_interval() -> N
 def test_own_goodput_subtracts_kill_downtime_scale_up_pauses_and_rolled_back_steps() -> None:
     events = [
         metrics_event(10, 5.0, 100.0, step_seconds=0.5),
-        {"event": "reset", "ts": 31.0, "lost_steps": 4, "recovery_seconds": 0.8, "step": 20},  # after the kill at 30
-        {"event": "reset", "ts": 50.0, "lost_steps": 0, "recovery_seconds": 6.0, "step": 40},  # a scale-up
+        Reset(ts=31.0, lost_steps=4, recovery_seconds=0.8, step=20, epoch=0, world_size=2),  # after the kill at 30
+        Reset(ts=50.0, lost_steps=0, recovery_seconds=6.0, step=40, epoch=0, world_size=3),  # a scale-up
         metrics_event(50, 60.0, 100.0, step_seconds=0.5),
     ]
     own = goodput.own_goodput(events, kills=[30.0, 90.0], t0=0.0, t_end=100.0)
