@@ -50,6 +50,7 @@ from elastictrain.checkpoint.resume import check_resume_inputs
 from elastictrain.config import JobConfig
 from elastictrain.data import load_batches
 from elastictrain.events import (
+    Checkpoint,
     Commit,
     Done,
     EpochEnd,
@@ -537,14 +538,12 @@ class ElasticTrainer:
         self.events = NullEventLog()
 
     def _on_checkpoint_event(self, name: str, fields: dict[str, Any]) -> None:
-        c = self.counters
-        self.events.emit(
-            checkpoint_event(name, fields, step=c.step, epoch=self.sampler.epoch, world_size=self.ctx.size)
+        event = checkpoint_event(
+            name, fields, step=self.counters.step, epoch=self.sampler.epoch, world_size=self.ctx.size
         )
-        if name == "checkpoint":
-            self.tracker.log_metrics(
-                {"checkpoint_stall_seconds": fields.get("stall_seconds", 0.0)}, step=fields.get("step", c.step)
-            )
+        self.events.emit(event)
+        if isinstance(event, Checkpoint):
+            self.tracker.log_metrics({"checkpoint_stall_seconds": event.stall_seconds or 0.0}, step=event.step)
 
     def _total_steps_estimate(self) -> int | None:
         t = self.cfg.training

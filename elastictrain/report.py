@@ -183,7 +183,7 @@ def summarize(events: Sequence[Event]) -> dict[str, Any]:
         "lost_steps_by_relaunches": lost_by_relaunch,
         "rerun_steps_logged": rerun,
         "checkpoints": {
-            "count": len(stalls) if stalls else len(marks["checkpoint"]),
+            "count": len(stalls) if stalls else len(marks[EventKind.CHECKPOINT]),
             "failed": checkpoint_failures,
             "stall_seconds": _stats(stalls),
             "write_seconds": _stats(writes),
