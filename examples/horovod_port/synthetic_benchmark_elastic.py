@@ -196,7 +196,7 @@ def benchmark_step(
 
 
 @elastictrain.elastic_run
-def run_benchmark(state: elastictrain.ElasticState) -> None:
+def run_benchmark(state):
     run_log.resume(state.step)
     while state.epoch < args.epochs:
         start, samples = time.perf_counter(), 0
@@ -225,8 +225,9 @@ log(f"Batch size: {args.batch_size}")
 log(f"Number of {'GPU' if args.cuda else 'CPU'}s: {hvd.size()}")
 
 t0 = time.time()
-state = elastictrain.ElasticState(model, optimizer, scheduler=scheduler, sampler=sampler,
-                                  epoch=0, batch=0, step=0, loss=float("nan"), samples_per_sec=[])  # fmt: skip
+state = elastictrain.ElasticState(
+    model, optimizer, scheduler=scheduler, sampler=sampler, epoch=0, batch=0, step=0, loss=0.0, samples_per_sec=[]
+)
 state.register_reset_callbacks([on_state_reset])
 try:
     run_benchmark(state)

@@ -87,14 +87,14 @@ def test_ported_script_survives_a_sigkill_in_seconds_with_every_sample_once_and_
     log_path = tmp_path / "processes.log"
     log = log_path.open("ab")
 
-    agents = [
-        procs.start(
+    def agent(host: str) -> subprocess.Popen:
+        return procs.start(
             [str(VENV_BIN / "elastictrain"), "agent", "--etcd", etcd_server.endpoint, "--job", job, "--host", host,
              "--slots", "1", "--ttl", "3", "--heartbeat", "0.5", "--request-timeout", "0.5", "--drain-grace", "0"],
             env=env, stdout=log, stderr=log,
         )  # fmt: skip
-        for host in hosts
-    ]
+
+    agents = [agent(host) for host in hosts]
     want = "".join(f"{h}:1\n" for h in sorted(hosts))
 
     def discovered() -> bool:
@@ -149,6 +149,7 @@ def test_ported_script_survives_a_sigkill_in_seconds_with_every_sample_once_and_
     after = [e for e in steps if e["ts"] > kill_ts and e["world_size"] == n - 1]
     assert before and after, f"steps before the kill: {len(before)}, at {n - 1} workers after it: {len(after)}"
     recovery = after[0]["ts"] - before[-1]["ts"]
+    print(f"recovery {recovery:.2f} s; steps {len(steps)} ({len(steps) - len({e['step'] for e in steps})} replayed)")
     sizes = [e["world_size"] for e in steps]
     assert sizes == sorted(sizes, reverse=True) and set(sizes) == {n, n - 1}, f"world sizes: {sizes}"
 
@@ -171,4 +172,3 @@ def test_ported_script_survives_a_sigkill_in_seconds_with_every_sample_once_and_
         if e["lr"] != pytest.approx(expected_lr(e["step"], e["world_size"]), rel=1e-6)
     ]
     assert not wrong_lr, f"steps whose LR is not the schedule's (step, world size, lr): {wrong_lr[:5]}"
-    print(f"recovery {recovery:.2f} s; steps {len(steps)} ({len(steps) - len({e['step'] for e in steps})} replayed)")
