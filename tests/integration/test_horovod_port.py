@@ -35,7 +35,7 @@ SCRIPT = REPO / "examples" / "horovod_port" / "synthetic_benchmark_elastic.py"
 GLOO_TIMEOUT_SECONDS = 60
 RECOVERY_BOUND_SECONDS = 15.0
 """Last step before the kill -> first step at the new size; stock Horovod waits out the Gloo timeout (60 s)."""
-SAMPLES, BATCH, EPOCHS, COMMIT_EVERY = 384, 8, 6, 4
+SAMPLES, BATCH, EPOCHS, COMMIT_EVERY = 384, 8, 4, 4
 LR, GAMMA = 0.01, 0.98
 """The LR decays at every step (``--lr-decay-steps 1``), so a replayed step with a scheduler that was not rolled
 back would show a different LR."""
