@@ -45,6 +45,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import elastictrain
+from elastictrain.config_cli import OneLineParser
 from elastictrain.events import EventLog
 from elastictrain.sampler import SampleLedger
 
@@ -60,7 +61,7 @@ def positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
     return parse
 
 
-parser = argparse.ArgumentParser(
+parser = OneLineParser(  # argparse, with misuse reported as one line and exit code 2
     description="Horovod's elastic synthetic benchmark on elastictrain's drop-in (CPU-sized)",
     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
 )

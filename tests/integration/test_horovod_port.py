@@ -172,3 +172,22 @@ def test_ported_script_survives_a_sigkill_in_seconds_with_every_sample_once_and_
         if e["lr"] != pytest.approx(expected_lr(e["step"], e["world_size"]), rel=1e-6)
     ]
     assert not wrong_lr, f"steps whose LR is not the schedule's (step, world size, lr): {wrong_lr[:5]}"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--batch-size", "0"], "argument --batch-size: must be > 0, got 0"),
+        (["--num-samples", "100"], "--num-samples (100) must be a multiple of --batch-size (8)"),
+    ],
+)
+def test_bad_arguments_are_one_line_and_exit_2_before_horovod_starts(
+    tmp_path: Path, argv: list[str], message: str
+) -> None:
+    out = subprocess.run(
+        [str(VENV_BIN / "python"), str(SCRIPT), "--no-cuda", "--run-dir", str(tmp_path / "run"), *argv],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert out.returncode == 2, out
+    assert out.stderr.splitlines() == [f"{SCRIPT.name}: error: {message}"], out.stderr
+    assert out.stdout == "" and not (tmp_path / "run").exists()
