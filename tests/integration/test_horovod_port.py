@@ -82,6 +82,7 @@ def test_ported_script_survives_a_sigkill_in_seconds_with_every_sample_once_and_
         "ELASTICTRAIN_JOB": job,
         "ELASTICTRAIN_DISCOVER_CACHE": str(tmp_path / "discover-cache.json"),
         "HOROVOD_GLOO_TIMEOUT_SECONDS": str(GLOO_TIMEOUT_SECONDS),
+        "ELASTICTRAIN_RUN_DIR": str(run_dir),  # elastic_run's failure marker: here, not in the machine's temp folder
         "ELASTICTRAIN_LOG_LEVEL": "warning",
     }
     log_path = tmp_path / "processes.log"
