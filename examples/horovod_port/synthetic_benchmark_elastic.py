@@ -20,9 +20,9 @@ auditing a run:
 * ``D/events.jsonl`` (``elastictrain.events``): a ``metrics`` event after every step (``step`` = steps done,
   ``world_size``, ``loss``, ``lr`` used by the step, ``samples_per_sec``, ``step_seconds``, ``steps`` = 1), and
   ``done`` at the end;
-* ``D/ledger/`` (``elastictrain.sampler.SampleLedger``): the sample ids of every step over all workers (gathered
+* ``D/ledger/`` (``elastictrain.ledger.SampleLedger``): the sample ids of every step over all workers (gathered
   with one ``hvd.allgather`` per step), with a ``restore`` line whenever training continues from a commit, so
-  ``elastictrain.sampler.committed_samples(D / "ledger")`` replays the committed steps.
+  ``elastictrain.ledger.committed_samples(D / "ledger")`` replays the committed steps.
 
 The script exits 0 when training is complete, and 2 with one line for bad arguments.
 """
@@ -47,7 +47,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import elastictrain
 from elastictrain.config_cli import OneLineParser
 from elastictrain.events import EventLog
-from elastictrain.sampler import SampleLedger
+from elastictrain.ledger import SampleLedger
 
 
 def positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -147,7 +147,8 @@ class RunLog:
         if hvd.rank() == 0:
             if self.events is None:
                 self.events = EventLog(self.run_dir / "events.jsonl")
-            self.ledger = SampleLedger(self.run_dir / "ledger", f"{socket.gethostname()}-{os.getpid()}")
+            name = f"{socket.gethostname()}-{os.getpid()}"
+            self.ledger = SampleLedger(self.run_dir / "ledger", name, num_samples=len(dataset), drop_last=False)
             self.ledger.restore(step)
 
     def step(self, step: int, epoch: int, ids: torch.Tensor, loss: float, lr: float, seconds: float) -> None:

@@ -22,9 +22,10 @@ import pytest
 
 from chaos import invariants as inv
 from chaos.procs import JobRef
+from elastictrain.audit import audit_samples
 from elastictrain.bench.jobs import logical_hosts
 from elastictrain.events import read_events
-from elastictrain.sampler import committed_samples, ledger_files
+from elastictrain.ledger import committed_samples, ledger_files
 from tests.fixtures.etcd import EtcdServer
 from tests.fixtures.procs import REPO, VENV_BIN, ProcessGroup, wait_until
 
@@ -156,7 +157,7 @@ def test_ported_script_survives_a_sigkill_in_seconds_with_every_sample_once_and_
 
     checks = [
         inv.check_completed(code, events),
-        inv.check_exactly_once(inv.audit_samples(committed_samples(run_dir / "ledger"), SAMPLES, EPOCHS)),
+        inv.check_exactly_once(audit_samples(committed_samples(run_dir / "ledger"), SAMPLES, EPOCHS)),
         inv.Check(
             "recovered in seconds, not the Gloo timeout",
             recovery < RECOVERY_BOUND_SECONDS,
