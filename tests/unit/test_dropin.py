@@ -258,3 +258,30 @@ def test_a_graceful_removal_without_sync_still_covers_the_rest_of_the_epoch_once
     seen = [i for it in iters for _ in range(2 * batch) for i in [next(it)]]  # two steps at size 3
     seen += [i for it in iters[:2] for i in it]  # the two survivors finish their stale shares
     assert sorted(set(seen)) != list(range(n)), "stock Horovod loses the removed rank's samples"
+
+
+class _Watchdog:
+    def idle(self) -> None:
+        pass
+
+    snapshot_ring = step_started = stop = idle
+
+
+@pytest.mark.parametrize("run_dir", [False, True])
+def test_the_temp_failure_marker_folder_is_removed_when_training_returns(monkeypatch, tmp_path, run_dir):
+    monkeypatch.setattr(dropin.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_PORT", "4242")
+    if run_dir:
+        monkeypatch.setenv("ELASTICTRAIN_RUN_DIR", str(tmp_path / "run"))
+    else:
+        monkeypatch.delenv("ELASTICTRAIN_RUN_DIR", raising=False)
+    monkeypatch.setattr(dropin.hvd.elastic, "run", lambda func: func)
+    monkeypatch.setattr(dropin, "arm_watchdog", lambda *a, **k: _Watchdog())
+    folder = dropin._marker_path().parent
+    folder.mkdir(parents=True)
+
+    class State:
+        watchdog = None
+
+    assert dropin.elastic_run(lambda state: 7)(State()) == 7
+    assert folder.exists() == run_dir
