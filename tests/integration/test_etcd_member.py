@@ -1,5 +1,6 @@
-"""deploy/k8s/etcd-member.sh against a real 3-member etcd with client and peer TLS: first start, and a member that
-lost its volume rejoins (removed and added again) and gets the data back from the others."""
+"""deploy/k8s/etcd-member.sh against a real 3-member etcd with client and peer TLS (certificates made by
+deploy/k8s/etcd-certs.sh): first start, and a member that lost its volume rejoins (removed and added again) and gets
+the data back from the others."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ import pytest
 
 from elastictrain.bench.etcd import ETCD_BIN
 from tests.fixtures.procs import REPO, ProcessGroup, free_port, wait_until
-from tests.fixtures.tls import Pki, make_pki
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 SCRIPT = REPO / "deploy" / "k8s" / "etcd-member.sh"
+CERTS = REPO / "deploy" / "k8s" / "etcd-certs.sh"
 ETCDCTL = os.environ.get("ELASTICTRAIN_TEST_ETCDCTL", str(Path(ETCD_BIN).with_name("etcdctl")))
 NAMES = ("etcd-0", "etcd-1", "etcd-2")
 
@@ -25,7 +26,7 @@ NAMES = ("etcd-0", "etcd-1", "etcd-2")
 class Cluster:
     """Three members on loopback: the env the StatefulSet gives the init container, and etcd --config-file."""
 
-    def __init__(self, tmp: Path, pki: Pki, procs: ProcessGroup) -> None:
+    def __init__(self, tmp: Path, pki: Path, procs: ProcessGroup) -> None:
         self.tmp, self.pki, self.procs = tmp, pki, procs
         self.client = {n: f"https://127.0.0.1:{free_port()}" for n in NAMES}
         self.peer = {n: f"https://127.0.0.1:{free_port()}" for n in NAMES}
@@ -49,11 +50,11 @@ class Cluster:
             "ETCD_MEMBER_ENDPOINTS": ",".join(self.client.values()),
             "ETCD_MEMBER_DATA_DIR": str(self.data_dir(name)),
             "ETCD_MEMBER_CONFIG": str(self.config(name)),
-            "ETCD_MEMBER_CA": str(self.pki.ca),
-            "ETCD_MEMBER_SERVER_CERT": str(self.pki.server_cert),
-            "ETCD_MEMBER_SERVER_KEY": str(self.pki.server_key),
-            "ETCD_MEMBER_PEER_CERT": str(self.pki.server_cert),
-            "ETCD_MEMBER_PEER_KEY": str(self.pki.server_key),
+            "ETCD_MEMBER_CA": str(self.pki / "ca.crt"),
+            "ETCD_MEMBER_SERVER_CERT": str(self.pki / "server.crt"),
+            "ETCD_MEMBER_SERVER_KEY": str(self.pki / "server.key"),
+            "ETCD_MEMBER_PEER_CERT": str(self.pki / "peer.crt"),
+            "ETCD_MEMBER_PEER_KEY": str(self.pki / "peer.key"),
             "ETCD_MEMBER_LISTEN_CLIENT": self.client[name],
             "ETCD_MEMBER_LISTEN_PEER": self.peer[name],
             "ETCD_MEMBER_LISTEN_METRICS": self.metrics[name],
@@ -81,8 +82,8 @@ class Cluster:
 
     def ctl(self, *args: str, endpoints: str | None = None) -> str:
         where = endpoints or ",".join(self.client.values())
-        cmd = [ETCDCTL, f"--endpoints={where}", f"--cacert={self.pki.ca}", f"--cert={self.pki.client_cert}",
-               f"--key={self.pki.client_key}", "--dial-timeout=3s", *args]  # fmt: skip
+        cmd = [ETCDCTL, f"--endpoints={where}", f"--cacert={self.pki / 'ca.crt'}", f"--cert={self.pki / 'client.crt'}",
+               f"--key={self.pki / 'client.key'}", "--dial-timeout=3s", *args]  # fmt: skip
         out = subprocess.run(cmd, env={**os.environ, "ETCDCTL_API": "3"}, capture_output=True, text=True,
                              timeout=30, check=False)  # fmt: skip
         assert out.returncode == 0, f"etcdctl {args}: {out.stderr}"
@@ -98,7 +99,11 @@ class Cluster:
 def cluster(tmp_path: Path, procs: ProcessGroup) -> Cluster:
     if not (os.path.isfile(ETCD_BIN) and os.path.isfile(ETCDCTL)):
         pytest.skip(f"etcd or etcdctl not found ({ETCD_BIN}, {ETCDCTL})")
-    return Cluster(tmp_path, make_pki(tmp_path / "pki"), procs)
+    pki = tmp_path / "pki"
+    made = subprocess.run(["sh", str(CERTS), str(pki)], env={**os.environ, "ETCD_CERT_EXTRA_SANS": "IP:127.0.0.1"},
+                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    return Cluster(tmp_path, pki, procs)
 
 
 def test_a_member_that_lost_its_volume_is_removed_added_and_gets_the_data_back(cluster: Cluster) -> None:
@@ -163,3 +168,13 @@ def test_a_missing_setting_is_one_line_and_exit_2(tmp_path: Path) -> None:
     out = subprocess.run(["sh", str(SCRIPT)], env={"PATH": os.environ.get("PATH", "")}, capture_output=True,
                          text=True, timeout=30, check=False)  # fmt: skip
     assert out.returncode == 2 and out.stderr == "etcd-member: error: ETCD_MEMBER_NAME is not set\n"
+
+
+def test_etcd_certs_refuses_to_overwrite_a_ca_and_a_bad_namespace(tmp_path: Path) -> None:
+    (tmp_path / "ca.key").write_text("a CA key that must survive")
+    out = subprocess.run(["sh", str(CERTS), str(tmp_path)], capture_output=True, text=True, timeout=30, check=False)
+    assert out.returncode == 2 and "not overwriting a CA" in out.stderr
+    assert (tmp_path / "ca.key").read_text() == "a CA key that must survive"
+    out = subprocess.run(["sh", str(CERTS), str(tmp_path / "x"), "Bad_NS"], capture_output=True, text=True,
+                         timeout=30, check=False)  # fmt: skip
+    assert out.returncode == 2 and "invalid namespace" in out.stderr and not (tmp_path / "x").exists()
