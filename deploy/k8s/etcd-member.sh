@@ -18,8 +18,9 @@
 # a member that comes up after the others formed the cluster is also removed and added (it has no data to lose).
 # Each step can be interrupted and run again (the init container restarts): a member removed but not added yet is
 # "not listed", one added but not started is "unstarted". Removing and adding need a quorum of the others; without
-# one, etcdctl fails, this script exits 1 and the init container retries (a cluster that lost its quorum needs a
-# snapshot restore instead: etcd's disaster recovery).
+# one, etcdctl keeps failing, this script exits 1 after ETCD_MEMBER_RETRY_SECONDS and the init container restarts
+# (a cluster that lost its quorum needs a snapshot restore instead: etcd's disaster recovery). A remove that timed out
+# may still commit once the quorum is back; the next run then finds the member not listed and adds it.
 #
 # TLS is required, for clients and peers alike (client-cert-auth on both). The member uses its server certificate
 # (which needs the clientAuth usage too) as etcdctl's client certificate.
@@ -38,7 +39,7 @@
 #   ETCD_MEMBER_LISTEN_PEER     default https://0.0.0.0:2380
 #   ETCD_MEMBER_LISTEN_METRICS  default http://0.0.0.0:2381 (/health for the probes; no data is served there)
 #   ETCD_MEMBER_TOKEN           initial cluster token, default elastictrain-etcd
-#   ETCD_MEMBER_ADD_SECONDS     how long to retry a refused member add, default 60
+#   ETCD_MEMBER_RETRY_SECONDS   how long to retry a refused member remove or add, default 60
 #   ETCDCTL                     etcdctl binary, default etcdctl
 #
 # Exit codes: 0 config written; 1 the cluster could not be changed (retry); 2 a missing or bad setting.
@@ -68,6 +69,19 @@ ctl() {
     --key="$ETCD_MEMBER_SERVER_KEY" --dial-timeout=2s --command-timeout=10s "$@"
 }
 
+# retry WHAT CMD...: run CMD until it succeeds or ETCD_MEMBER_RETRY_SECONDS (60) pass. etcd refuses a change
+# ("unhealthy cluster") until every remaining member has been connected for 5 s, which is not yet the case right
+# after a remove or a restart, and a member that has just started may have no leader yet.
+retry() {
+  what=$1
+  shift
+  deadline=$(( $(date +%s) + ${ETCD_MEMBER_RETRY_SECONDS:-60} ))
+  until ERR=$("$@" 2>&1 >/dev/null); do
+    [ "$(date +%s)" -lt "$deadline" ] || die 1 "$what failed: $(printf '%s\n' "$ERR" | tail -1); retrying later"
+    sleep 2
+  done
+}
+
 # `member list -w simple`: ID, STATUS, NAME, PEER_URLS, CLIENT_URLS, IS_LEARNER (comma and space separated).
 members() { ctl member list -w simple 2>/dev/null | sed 's/, /,/g'; }
 
@@ -89,17 +103,11 @@ else
   UNSTARTED=$(printf '%s\n' "$LIST" | awk -F, -v url="$PEER_URL" '$4 == url && $2 == "unstarted" { print $1 }')
   if [ -n "$OLD" ]; then
     say "$NAME: empty data dir but the cluster lists it as member $OLD: its volume was lost; removing and adding it"
-    ctl member remove "$OLD" >/dev/null || die 1 "member remove $OLD failed (no quorum?); retrying later"
+    retry "member remove $OLD" ctl member remove "$OLD"
     UNSTARTED=
   fi
   if [ -z "$UNSTARTED" ]; then
-    # etcd refuses an add ("unhealthy cluster") until every remaining member has been connected for 5 s, which is
-    # not yet the case right after a remove or a restart: retry until the deadline.
-    deadline=$(( $(date +%s) + ${ETCD_MEMBER_ADD_SECONDS:-60} ))
-    until ERR=$(ctl member add "$NAME" --peer-urls="$PEER_URL" 2>&1 >/dev/null); do
-      [ "$(date +%s)" -lt "$deadline" ] || die 1 "member add $NAME failed: $(printf '%s\n' "$ERR" | tail -1); retrying later"
-      sleep 2
-    done
+    retry "member add $NAME" ctl member add "$NAME" --peer-urls="$PEER_URL"
     say "$NAME: added to the cluster with peer URL $PEER_URL"
   else
     say "$NAME: the cluster lists it as unstarted; joining"
