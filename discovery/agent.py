@@ -43,7 +43,7 @@ from typing import Any, NoReturn
 
 from discovery import endpoints
 from discovery.logconf import configure_logging, get_logger
-from discovery.nodewatch import NodeWatch, NodeWatchError, in_cluster
+from discovery.nodewatch import NodeReader, NodeWatchError, in_cluster
 from discovery.record import (
     DEFAULT_PREFIX,
     DRAINING,
@@ -283,7 +283,7 @@ class Agent:
     signals: Signals = field(default_factory=Signals)
     sleep: Callable[[float], None] = time.sleep
     log: Any = None
-    node_watch: NodeWatch | None = None
+    node_watch: NodeReader | None = None
     """Reads the Kubernetes node each cycle (``--drain-when-cordoned``); None: not watched."""
     state: AgentState = field(default_factory=AgentState)
     exit_code: int | None = None

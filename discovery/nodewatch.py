@@ -28,7 +28,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from discovery.record import check_name
 
@@ -59,6 +59,14 @@ def node_drain_reason(node: Mapping[str, Any]) -> str | None:
         if isinstance(taint, Mapping) and taint.get("key") in DRAIN_TAINTS:
             return "node is " + DRAIN_TAINTS[taint["key"]]
     return None
+
+
+class NodeReader(Protocol):
+    """What the agent needs of a node watch (tests pass a fake)."""
+
+    def drain_reason(self) -> str | None:
+        """Why the node is being emptied, None if it is not; :class:`NodeWatchError` when it cannot be read."""
+        ...
 
 
 Fetch = Callable[[urllib.request.Request, float], bytes]

@@ -159,7 +159,7 @@ def harness() -> tuple[Agent, InMemoryRegistry, FakeClock, FakeNode]:
         registry,
         clock=clock,
         wall_clock=lambda: 1.7e9,
-        node_watch=node,  # type: ignore[arg-type]
+        node_watch=node,
     )
     return agent, registry, clock, node
 
