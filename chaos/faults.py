@@ -244,6 +244,45 @@ def kill_during_checkpoint(
     raise JobNotFound(f"no checkpoint write of job {job.job!r} seen within {timeout:g}s")
 
 
+def kill_rank0_spare_writer(
+    job: JobRef, log: ChaosLog, *, timeout: float = 120.0, poll_seconds: float = 0.002
+) -> dict[str, Any]:
+    """Wait for a checkpoint temp file; SIGSTOP its writer, then SIGKILL rank 0 (the worker above it) alone.
+
+    The writer is left alive and stopped mid-save, as a writer that outlives its trainer would be; the
+    caller decides when to SIGCONT it (:func:`resume_process`). Records ``writer_pid`` and ``latest`` as it
+    was at the kill.
+    """
+    if job.run_dir is None:
+        raise JobNotFound("kill-rank0-spare-writer needs --run-dir")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for temp in checkpoint_temp_files(job.run_dir):
+            pid = writer_pid(temp)
+            worker = job.worker_of(pid) if pid is not None else None
+            if pid is None or worker is None or pid == worker.pid:
+                continue
+            try:
+                writer = psutil.Process(pid)
+            except psutil.Error:
+                continue
+            _signal([writer], signal.SIGSTOP)
+            _signal([worker.proc], signal.SIGKILL)
+            latest = None
+            with contextlib.suppress(OSError, UnicodeDecodeError):
+                latest = (job.run_dir / "checkpoints" / "latest").read_text().strip()
+            return log.log(
+                "kill-rank0-spare-writer",
+                job=job.job,
+                temp_file=str(temp.relative_to(job.run_dir)),
+                writer_pid=pid,
+                latest=latest,
+                **worker.describe(),
+            )
+        time.sleep(poll_seconds)
+    raise JobNotFound(f"no checkpoint write of job {job.job!r} seen within {timeout:g}s")
+
+
 def kill_during_commit(
     job: JobRef, log: ChaosLog, *, rank: int | None = 0, timeout: float = 120.0, poll_seconds: float = 0.001
 ) -> dict[str, Any]:

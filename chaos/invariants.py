@@ -158,7 +158,7 @@ def check_no_leftovers(leftovers: Sequence[str], *, name: str = "no process of t
 # ---------------------------------------------------------------------------------------------- recovery
 FAULT_ACTIONS = frozenset(
     {"kill-worker", "kill-host", "preempt-host", "freeze-worker", "etcd-outage", "kill-during-checkpoint",
-     "kill-during-commit", "kill-job", "partition-host", "kill-agent"}
+     "kill-during-commit", "kill-job", "partition-host", "kill-agent", "kill-rank0-spare-writer"}
 )  # fmt: skip
 
 
@@ -170,6 +170,7 @@ EXPECTED_REASONS: dict[str, tuple[str, ...]] = {
     "kill-host": ("worker_failed", "hosts_removed"),
     "kill-during-checkpoint": ("worker_failed",),
     "kill-during-commit": ("worker_failed",),
+    "kill-rank0-spare-writer": ("worker_failed",),
 }
 
 
@@ -254,7 +255,7 @@ def recovery_stats(recs: Sequence[Recovery], actions: set[str]) -> dict[str, flo
 
 RESET_EXPECTED = frozenset(
     {"kill-worker", "kill-host", "preempt-host", "kill-during-checkpoint", "kill-during-commit", "kill-job",
-     "kill-agent"}
+     "kill-agent", "kill-rank0-spare-writer"}
 )  # fmt: skip
 """Faults that must be followed by a reset or relaunch; a short freeze or etcd outage need not be."""
 
@@ -339,3 +340,39 @@ def format_table(title: str, checks: Sequence[Check]) -> str:
 
 def passed(checks: Sequence[Check]) -> bool:
     return all(c.ok is not False for c in checks)
+
+
+def check_orphan_writer(record: Mapping[str, Any] | None) -> list[Check]:
+    """From the ``orphan-writer`` record of the ``kill-rank0-spare-writer`` scenario: the writer of the killed
+    rank 0 died with it, and once it was gone ``latest`` named a step at least the one it named before, whose
+    folder (or a newer latest) is still there."""
+    if record is None:
+        return [Check("orphaned writer died with its trainer", False, "not recorded")]
+    died = record.get("writer_died_seconds")
+    out = [
+        Check(
+            "orphaned writer died with its trainer",
+            died is not None,
+            f"writer {record.get('writer_pid')} gone {died:.2f} s after rank 0's SIGKILL"
+            if died is not None
+            else f"writer {record.get('writer_pid')} still alive {record.get('waited_seconds')} s after; resumed",
+        )
+    ]
+    before, after = record.get("latest_before"), record.get("latest_after")
+    b, a = _step_of(before), _step_of(after)
+    forward = b is None or (a is not None and a >= b and (a > b or bool(record.get("latest_before_kept"))))
+    out.append(
+        Check(
+            "latest only moved forward, nothing newer pruned",
+            forward,
+            f"latest {before} before the writer could finish, {after} after; {before} kept: "
+            f"{record.get('latest_before_kept')}",
+        )
+    )
+    return out
+
+
+def _step_of(name: Any) -> int | None:
+    if isinstance(name, str) and name.startswith("step-") and name[5:].isdigit():
+        return int(name[5:])
+    return None

@@ -330,6 +330,46 @@ def _kill_during_checkpoint(r: Run) -> None:
     faults.kill_during_checkpoint(r.job(), r.log, timeout=60)
 
 
+def _kill_rank0_spare_writer(r: Run) -> None:
+    """Rank 0 SIGKILLed while its writer, stopped, is mid-save. A writer that survives is resumed once the new
+    rank 0 has checkpointed, so it finishes late, as in the race; ``latest`` is read once it is gone."""
+    r.wait_step(10)
+    _wait_mlflow_run(r)
+    hit = faults.kill_rank0_spare_writer(r.job(), r.log, timeout=60)
+    writer, killed_at = int(hit["writer_pid"]), float(hit["ts"])
+
+    def writer_gone() -> bool:
+        try:
+            return psutil.Process(writer).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    died = None
+    with contextlib.suppress(ScenarioError):
+        r.wait_for(writer_gone, 20, f"writer {writer} to die with its trainer", interval=0.02)
+        died = time.time() - killed_at
+    # The new rank 0 checkpoints after the kill; then the old writer (if alive) may finish its older save.
+    r.wait_for(lambda: any(float(e["ts"]) > killed_at for e in r.events() if e.get("event") == "checkpoint"), 120,
+               "a checkpoint by the new rank 0")  # fmt: skip
+    latest_path = r.run_dir / "checkpoints" / "latest"
+    before = latest_path.read_text().strip()
+    if not writer_gone():
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(writer).send_signal(signal.SIGCONT)
+        r.wait_for(writer_gone, 60, f"the resumed writer {writer} to exit", interval=0.005)
+    after = latest_path.read_text().strip()
+    r.log.log(
+        "orphan-writer",
+        job=r.job_name,
+        writer_pid=writer,
+        writer_died_seconds=died,
+        waited_seconds=20,
+        latest_before=before,
+        latest_after=after,
+        latest_before_kept=(r.run_dir / "checkpoints" / before).is_dir(),
+    )
+
+
 def _preempt_host(r: Run) -> None:
     r.wait_step(20)
     faults.preempt_host(r.job(), r.log, r.victim_host())
@@ -487,6 +527,8 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("kill-during-commit", "SIGKILL of rank 0 while it commits", _kill_during_commit, ci=True),
         Scenario("kill-during-checkpoint", "SIGKILL of rank 0 and its writer mid-save", _kill_during_checkpoint,
                  ci=True),
+        Scenario("kill-rank0-spare-writer", "SIGKILL of rank 0 but not its writer, mid-save: the writer dies "
+                 "with it, latest only moves forward", _kill_rank0_spare_writer, ci=False),
         Scenario("preempt-host", "SIGTERM to a host's agent: drain, no step lost", _preempt_host, ci=True,
                  graceful=True),
         Scenario("kill-job", "the whole job SIGKILLed, then launched again: resume", _kill_job_and_resume, ci=True),
@@ -602,6 +644,10 @@ def check_run(
                 if hit
                 else "no kill recorded",
             )
+        )
+    if scenario.name == "kill-rank0-spare-writer":
+        checks.extend(
+            inv.check_orphan_writer(next((f for f in chaos_events if f.get("action") == "orphan-writer"), None))
         )
     summary = summarize(events) if events else {}
     checks.append(inv.check_goodput(summary.get("goodput"), scenario.min_goodput))

@@ -559,8 +559,79 @@ def build_parser() -> argparse.ArgumentParser:
         help="Kubernetes: drain this host while node NODE is cordoned (reads the node from the API server "
         "with the pod's service account each cycle); ready again when it is uncordoned",
     )
+    p.add_argument(
+        "--warm-config",
+        default=None,
+        metavar="CONFIG",
+        help="hot join: keep a warm worker process (elastictrain zygote) for this job's config, and register "
+        "the host only once it is warm",
+    )
+    p.add_argument("--warm-set", action="append", default=[], metavar="K=V", help="a --set for the warm config")
+    p.add_argument(
+        "--warm-timeout",
+        type=_number(float),
+        default=300.0,
+        metavar="SECONDS",
+        help="register anyway (workers then start cold) if the warm process is not ready by then (default 300)",
+    )
     endpoints.add_arguments(p)
     return p
+
+
+def zygote_command(args: argparse.Namespace, cfg: AgentConfig) -> list[str]:
+    """``elastictrain zygote serve`` for this agent's job and host (pure)."""
+    cmd = [sys.executable, "-m", "elastictrain.cli", "zygote", "serve", "--config", args.warm_config]
+    for assignment in args.warm_set:
+        cmd += ["--set", assignment]
+    return [*cmd, "--job", cfg.job, "--host", cfg.host]
+
+
+def start_zygote(cmd: list[str], timeout: float, signals: Signals, log: Any) -> subprocess.Popen[str] | None:
+    """Start the warm worker process and wait until it says it is ready, it exits, a signal arrives, or
+    ``timeout``; a zygote that never gets ready costs only the hot join (workers start cold)."""
+    import selectors
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1)
+    assert proc.stdout is not None
+    deadline, seen = time.monotonic() + timeout, signals.count
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while signals.count == seen and (left := deadline - time.monotonic()) > 0:
+            if not sel.select(min(left, 0.2)):
+                continue
+            line = proc.stdout.readline()
+            if line.startswith("zygote ready"):
+                log.info("warm worker process ready", pid=proc.pid)
+                _drain_lines(proc)
+                return proc
+            if not line:  # it exited
+                log.warning("warm worker process exited before it was ready; workers start cold", code=proc.wait())
+                return None
+    log.warning("warm worker process not ready; workers start cold until it is", pid=proc.pid)
+    _drain_lines(proc)
+    return proc
+
+
+def _drain_lines(proc: subprocess.Popen[str]) -> None:
+    """Keep reading the zygote's stdout in the background so that it never blocks on a full pipe."""
+    import threading
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for _line in proc.stdout:
+            pass
+
+    threading.Thread(target=pump, name="zygote-stdout", daemon=True).start()
+
+
+def stop_zygote(proc: subprocess.Popen[str], grace: float) -> None:
+    """SIGTERM (it stops taking requests and exits when its workers have), then SIGKILL after ``grace``."""
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def config_from_args(args: argparse.Namespace) -> AgentConfig:
@@ -615,7 +686,14 @@ def main(argv: list[str]) -> int:
         drain_when_cordoned=cfg.drain_when_cordoned,
         pid=os.getpid(),
     )
-    code = agent.run()
+    zygote = None
+    if args.warm_config:
+        zygote = start_zygote(zygote_command(args, cfg), args.warm_timeout, signals, get_logger("agent"))
+    try:
+        code = agent.run()
+    finally:
+        if zygote is not None:
+            stop_zygote(zygote, cfg.drain_grace_seconds + 10)
     if code != 0 and agent.last_decision is not None:
         print(f"{PROG}: error: {agent.last_decision.reason}", file=sys.stderr)
     return code

@@ -8,6 +8,7 @@ a rollback. That keeps the ``global`` policy's maths independent of membership.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 from elastictrain.config import ConfigError
+from elastictrain.folder_index import FolderIndex, folder_index
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -64,13 +66,13 @@ SampleTransform = Callable[[Any, torch.Generator], torch.Tensor]
 
 
 class SeededImageFolder(Dataset):
-    """torchvision ``ImageFolder`` whose transform draws from a generator seeded per (epoch, sample).
+    """An ImageFolder (torchvision's layout and order) whose transform draws from a generator seeded per sample.
 
     The generator is local to the call: loading a sample never reseeds torch's global (or any CUDA)
     generator, which ``torch.manual_seed`` would do on every sample.
 
-    The folder is scanned on first use (``len`` or an item), not when the task is built: a launcher that checks
-    the task need not see the data, and the check stays fast on a folder of a million images.
+    The folder is indexed on first use (``len`` or an item), not when the task is built: a launcher that checks
+    the task need not see the data. The index is cached per folder, so a starting worker does not rescan it.
     """
 
     def __init__(
@@ -88,40 +90,42 @@ class SeededImageFolder(Dataset):
         self.epoch = 0
         self.num_classes = num_classes
         self.key = key
-        self._inner: Any = None
+        self._index: FolderIndex | None = None
 
     @property
-    def inner(self) -> Any:
-        if self._inner is None:
-            from torchvision.datasets import ImageFolder
-
+    def index(self) -> FolderIndex:
+        """The folder's classes and samples (:mod:`elastictrain.folder_index`: cached, rescanned only on change)."""
+        if self._index is None:
             root, key = self.root, self.key
             if not Path(root).is_dir():
                 raise ConfigError(f"{key}: {root} is not a directory (expected an ImageFolder: <root>/<class>/*.png)")
             try:
-                inner = ImageFolder(root)
-            except (FileNotFoundError, RuntimeError) as e:
+                index = folder_index(root)
+            except OSError as e:
                 raise ConfigError(f"{key}: {root} is not a usable ImageFolder ({str(e).splitlines()[0]})") from None
-            n = len(inner.classes)
+            n = len(index.classes)
             if self.num_classes is not None and n > self.num_classes:
                 raise ConfigError(f"task_args.num_classes: {self.num_classes} is fewer than the {n} classes in {root}")
-            self._inner = inner
-        return self._inner
+            self._index = index
+        return self._index
 
     @property
     def classes(self) -> list[str]:
-        return list(self.inner.classes)
+        return list(self.index.classes)
 
     def __len__(self) -> int:
-        return len(self.inner)
+        return len(self.index.samples)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        img, label = self.inner[index]
+        from torchvision.datasets.folder import default_loader
+
+        rel, label = self.index.samples[index]
+        img = default_loader(os.path.join(self.index.root, rel))
         g = torch.Generator().manual_seed(sample_seed(self.seed, self.epoch, index))
-        return self.transform(img, g), int(label)
+        return self.transform(img, g), label
 
 
 class ImageTransform:
@@ -219,13 +223,13 @@ def detach_loader_worker(worker_id: int) -> None:
     leaves the trainer's own descriptor, and its connection, untouched.
     """
     import contextlib
-    import ctypes
     import os
     import signal
     import socket
 
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    from elastictrain.lifeline import set_parent_death_signal
+
+    set_parent_death_signal(signal.SIGKILL)
     if os.getppid() == 1:  # the trainer died before the signal was armed
         os._exit(0)
     for name in os.listdir("/proc/self/fd"):

@@ -50,7 +50,14 @@ from torch import nn
 
 from elastictrain.elastic import arm_watchdog, discard_pending_allreduces, sync_modules_and_optimizers
 from elastictrain.sampler import ExactlyOncePlanner, SamplerState
-from elastictrain.state import OptimizerSnapshot, TensorSnapshot, module_tensors, rng_state, set_rng_state
+from elastictrain.state import (
+    OptimizerSnapshot,
+    TensorSnapshot,
+    load_stateful,
+    module_tensors,
+    rng_state,
+    set_rng_state,
+)
 from elastictrain.watchdog import CollectiveWatchdog, FailureMarker
 
 __all__ = ["ElasticSampler", "ElasticState", "elastic_run"]
@@ -226,12 +233,16 @@ class ElasticState(State):
         for snapshot in self._optimizer_snapshots.values():
             snapshot.restore()
         for name, obj in self._stateful.items():
-            obj.load_state_dict(copy.deepcopy(self._saved_stateful[name]))
+            load_stateful(obj, copy.deepcopy(self._saved_stateful[name]), self._devices())
         for name, value in self._saved_values.items():
             setattr(self, name, value)
         set_rng_state(self._saved_rng)
         for opt in self._optimizers.values():
             discard_pending_allreduces(opt)
+
+    def _devices(self) -> Iterator[torch.device]:
+        """Where the training runs: the devices of the modules' parameters (a GradScaler's tensors go there)."""
+        return (p.device for m in self._modules.values() for p in m.parameters())
 
     def reset(self) -> None:
         """After Horovod re-formed the world (before the sync, also when a graceful removal skips it)."""
@@ -255,7 +266,7 @@ class ElasticState(State):
             name="elastictrain.dropin.small",
         )
         for name, obj in self._stateful.items():
-            obj.load_state_dict(small["stateful"][name])
+            load_stateful(obj, small["stateful"][name], self._devices())
         for name, value in small["values"].items():
             setattr(self, name, value)
         self.reset()

@@ -36,7 +36,15 @@ from horovod.runner.elastic.worker import HostUpdateResult
 
 from discovery.fileio import write_atomic
 from discovery.logconf import bind, get_logger
-from elastictrain.checkpoint import Checkpointer, LocalStorage, latest_manifest, load_latest
+from elastictrain.checkpoint import (
+    Checkpointer,
+    LocalStorage,
+    checkpoint_name,
+    latest_manifest,
+    load_latest,
+    read_latest,
+    rollback_latest,
+)
 from elastictrain.checkpoint.resume import META_KEY as RESUME_META_KEY
 from elastictrain.checkpoint.resume import check_resume_inputs
 from elastictrain.config import JobConfig
@@ -561,6 +569,9 @@ class ElasticTrainer:
             return
         check_resume_inputs(loaded.manifest, self.resume_inputs(), loaded.path)
         self.committed.load_full_state(loaded.state)
+        name = checkpoint_name(loaded.step)
+        if read_latest(storage) != name:  # fell back past damaged ones: this run's timeline starts at `name`
+            rollback_latest(storage, name)
         self.resumed_from = self._checkpointed_step = self.counters.step
         # World size 0 means "no step has run in this start of the job": after the sync every rank sees that
         # this is a start (one `start` event, no `reset`), whatever size the checkpoint was written at.

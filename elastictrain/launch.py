@@ -72,6 +72,7 @@ from discovery.record import READY, check_name
 from discovery.registry import EtcdRegistry, RegistryError, RegistryUnavailable
 from elastictrain.config import ConfigError, DiscoveryConfig, JobConfig, load_config
 from elastictrain.config_cli import report_config_error
+from elastictrain.lifeline import set_parent_death_signal
 
 PROG = "elastictrain launch"
 REPO = Path(__file__).resolve().parents[1]
@@ -91,6 +92,7 @@ EXIT_RELAUNCH_LIMIT = 4
 EXIT_INTERRUPTED = 130
 EXIT_STOPPED = 143
 
+ZYGOTE_CLIENT = ("-m", "elastictrain.zygote", "client", "--")
 POLL_SECONDS = 0.2
 REGISTRY_POLL_SECONDS = 1.0
 
@@ -131,6 +133,9 @@ class LaunchOptions:
     reset_limit: int = 100
     """horovodrun ``--reset-limit``: most resets within one horovodrun."""
     elastic_timeout_seconds: int = 600
+    hot_join: bool = False
+    """Each agent keeps a warm worker process (:mod:`elastictrain.zygote`) and horovodrun starts workers through
+    its thin client, so a joining worker does not start an interpreter and import torch while the others wait."""
 
     @property
     def stall_seconds(self) -> float:
@@ -175,13 +180,14 @@ class LaunchOptions:
 
 
 def worker_command(opts: LaunchOptions, python: str = sys.executable) -> list[str]:
-    """The command horovodrun starts on every slot: ``elastictrain train --config X [--set ...]``."""
+    """The command horovodrun starts on every slot: ``elastictrain train --config X [--set ...]``; with hot join,
+    through the zygote's client (which runs that same command itself when the host has no warm zygote)."""
     script = Path(python).parent / "elastictrain"
     entry = [str(script)] if script.exists() else [python, "-m", "elastictrain.cli"]
     cmd = [*entry, "train", "--config", str(opts.config.resolve())]
     for assignment in opts.overrides:
         cmd += ["--set", assignment]
-    return cmd
+    return [python, *ZYGOTE_CLIENT, *cmd] if opts.hot_join else cmd
 
 
 def horovodrun_command(opts: LaunchOptions, horovodrun: Sequence[str], python: str = sys.executable) -> list[str]:
@@ -483,20 +489,16 @@ def etcd_data_dir_in_use(data_dir: Path) -> bool:
     return False
 
 
-PR_SET_PDEATHSIG = 1
-
-
 def die_with_parent(sig: int) -> Callable[[], None]:
     """A ``preexec_fn`` that makes the child receive ``sig`` when the launcher dies, SIGKILL and OOM included.
 
     Linux delivers it when the thread that forked the child exits; the launcher starts every process
     from its main thread. A launcher that died between fork and ``prctl`` is caught by the parent check.
     """
-    libc = ctypes.CDLL(None, use_errno=True)  # loaded before the fork: the child only calls it
     parent = os.getpid()
 
     def preexec() -> None:
-        libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        set_parent_death_signal(sig)
         if os.getppid() != parent:
             os.kill(os.getpid(), sig)
 
@@ -512,11 +514,17 @@ def _set_child_subreaper() -> None:
 
 def _runs_train(proc: psutil.Process) -> bool:
     try:
-        cmd = proc.cmdline()
+        return runs_train(proc.cmdline())
     except psutil.Error:
         return False
-    # ``[python] .../elastictrain train ...`` or ``python -m elastictrain.cli train ...``; not horovodrun, whose
-    # command line contains the worker's further on.
+
+
+def runs_train(cmd: Sequence[str]) -> bool:
+    """``[python] .../elastictrain train ...``, ``python -m elastictrain.cli train ...``, or either behind the
+    zygote's client (the process horovodrun started; it relays signals to the warm-forked worker). Not
+    horovodrun, whose command line contains the worker's further on (pure)."""
+    if tuple(cmd[1:5]) == ZYGOTE_CLIENT:
+        cmd = cmd[5:]
     for i, arg in enumerate(cmd[:3]):
         if (arg == "elastictrain" or arg.endswith("/elastictrain")) and cmd[i + 1 : i + 2] == ["train"]:
             return True
@@ -784,13 +792,18 @@ class Launcher:
         self._write_state()
 
     def agent_command(self, host: str) -> list[str]:
-        return agent_command(
+        cmd = agent_command(
             self.cfg.discovery,
             etcd=self.etcd_endpoint,
             job=self.cfg.job,
             host=host,
             drain_grace_seconds=self.opts.drain_grace_seconds,
         )
+        if self.opts.hot_join:
+            cmd += ["--warm-config", str(self.opts.config.resolve())]
+            for assignment in self.opts.overrides:
+                cmd += ["--warm-set", assignment]
+        return cmd
 
     def start_agent(self, host: str) -> subprocess.Popen[bytes]:
         proc = self._spawn(self.agent_command(host), self.run_dir / "logs" / f"agent-{host}.log")
@@ -954,7 +967,13 @@ class Launcher:
         return rc, watch
 
     def _service_pids(self) -> set[int]:
-        pids = {p.pid for p in self.agents.values()}
+        """Agents, their warm zygotes (an agent's only children) and the embedded etcd."""
+        agents = {p.pid for p in self.agents.values()}
+        pids = set(agents)
+        for p in self.tracker.alive():
+            with contextlib.suppress(psutil.Error):
+                if p.ppid() in agents:
+                    pids.add(p.pid)
         if self.etcd_proc is not None:
             pids.add(self.etcd_proc.pid)
         return pids
@@ -1079,6 +1098,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-relaunches", type=int, default=5, help="relaunches after preemptions (5)")
     p.add_argument("--stop-timeout", type=float, default=60.0, metavar="S", help="SIGTERM to SIGKILL of workers (60)")
     p.add_argument("--drain-grace", type=float, default=10.0, metavar="S", help="embedded agents' drain grace (10)")
+    p.add_argument(
+        "--hot-join",
+        action="store_true",
+        help="start workers from a warm process per host (embedded agents keep one), so a scale-up waits for no "
+        "interpreter start; hosts without one start workers cold",
+    )
     etcd_endpoints.add_arguments(p)  # --cacert --cert --key --user --password-file, for --etcd
     return p
 
@@ -1156,6 +1181,7 @@ def parse(argv: Sequence[str]) -> tuple[LaunchOptions, JobConfig]:
         max_relaunches=args.max_relaunches,
         stop_timeout_seconds=args.stop_timeout,
         drain_grace_seconds=args.drain_grace,
+        hot_join=args.hot_join,
     )
     if opts.embedded and len(hosts) < opts.min_np:
         raise LaunchError(

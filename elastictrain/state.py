@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -186,6 +186,42 @@ def reseed(seed: int, step: int, rank: int) -> None:
     random.seed(s)
 
 
+def load_stateful(obj: Any, state: Any, devices: Iterable[torch.device] = ()) -> None:
+    """``obj.load_state_dict(state)``; a GradScaler is then made ready to step (:func:`ready_grad_scaler`).
+
+    Call wherever committed, synced or checkpointed state goes into a live object with ``state_dict`` /
+    ``load_state_dict`` (rollback, sync, resume): the engine and the drop-in both load through here.
+    ``devices``: where the training runs (the model's parameters), for the scaler's tensors.
+    """
+    obj.load_state_dict(state)
+    if isinstance(obj, torch.amp.GradScaler):
+        ready_grad_scaler(obj, devices)
+
+
+def ready_grad_scaler(scaler: torch.amp.GradScaler, devices: Iterable[torch.device] = ()) -> None:
+    """Give an enabled GradScaler its ``_scale`` and ``_growth_tracker`` tensors now, with the values it holds.
+
+    ``GradScaler.load_state_dict`` records the scale but creates those tensors only at the first ``scale()``.
+    A worker whose first step after a load or a sync has no sample (an empty share) never calls ``scale()``,
+    and its ``unscale_`` of the allreduced gradients would fail. The tensors go on the first of ``devices``
+    of the scaler's kind (``cuda:1`` for a CUDA scaler of a model on ``cuda:1``), else on that kind's current
+    device; tensors already there keep their values.
+    """
+    if not scaler.is_enabled():
+        return
+    kind = scaler._device
+    device = next((d for d in devices if d.type == kind), None)
+    if device is None:
+        device = torch.device(kind)
+        if kind == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    scale, tracker = scaler._scale, scaler._growth_tracker
+    if scale is None or tracker is None:
+        scaler._lazy_init_scale_growth_tracker(device)  # from the loaded (or initial) scale and growth tracker
+    elif scale.device != device or tracker.device != device:
+        scaler._scale, scaler._growth_tracker = scale.to(device), tracker.to(device)
+
+
 class CommittedState:
     """All state that a rollback must restore: model, optimizer, scheduler, scaler, sampler, counters, RNG."""
 
@@ -227,8 +263,12 @@ class CommittedState:
 
     def load_small_state(self, d: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(d["scheduler"])
-        if self.scaler is not None and d.get("scaler"):
-            self.scaler.load_state_dict(d["scaler"])
+        if self.scaler is not None:
+            devices = (p.device for p in self.model.parameters())
+            if d.get("scaler"):
+                load_stateful(self.scaler, d["scaler"], devices)
+            else:
+                ready_grad_scaler(self.scaler, devices)
         self.sampler.load_state_dict(d["sampler"])
         self.counters.load_state_dict(d["counters"])
         self.ramp.load_state_dict(d["ramp"])

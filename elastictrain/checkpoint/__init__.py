@@ -20,10 +20,12 @@ from elastictrain.checkpoint.format import (
     load_checkpoint,
     load_latest,
     prune,
+    read_latest,
+    rollback_latest,
     verify_checkpoint,
     write_checkpoint,
 )
-from elastictrain.checkpoint.storage import CheckpointStorage, LocalStorage
+from elastictrain.checkpoint.storage import CheckpointStorage, LatestIsNewer, LocalStorage
 
 __all__ = [
     "CheckpointDamaged",
@@ -31,6 +33,7 @@ __all__ = [
     "CheckpointStorage",
     "Checkpointer",
     "EventCallback",
+    "LatestIsNewer",
     "LoadedCheckpoint",
     "LocalStorage",
     "WriteResult",
@@ -41,6 +44,8 @@ __all__ = [
     "load_checkpoint",
     "load_latest",
     "prune",
+    "read_latest",
+    "rollback_latest",
     "verify_checkpoint",
     "write_checkpoint",
 ]

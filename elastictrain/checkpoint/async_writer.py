@@ -9,6 +9,13 @@
 
 Both expose ``run(job) -> WriteResult`` (blocking; raises on failure, :class:`WriterDied` when the
 process vanished).
+
+The writer process dies with its trainer (:class:`TrainerFence`). A thread of the writer waits on a
+pidfd of the trainer and SIGKILLs the writer when the trainer exits. Its parent is the fork server,
+which exits once no process holds the server's liveness pipe: the writer closes its inherited copy, and
+holds a parent-death SIGKILL. Both signals can come late (armed after the fork; a pidfd needs Linux
+5.3), so right before it moves ``latest`` and before it prunes the writer checks again that its parent
+is the one it started with and that the trainer is alive; if not, it leaves without touching either.
 """
 
 from __future__ import annotations
@@ -18,11 +25,13 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
 import os
+import select
 import signal
 import sys
+import threading
 import traceback
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +40,7 @@ import torch
 from elastictrain.checkpoint.format import WriteResult, write_checkpoint
 from elastictrain.checkpoint.snapshot import SharedPool, Snapshot, materialize
 from elastictrain.checkpoint.storage import CheckpointStorage
+from elastictrain.lifeline import set_parent_death_signal
 
 _FORKSERVER_PRELOAD = ["torch", "elastictrain.checkpoint.async_writer"]
 
@@ -56,8 +66,73 @@ class WriteFailed(RuntimeError):
     """The writer reported an exception; the message carries its type, text and traceback."""
 
 
-def execute(storage: CheckpointStorage, pool: SharedPool, job: WriteJob) -> WriteResult:
-    """Rebuild the state from the pool and write it; shared by every writer kind."""
+class TrainerGone(RuntimeError):
+    """The trainer that started this writer is gone: the writer must neither move ``latest`` nor prune."""
+
+
+class TrainerFence:
+    """In the writer process: arms the parent-death SIGKILL and tells whether the trainer is still there.
+
+    Build it first thing in the writer. Calling it raises :class:`TrainerGone` when the writer's parent is
+    no longer the one it started with (the fork server exited: the writer was re-parented) or the trainer
+    process itself has exited (a pidfd on Linux, else a signal-0 probe).
+    """
+
+    def __init__(self, trainer_pid: int) -> None:
+        self.parent = os.getppid()
+        self.trainer_pid = trainer_pid
+        set_parent_death_signal(signal.SIGKILL)
+        _release_fork_server()
+        self._pidfd: int | None = None
+        with contextlib.suppress(AttributeError, OSError):
+            self._pidfd = os.pidfd_open(trainer_pid)
+        if self._pidfd is not None:
+            threading.Thread(target=self._kill_self_when_trainer_exits, name="trainer-watch", daemon=True).start()
+
+    def _kill_self_when_trainer_exits(self) -> None:
+        assert self._pidfd is not None
+        select.select([self._pidfd], [], [])  # readable once the trainer has exited
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def gone(self) -> str | None:
+        """Why the trainer counts as gone, or None while it is alive and the parent unchanged."""
+        if os.getppid() != self.parent:
+            return f"the writer's parent {self.parent} exited (now {os.getppid()})"
+        if self._pidfd is not None:
+            readable, _, _ = select.select([self._pidfd], [], [], 0)
+            if readable:
+                return f"the trainer (pid {self.trainer_pid}) exited"
+            return None
+        try:
+            os.kill(self.trainer_pid, 0)
+        except ProcessLookupError:
+            return f"the trainer (pid {self.trainer_pid}) exited"
+        except PermissionError:
+            pass
+        return None
+
+    def __call__(self) -> None:
+        reason = self.gone()
+        if reason is not None:
+            raise TrainerGone(f"{reason}; leaving latest and the other checkpoints alone")
+
+
+def _release_fork_server() -> None:
+    """Close this child's copy of the fork server's liveness pipe (every forkserver child inherits one, to
+    start children of its own; the writer starts none). The server exits when the trainer's copy closes, and
+    a parent-death signal then reaches the writer."""
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if isinstance(fd, int):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        server._forkserver_alive_fd = None  # type: ignore[union-attr]
+
+
+def execute(
+    storage: CheckpointStorage, pool: SharedPool, job: WriteJob, fence: Callable[[], None] | None = None
+) -> WriteResult:
+    """Rebuild the state from the pool and write it; shared by every writer kind (``fence``: see write_checkpoint)."""
     return write_checkpoint(
         storage,
         materialize(job.snapshot, pool),
@@ -67,6 +142,7 @@ def execute(storage: CheckpointStorage, pool: SharedPool, job: WriteJob) -> Writ
         config_hash=job.config_hash,
         meta=job.meta,
         keep_last=job.keep_last,
+        fence=fence,
     )
 
 
@@ -95,9 +171,16 @@ class InlineWriter:
 
 
 def _writer_main(
-    conn: multiprocessing.connection.Connection, storage: CheckpointStorage, pool: SharedPool, nice: int
+    conn: multiprocessing.connection.Connection,
+    storage: CheckpointStorage,
+    pool: SharedPool,
+    nice: int,
+    trainer_pid: int,
 ) -> None:
-    """Body of the writer process: one job at a time until ``None`` or the parent goes away."""
+    """Body of the writer process: one job at a time until ``None`` or the trainer goes away."""
+    fence = TrainerFence(trainer_pid)
+    if fence.gone() is not None:
+        return  # the trainer died before the parent-death signal was armed
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent decides
     with contextlib.suppress(OSError):
         os.nice(nice)
@@ -110,7 +193,9 @@ def _writer_main(
         if job is None:
             return
         try:
-            result = execute(storage, pool, job)
+            result = execute(storage, pool, job, fence)
+        except TrainerGone:
+            return  # nobody to answer; latest and the other checkpoints are left as they are
         except BaseException as e:
             conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
         else:
@@ -190,7 +275,7 @@ class ProcessWriter:
         parent, child = ctx.Pipe(duplex=True)
         proc = ctx.Process(
             target=_writer_main,
-            args=(child, self.storage, pool, self.nice),
+            args=(child, self.storage, pool, self.nice, os.getpid()),
             name="elastictrain-checkpoint-writer",
             daemon=True,
         )

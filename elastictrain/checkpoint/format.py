@@ -12,11 +12,17 @@ Commit protocol (a crash at any instant leaves ``latest`` naming a complete chec
 1. the state file is written atomically under a name no manifest refers to yet (``state.pt``, or
    ``state-<token>.pt`` when the same step is saved again), its SHA-256 computed while it streams out;
 2. ``manifest.json`` is written atomically: this is the commit point of the folder;
-3. ``latest`` is replaced atomically, only after the manifest is durable;
-4. older checkpoints beyond ``keep_last`` are pruned (never the one ``latest`` names), together with
-   folders that never got a manifest, temporary files and state files no manifest names.
+3. ``latest`` is replaced atomically, only after the manifest is durable, and only forward: it never
+   names an older step than before (:meth:`~elastictrain.checkpoint.storage.CheckpointStorage.set_latest`),
+   except through :func:`rollback_latest`;
+4. older checkpoints beyond ``keep_last`` are pruned (never the one ``latest`` names, never one above it),
+   together with folders at or below ``latest`` that never got a manifest, temporary files and state files
+   no manifest names.
 
-One writer per storage at a time (rank 0's checkpointer); pruning assumes no other save is running.
+One writer per storage at a time is the rule (rank 0's checkpointer). A stale writer (its trainer died
+while it was saving) cannot move ``latest`` back nor prune what a newer writer wrote: ``latest`` only moves
+forward and pruning never touches anything above it. A writer may also pass a ``fence`` that stops it
+before either step.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import json
 import re
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, BinaryIO
@@ -34,7 +41,13 @@ from typing import Any, BinaryIO
 import torch
 
 from discovery.logconf import get_logger
-from elastictrain.checkpoint.storage import LATEST, TEMP_MARKER, CheckpointStorage
+from elastictrain.checkpoint.storage import (
+    LATEST,
+    TEMP_MARKER,
+    CheckpointStorage,
+    checkpoint_name,
+    parse_step,
+)
 
 
 def _log() -> Any:
@@ -45,26 +58,12 @@ def _log() -> Any:
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 STATE_FILE = "state.pt"
-_STEP_RE = re.compile(r"step-([0-9]{8,})")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _HASH_CHUNK = 8 << 20
 
 
 class CheckpointDamaged(Exception):
     """A checkpoint folder is incomplete or does not match its manifest (the message says how)."""
-
-
-def checkpoint_name(step: int) -> str:
-    """Folder name of the checkpoint at global step ``step``: ``step-00000100``."""
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
-    return f"step-{step:08d}"
-
-
-def parse_step(name: str) -> int | None:
-    """The step of a checkpoint folder name, or ``None`` when ``name`` is not one."""
-    m = _STEP_RE.fullmatch(name)
-    return int(m.group(1)) if m else None
 
 
 def list_checkpoints(storage: CheckpointStorage) -> list[tuple[int, str]]:
@@ -132,11 +131,14 @@ def write_checkpoint(
     config_hash: str,
     meta: dict[str, Any] | None = None,
     keep_last: int | None = None,
+    fence: Callable[[], None] | None = None,
 ) -> WriteResult:
     """Write ``state`` as the checkpoint of ``step`` following the commit protocol, then prune.
 
     Synchronous; the async checkpointer runs this in its background writer. Raises on any failure,
-    leaving ``latest`` untouched.
+    leaving ``latest`` untouched; :class:`~elastictrain.checkpoint.storage.LatestIsNewer` when ``latest``
+    already names a newer step (nothing is pruned then). ``fence()`` is called right before ``latest``
+    moves and again right before pruning; it raises to stop a writer that must no longer touch either.
     """
     start = time.perf_counter()
     name = checkpoint_name(step)
@@ -159,9 +161,13 @@ def write_checkpoint(
         "meta": meta or {},
     }
     storage.write_bytes(f"{name}/{MANIFEST}", json.dumps(manifest, indent=1, sort_keys=True).encode())
+    if fence is not None:
+        fence()
     storage.set_latest(name)
     write_seconds = time.perf_counter() - start
     pruned: tuple[str, ...] = ()
+    if fence is not None:
+        fence()
     try:
         pruned = tuple(prune(storage, keep_last))
     except Exception as e:  # the checkpoint itself is committed; a failed clean-up is only worth a warning
@@ -376,26 +382,31 @@ def prune(storage: CheckpointStorage, keep_last: int | None) -> list[str]:
 
     Keeps the folder ``latest`` names and the newest ``keep_last`` complete checkpoints (those with a
     manifest) at or below its step (``keep_last=None`` keeps all complete ones). Deletes older complete
-    checkpoints, folders without a manifest, folders above ``latest`` (an abandoned timeline, e.g. after
-    a resume fell back past a damaged checkpoint), temporary files and state files no manifest names.
-    Call only when no save is running on this storage.
+    checkpoints, folders below ``latest`` without a manifest, temporary files next to ``latest`` (under
+    :meth:`~elastictrain.checkpoint.storage.CheckpointStorage.latest_lock`, so never one being renamed)
+    and state files no manifest names. Never deletes a folder above ``latest``: that is a newer save of
+    another writer, still in flight or about to move ``latest``. Without a ``latest`` it deletes nothing.
+    An abandoned timeline above ``latest`` goes only through :func:`rollback_latest`.
     """
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
     latest = read_latest(storage)
     latest_step = parse_step(latest) if latest else None
-    found = list_checkpoints(storage)
-    complete = [(s, n) for s, n in found if (latest_step is None or s <= latest_step) and _has_manifest(storage, n)]
+    if latest is None or latest_step is None:
+        return []
+    found = [(s, n) for s, n in list_checkpoints(storage) if s <= latest_step]
+    complete = [(s, n) for s, n in found if _has_manifest(storage, n)]
     newest = complete[::-1] if keep_last is None else complete[::-1][:keep_last]
-    keep = {n for _, n in newest} | ({latest} if latest else set())
+    keep = {n for _, n in newest} | {latest}
     deleted = []
     for _, name in found:
         if name not in keep:
             storage.delete(name)
             deleted.append(name)
-    for entry in storage.list_dir(""):
-        if TEMP_MARKER in entry and entry != LATEST:
-            storage.delete(entry)
+    with storage.latest_lock():
+        for entry in storage.list_dir(""):
+            if TEMP_MARKER in entry and entry != LATEST:
+                storage.delete(entry)
     for name in keep:
         try:
             listed = set(read_manifest(storage, name)["files"])
@@ -406,3 +417,29 @@ def prune(storage: CheckpointStorage, keep_last: int | None) -> list[str]:
                 with contextlib.suppress(FileNotFoundError):
                     storage.delete(f"{name}/{entry}")
     return deleted
+
+
+def rollback_latest(storage: CheckpointStorage, name: str) -> list[str]:
+    """Point ``latest`` back at checkpoint ``name`` on purpose and delete every checkpoint folder above it.
+
+    The one way ``latest`` moves to an older step: call it when the run resumes from ``name`` although
+    ``latest`` names a newer one (those were damaged and skipped), so the new timeline can move ``latest``
+    forward from ``name``. Returns the deleted folder names (the abandoned timeline).
+    """
+    step = parse_step(name)
+    if step is None:
+        raise ValueError(f"{name!r} is not a checkpoint folder name")
+    before = read_latest(storage)
+    storage.set_latest(name, rollback=True)
+    abandoned = [n for s, n in list_checkpoints(storage) if s > step]
+    for n in abandoned:
+        storage.delete(n)
+    _log().warning(
+        "checkpoint_rolled_back",
+        message=f"{LATEST} moved back from {before} to {name}; deleted the abandoned newer checkpoints {abandoned}",
+        latest=name,
+        previous=before,
+        deleted=abandoned,
+        path=storage.describe(),
+    )
+    return abandoned

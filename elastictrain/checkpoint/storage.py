@@ -17,13 +17,18 @@ Writing a new backend (an object store, say) means subclassing :class:`Checkpoin
 - ``describe(path)``: a human-readable location for logs and events (``s3://bucket/key``).
 
 ``set_latest``/``get_latest`` are built on ``write_bytes``/``read_bytes`` of the ``latest`` key, so
-they inherit the atomic write. ``local_path`` may stay ``None`` for remote backends.
+they inherit the atomic write. ``latest`` is monotonic: :meth:`CheckpointStorage.set_latest` never moves it
+to an older step unless told ``rollback=True``; its read-compare-replace runs under
+:meth:`CheckpointStorage.latest_lock` (a backend with conditional writes uses those instead).
+``local_path`` may stay ``None`` for remote backends.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import re
 import secrets
 import shutil
 from abc import ABC, abstractmethod
@@ -36,6 +41,28 @@ LATEST = "latest"
 
 TEMP_MARKER = ".tmp-"
 """Temporary files carry this in their name; anything with it is garbage once no save is running."""
+
+LATEST_LOCK = "latest.lock"
+"""Lock file of :class:`LocalStorage` held around every change of ``latest``."""
+
+_STEP_RE = re.compile(r"step-([0-9]{8,})")
+
+
+def checkpoint_name(step: int) -> str:
+    """Folder name of the checkpoint at global step ``step``: ``step-00000100``."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"step-{step:08d}"
+
+
+def parse_step(name: str) -> int | None:
+    """The step of a checkpoint folder name, or ``None`` when ``name`` is not one."""
+    m = _STEP_RE.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+class LatestIsNewer(RuntimeError):
+    """``set_latest`` refused to move ``latest`` back: it already names a newer step (another writer got further)."""
 
 
 class CheckpointStorage(ABC):
@@ -84,15 +111,38 @@ class CheckpointStorage(ABC):
         with self.open_read(path) as f:
             return f.read()
 
-    def set_latest(self, name: str) -> None:
-        """Atomically point ``latest`` at checkpoint folder ``name``. Call only once that folder is durable."""
-        self.write_bytes(LATEST, (name + "\n").encode())
+    def latest_lock(self) -> contextlib.AbstractContextManager[None]:
+        """Held around a read-compare-replace of ``latest`` and around removing temp files next to it.
+
+        The default holds nothing (one writer at a time); :class:`LocalStorage` takes an exclusive ``flock``.
+        """
+        return contextlib.nullcontext()
+
+    def set_latest(self, name: str, *, rollback: bool = False) -> None:
+        """Atomically point ``latest`` at checkpoint folder ``name``. Call only once that folder is durable.
+
+        Monotonic: when ``latest`` names a newer step than ``name``, nothing changes and
+        :class:`LatestIsNewer` is raised (a stale writer, e.g. one whose trainer died, finishing late).
+        ``rollback=True`` moves it back on purpose (a resume that fell back past damaged checkpoints).
+        The current pointer is untrusted input: anything but a checkpoint folder name counts as none.
+        """
+        step = parse_step(name)
+        if step is None:
+            raise ValueError(f"{name!r} is not a checkpoint folder name (step-NNNNNNNN)")
+        with self.latest_lock():
+            current = self.get_latest()
+            current_step = parse_step(current) if current is not None else None
+            if current_step is not None and step < current_step and not rollback:
+                raise LatestIsNewer(
+                    f"{LATEST} names {current} (step {current_step}); not moving it back to {name} (step {step})"
+                )
+            self.write_bytes(LATEST, (name + "\n").encode())
 
     def get_latest(self) -> str | None:
         """The folder name ``latest`` points at, or ``None`` when there is no (readable) pointer."""
         try:
             name = self.read_bytes(LATEST).decode().strip()
-        except (FileNotFoundError, UnicodeDecodeError):
+        except (OSError, ValueError):  # absent, not a file, a link out of the storage, not text
             return None
         return name or None
 
@@ -172,6 +222,17 @@ class LocalStorage(CheckpointStorage):
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
             raise
+
+    @contextlib.contextmanager
+    def latest_lock(self) -> Iterator[None]:
+        """An exclusive ``flock`` on ``<root>/latest.lock`` (on NFS the server's byte-range lock)."""
+        _makedirs_durable(self.root)
+        fd = os.open(self._path(LATEST_LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
 
     def open_read(self, path: str) -> BinaryIO:
         return open(self._path(path), "rb")

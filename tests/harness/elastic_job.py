@@ -1,7 +1,8 @@
 """Run a real ``elastictrain train`` job under real ``horovodrun`` on logical local hosts, and act on it.
 
 The harness itself (:class:`ElasticJob`, :func:`logical_hosts`) lives in ``elastictrain/bench/jobs.py``,
-shared with ``elastictrain bench``; this module adds the small test job config.
+shared with ``elastictrain bench``; this module adds the small test job config and the
+exactly-once check on its ledger.
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from elastictrain.bench.jobs import ElasticJob, logical_hosts, read_jsonl
+from elastictrain.sampler import committed_samples
 
-__all__ = ["ElasticJob", "job_config", "logical_hosts", "read_jsonl"]
+__all__ = ["ElasticJob", "assert_exactly_once", "job_config", "logical_hosts", "read_jsonl"]
 
 
 def job_config(run_dir: Path, **overrides: Any) -> dict[str, Any]:
@@ -41,3 +43,11 @@ def job_config(run_dir: Path, **overrides: Any) -> dict[str, Any]:
             node = node.setdefault(part, {})
         node[last] = value
     return cfg
+
+
+def assert_exactly_once(job: ElasticJob, num_samples: int, epochs: int) -> None:
+    per_epoch = committed_samples(job.run_dir / "ledger")
+    assert sorted(per_epoch) == list(range(epochs)), f"epochs in ledger: {sorted(per_epoch)}"
+    for epoch, ids in per_epoch.items():
+        assert len(ids) == num_samples, f"epoch {epoch}: {len(ids)} samples used, expected {num_samples}"
+        assert sorted(ids) == list(range(num_samples)), f"epoch {epoch}: duplicates or gaps"

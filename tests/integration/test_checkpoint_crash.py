@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 
+import psutil
 import pytest
 import torch
 
-from elastictrain.checkpoint import Checkpointer, LocalStorage, list_checkpoints, load_latest, verify_checkpoint
-from tests.fixtures.procs import wait_until
+from elastictrain.checkpoint import (
+    Checkpointer,
+    LocalStorage,
+    list_checkpoints,
+    load_latest,
+    verify_checkpoint,
+    write_checkpoint,
+)
+from tests.fixtures.procs import REPO, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -145,3 +156,53 @@ def test_bench_runs_small_and_reports_medians_and_ratios(tmp_path):
     assert result["async_stall_s"] > 0 and result["sync_save_s"] > 0 and result["step_steady_s"] > 0
     assert result["stall_ratio"] == pytest.approx(result["async_stall_s"] / result["sync_save_s"])
     assert os.listdir(tmp_path) == []
+
+
+TRAINER = """
+import sys, time, torch
+from elastictrain.checkpoint import Checkpointer
+from tests.harness.gated_storage import GatedStorage
+storage = GatedStorage(sys.argv[1], sys.argv[2])
+ckpt = Checkpointer(storage, keep_last=1, writer="process")
+ckpt.save({"w": torch.ones(256)}, step=100, epoch=0, world_size=1, config_hash="h")
+print(ckpt.writer_pid, flush=True)
+sys.stdin.read()  # until the test kills it
+"""
+
+
+def _dead(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_writer_of_a_sigkilled_trainer_dies_and_a_newer_checkpoint_keeps_latest(tmp_path, procs):
+    """Rank 0 SIGKILLed while its writer is mid-save (the state file written, held before the manifest): the
+    writer dies with it, and the new rank 0's newer checkpoint stays latest and is not pruned."""
+    root, gate = tmp_path / "checkpoints", tmp_path / "gate"
+    trainer = procs.start(
+        [sys.executable, "-c", TRAINER, str(root), str(gate)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert trainer.stdout is not None
+    writer = int(trainer.stdout.readline())
+    try:
+        wait_until(lambda: gate.with_name("gate.writing").exists(), timeout=60, what="the writer mid-save")
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.wait(timeout=10)
+        # The new rank 0 saves a newer step while the old writer would still be finishing step 100.
+        write_checkpoint(LocalStorage(root), {"w": torch.zeros(4)}, step=200, epoch=0, world_size=1,
+                         config_hash="h", keep_last=1)  # fmt: skip
+        wait_until(lambda: _dead(writer), timeout=30, interval=0.05, what=f"writer {writer} to die with its trainer")
+    finally:
+        gate.touch()  # let a surviving writer finish (on the old code: it moves latest back and prunes step 200)
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(writer).kill()
+    storage = LocalStorage(root)
+    assert storage.get_latest() == "step-00000200"
+    assert load_latest(storage).step == 200

@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from elastictrain.checkpoint import LocalStorage, load_latest
-from elastictrain.sampler import committed_samples
-from tests.harness.elastic_job import ElasticJob, job_config, logical_hosts
+from tests.harness.elastic_job import ElasticJob, assert_exactly_once, job_config, logical_hosts
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -34,14 +33,6 @@ def run_job(jobs, tmp_path, name, hosts, **cfg) -> ElasticJob:
     job = ElasticJob(tmp_path / name, job_config(tmp_path / name / "run", **cfg), hosts)
     jobs.append(job)
     return job.start()
-
-
-def assert_exactly_once(job: ElasticJob, num_samples: int, epochs: int) -> None:
-    per_epoch = committed_samples(job.run_dir / "ledger")
-    assert sorted(per_epoch) == list(range(epochs)), f"epochs in ledger: {sorted(per_epoch)}"
-    for epoch, ids in per_epoch.items():
-        assert len(ids) == num_samples, f"epoch {epoch}: {len(ids)} samples used, expected {num_samples}"
-        assert sorted(ids) == list(range(num_samples)), f"epoch {epoch}: duplicates or gaps"
 
 
 def assert_loss_falls(job: ElasticJob) -> None:

@@ -341,3 +341,36 @@ def test_launch_is_a_subcommand_and_its_help_names_the_exit_codes() -> None:
         [str(ELASTICTRAIN), "launch", "--help"], capture_output=True, text=True, timeout=60, check=False, cwd=REPO
     )
     assert out.returncode == 0 and "--wait-hosts-seconds" in out.stdout and "--max-relaunches" in out.stdout
+
+
+def zygote_workers(launch: Launch) -> list[psutil.Process]:
+    """Workers forked by a warm zygote: children of an ``elastictrain zygote serve`` with its command line."""
+    out = []
+    for p in list(launch.seen.values()):
+        with contextlib.suppress(psutil.Error):
+            cmd = p.cmdline()
+            parent = p.parent()
+            forked = "zygote" in cmd and "serve" in cmd and parent is not None and parent.cmdline() == cmd
+            if forked and p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+    return out
+
+
+@needs_horovod
+def test_hot_join_forks_workers_from_warm_zygotes_and_a_killed_one_rejoins_warm(
+    procs: ProcessGroup, tmp_path: Path, no_leftovers: list[Launch]
+) -> None:
+    config = write_config(tmp_path, "launch-hot", max_steps=400)
+    launch = Launch(procs, config, tmp_path, "--hot-join")
+    no_leftovers.append(launch)
+    first = wait_until(lambda: len(zygote_workers(launch)) == 2 and zygote_workers(launch), 120, what="2 warm workers")
+    wait_until(lambda: any(e["event"] == "metrics" for e in events(launch.run_dir)), 120, what="training")
+    first[0].kill()
+    pids = {p.pid for p in first}
+    wait_until(
+        lambda: any(p.pid not in pids for p in zygote_workers(launch)), 120, what="a worker forked again after the kill"
+    )
+    assert launch.wait(timeout=200) == 0, launch.log()
+    evs = events(launch.run_dir)
+    assert [e["step"] for e in evs if e["event"] == "done"] == [400]
+    assert any(e["event"] == "reset" for e in evs), "the kill caused a reset"

@@ -9,8 +9,7 @@ import pytest
 from elastictrain.checkpoint import LocalStorage, load_latest
 from elastictrain.events import read_events
 from tests.fixtures.procs import kill_tree, wait_until
-from tests.harness.elastic_job import ElasticJob, job_config, logical_hosts
-from tests.integration.test_elastic_scenarios import assert_exactly_once
+from tests.harness.elastic_job import ElasticJob, assert_exactly_once, job_config, logical_hosts
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 

@@ -9,7 +9,7 @@ import pytest
 from discovery.agent import Action, Agent, AgentConfig, AgentState, Observation, decide, main
 from discovery.record import DRAINING, READY, HostRecord
 from discovery.registry import InMemoryRegistry, set_state
-from tests.unit.test_registry import FakeClock
+from tests.fixtures.clock import FakeClock
 
 
 def cfg(**kw: object) -> AgentConfig:

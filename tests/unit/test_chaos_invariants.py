@@ -218,3 +218,15 @@ def test_a_checkpoint_temp_file_names_its_writer_pid(tmp_path) -> None:
     (step / "manifest.json").write_text("{}")
     (temp,) = faults.checkpoint_temp_files(tmp_path)
     assert faults.writer_pid(temp) == 4242
+
+
+def test_orphan_writer_checks_fail_when_latest_moved_back_or_the_writer_survived():
+    ok = {"writer_pid": 7, "writer_died_seconds": 0.05, "latest_before": "step-00000040",
+          "latest_after": "step-00000040", "latest_before_kept": True}  # fmt: skip
+    assert all(c.ok for c in inv.check_orphan_writer(ok))
+    moved_back = {**ok, "writer_died_seconds": None, "latest_after": "step-00000030", "latest_before_kept": False}
+    died, forward = inv.check_orphan_writer(moved_back)
+    assert (died.ok, forward.ok) == (False, False)
+    newer = {**ok, "latest_after": "step-00000050", "latest_before_kept": False}  # pruned by keep_last: fine
+    assert all(c.ok for c in inv.check_orphan_writer(newer))
+    assert [c.ok for c in inv.check_orphan_writer(None)] == [False]

@@ -15,10 +15,11 @@ from elastictrain.checkpoint.format import (
     CheckpointDamaged,
     list_checkpoints,
     load_latest,
+    rollback_latest,
     verify_checkpoint,
     write_checkpoint,
 )
-from elastictrain.checkpoint.storage import LocalStorage
+from elastictrain.checkpoint.storage import LatestIsNewer, LocalStorage
 
 
 def _state(step: int) -> dict:
@@ -59,11 +60,84 @@ def test_keep_last_prunes_older_checkpoints_but_never_the_one_latest_names(stora
     for step in (10, 20, 30, 40):
         _write(storage, step, keep_last=2)
     assert [n for _, n in list_checkpoints(storage)] == ["step-00000030", "step-00000040"]
-    # latest moved back (a resume fell back past a damaged newer one): latest is kept, the newer is dropped
-    storage.set_latest("step-00000030")
+    # a resume fell back past a damaged newer one: the explicit rollback drops the newer one, saves go on from 30
+    assert rollback_latest(storage, "step-00000030") == ["step-00000040"]
     _write(storage, 35, keep_last=1)
     assert storage.get_latest() == "step-00000035"
     assert [n for _, n in list_checkpoints(storage)] == ["step-00000035"]
+
+
+def test_latest_never_moves_back_to_an_older_step_without_an_explicit_rollback(storage):
+    _write(storage, 100)
+    _write(storage, 200)
+    with pytest.raises(LatestIsNewer, match="names step-00000200"):
+        storage.set_latest("step-00000100")
+    with pytest.raises(LatestIsNewer):  # a late writer of an older step: its folder stays, latest does not move
+        _write(storage, 150, keep_last=1)
+    assert storage.get_latest() == "step-00000200"
+    assert [n for _, n in list_checkpoints(storage)] == ["step-00000100", "step-00000150", "step-00000200"]
+    storage.set_latest("step-00000200")  # the same step again (a re-save) is not a move back
+    storage.set_latest("step-00000100", rollback=True)
+    assert storage.get_latest() == "step-00000100"
+
+
+@pytest.mark.parametrize("pointer", [b"../outside/step-00000900", b"step-00000900/..", b"\xff\xfe", b""])
+def test_a_latest_that_is_not_a_checkpoint_name_counts_as_none_when_moving_it(storage, pointer):
+    _write(storage, 5)
+    storage.write_bytes("latest", pointer)
+    storage.set_latest("step-00000003")
+    assert storage.get_latest() == "step-00000003"
+    with pytest.raises(ValueError, match="not a checkpoint folder name"):
+        storage.set_latest("../step-00000009")
+
+
+def test_a_stale_writer_finishing_late_prunes_nothing_a_newer_writer_wrote(storage, tmp_path):
+    """The orphaned writer of a dead rank 0 finishes step 100 while the new rank 0 is writing step 300 (its
+    temp file is there, no manifest yet) and has written step 200's manifest but not moved latest yet."""
+    _write(storage, 50)
+    _write(LocalStorage(tmp_path / "other"), 200)
+    os.rename(tmp_path / "other" / "step-00000200", storage.root / "step-00000200")
+    (storage.root / "step-00000300").mkdir()
+    (storage.root / "step-00000300" / ".state.pt.tmp-7-ab").write_bytes(b"half")
+    result = _write(storage, 100, keep_last=1)  # latest 50 -> 100 is forward: allowed
+    assert storage.get_latest() == "step-00000100" and result.pruned == ("step-00000050",)
+    assert sorted(os.listdir(storage.root / "step-00000300")) == [".state.pt.tmp-7-ab"]
+    assert verify_checkpoint(storage, "step-00000200")["step"] == 200
+    storage.set_latest("step-00000200")  # the new rank 0 moves latest on
+    assert load_latest(storage).step == 200
+
+
+def test_a_fence_that_raises_stops_the_writer_before_latest_moves_and_before_pruning(storage):
+    _write(storage, 10)
+    _write(storage, 20)
+    calls = []
+
+    def fence():
+        calls.append(storage.get_latest())
+        if len(calls) == 2:
+            raise RuntimeError("the trainer is gone")
+
+    with pytest.raises(RuntimeError, match="trainer is gone"):
+        _write(storage, 30, keep_last=1, fence=fence)
+    assert calls == ["step-00000020", "step-00000030"]  # before latest moved, then before pruning
+    assert [n for _, n in list_checkpoints(storage)] == ["step-00000010", "step-00000020", "step-00000030"]
+    calls.clear()
+    with pytest.raises(RuntimeError):
+        _write(storage, 40, fence=lambda: (_ for _ in ()).throw(RuntimeError("the trainer is gone")))
+    assert storage.get_latest() == "step-00000030"
+
+
+def test_an_explicit_rollback_deletes_the_abandoned_newer_checkpoints_and_says_so(storage):
+    for step in (10, 20, 30):
+        _write(storage, step)
+    with structlog.testing.capture_logs() as logs:
+        assert rollback_latest(storage, "step-00000010") == ["step-00000020", "step-00000030"]
+    assert storage.get_latest() == "step-00000010"
+    assert [n for _, n in list_checkpoints(storage)] == ["step-00000010"]
+    (warning,) = [e for e in logs if e["event"] == "checkpoint_rolled_back"]
+    assert warning["previous"] == "step-00000030" and warning["log_level"] == "warning"
+    _write(storage, 15)
+    assert storage.get_latest() == "step-00000015"
 
 
 def test_pruning_removes_folders_without_manifest_and_leftover_temp_files(storage, tmp_path):
@@ -73,7 +147,7 @@ def test_pruning_removes_folders_without_manifest_and_leftover_temp_files(storag
     (tmp_path / "checkpoints" / ".latest.tmp-1-cd").write_bytes(b"step-")
     (tmp_path / "checkpoints" / "step-00000001" / ".state.pt.tmp-1-ef").write_bytes(b"half")
     _write(storage, 3, keep_last=5)
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step-00000001", "step-00000003"]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "latest.lock", "step-00000001", "step-00000003"]
     assert sorted(os.listdir(tmp_path / "checkpoints" / "step-00000001")) == [MANIFEST, "state.pt"]
 
 

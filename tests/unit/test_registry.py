@@ -12,17 +12,7 @@ from discovery.registry import (
     RegistryUnavailable,
     set_state,
 )
-
-
-class FakeClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+from tests.fixtures.clock import FakeClock
 
 
 def rec(host: str = "node-a", slots: int = 2, state: str = READY) -> HostRecord:

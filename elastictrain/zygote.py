@@ -1,0 +1,463 @@
+"""Hot join: a warm worker factory per host, so a worker that joins a running job starts at once.
+
+A cold worker spends seconds before it can join Horovod's rendezvous: a Python interpreter, torch, Horovod
+and the task's module imported, the dataset indexed; meanwhile every running worker waits. The zygote
+(``elastictrain zygote serve``, started by the node agent with ``--warm-config``) does that once, before
+anyone waits, then forks a worker per request. horovodrun runs the thin client
+(``python -m elastictrain.zygote client -- <the cold worker command>``) on the host instead of the worker:
+the client hands the zygote its arguments, environment, working directory and standard streams, relays
+signals to the forked worker and exits as the worker exits. Horovod sees an ordinary process.
+
+Contract:
+- The zygote only imports and indexes: it starts no thread (OpenBLAS is held to one before numpy loads;
+  MLflow, which starts one, is not imported) and touches no CUDA. It checks that it has one thread before
+  every fork and answers ``error`` otherwise.
+- A forked worker runs ``elastictrain train`` with exactly the client's arguments, environment, working
+  directory and standard streams: the entry point of a cold worker. It dies with the zygote
+  (PR_SET_PDEATHSIG) and is SIGKILLed when its client's connection closes (the client died).
+- With no zygote (no socket, no answer, an ``error``), the client execs the cold command: the same worker.
+- Only the zygote's own user may connect (a 0700 folder, a 0600 socket, SO_PEERCRED checked): a request
+  runs code as that user.
+- On SIGTERM the zygote stops taking requests, and exits when its running workers have exited.
+
+Protocol, one AF_UNIX stream connection per worker; each message is a 4-byte big-endian length and JSON.
+The client sends ``{"args": [...], "env": {...}, "cwd": "..."}`` (``args``: what follows ``train``) with its
+fds 0, 1 and 2 attached (SCM_RIGHTS). The zygote answers ``{"pid": N}`` and later ``{"exit": code}``
+(negative: killed by that signal), or ``{"error": "..."}`` instead of the pid.
+
+This module imports only the standard library at load time: the client must start in milliseconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+from pathlib import Path
+from typing import Any
+
+DIR_ENV = "ELASTICTRAIN_ZYGOTE_DIR"
+MAX_MESSAGE = 1 << 20
+RELAYED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+CONNECT_TIMEOUT_SECONDS = 5.0
+READY_LINE = "zygote ready"
+
+
+class ProtocolError(Exception):
+    """A peer sent something that is not a message of this protocol."""
+
+
+def socket_dir() -> Path:
+    return Path(os.environ.get(DIR_ENV) or f"/tmp/elastictrain-zygote-{os.getuid()}")
+
+
+def socket_path(job: str, host: str) -> Path:
+    """Where the zygote of ``job`` on ``host`` listens (short: AF_UNIX paths have a 107-byte limit)."""
+    key = hashlib.sha256(f"{job}\n{host}".encode()).hexdigest()[:20]  # names hold no newline (check_name)
+    return socket_dir() / f"{key}.sock"
+
+
+def send_message(sock: socket.socket, msg: dict[str, Any], fds: list[int] | None = None) -> None:
+    data = json.dumps(msg).encode()
+    frame = struct.pack(">I", len(data)) + data
+    if fds:
+        sent = socket.send_fds(sock, [frame], fds)
+        frame = frame[sent:]
+    sock.sendall(frame)
+
+
+def recv_message(sock: socket.socket, *, max_fds: int = 0) -> tuple[dict[str, Any] | None, list[int]]:
+    """One message and the fds that came with it; ``(None, [])`` on a clean end of stream."""
+    fds: list[int] = []
+    buf = b""
+    while len(buf) < 4:
+        if max_fds and not fds:
+            chunk, got, _, _ = socket.recv_fds(sock, 4 - len(buf), max_fds)
+            fds += got
+        else:
+            chunk = sock.recv(4 - len(buf))
+        if not chunk:
+            if buf or fds:
+                _close_all(fds)
+                raise ProtocolError("connection closed inside a message")
+            return None, []
+        buf += chunk
+    (size,) = struct.unpack(">I", buf)
+    if size > MAX_MESSAGE:
+        _close_all(fds)
+        raise ProtocolError(f"message of {size} bytes")
+    body = b""
+    while len(body) < size:
+        chunk = sock.recv(size - len(body))
+        if not chunk:
+            _close_all(fds)
+            raise ProtocolError("connection closed inside a message")
+        body += chunk
+    try:
+        msg = json.loads(body)
+    except ValueError:
+        _close_all(fds)
+        raise ProtocolError("message is not JSON") from None
+    if not isinstance(msg, dict):
+        _close_all(fds)
+        raise ProtocolError("message is not an object")
+    return msg, fds
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+# --------------------------------------------------------------------------------------------------
+# client
+
+
+def client_main(argv: list[str]) -> int:
+    """``python -m elastictrain.zygote client -- COMMAND...``: run COMMAND (an ``elastictrain train``) in the
+    warm zygote of this job and host if there is one, else exec it."""
+    if argv[:1] != ["--"] or len(argv) < 2:
+        print("elastictrain zygote client: error: usage: client -- COMMAND...", file=sys.stderr)
+        return 2
+    cold = argv[1:]
+    job, host = os.environ.get("ELASTICTRAIN_JOB", ""), os.environ.get("HOROVOD_HOSTNAME", "")
+    relay = _Relay()  # from here on, a signal is kept until there is a worker to give it to
+    if "train" in cold and job and host:
+        sock = _request(socket_path(job, host), cold[cold.index("train") + 1 :], relay)
+        if sock is not None:
+            return _wait_exit(sock)
+    relay.restore()
+    os.execvp(cold[0], cold)
+    return 127  # not reached
+
+
+class _Relay:
+    """Signal handlers that forward to the worker once its pid is known, and hold signals until then."""
+
+    def __init__(self) -> None:
+        self.pid: int | None = None
+        self.pending: list[int] = []
+        for sig in RELAYED_SIGNALS:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        if self.pid is None:
+            self.pending.append(signum)
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
+
+    def attach(self, pid: int) -> None:
+        self.pid = pid
+        for signum in self.pending:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    def restore(self) -> None:
+        """Default dispositions again (before exec); a signal that came meanwhile acts now."""
+        for sig in RELAYED_SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+        for signum in self.pending:
+            os.kill(os.getpid(), signum)
+
+
+def _request(path: Path, args: list[str], relay: _Relay) -> socket.socket | None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(CONNECT_TIMEOUT_SECONDS)
+        sock.connect(str(path))
+        send_message(sock, {"args": args, "env": dict(os.environ), "cwd": os.getcwd()}, [0, 1, 2])
+        reply, _ = recv_message(sock)
+    except (OSError, ProtocolError):
+        sock.close()
+        return None
+    pid = reply.get("pid") if reply else None
+    if type(pid) is not int or pid <= 0:
+        if reply and "error" in reply:
+            print(f"elastictrain zygote: starting cold ({str(reply['error'])[:200]})", file=sys.stderr)
+        sock.close()
+        return None
+    sock.settimeout(None)
+    relay.attach(pid)
+    return sock
+
+
+def _wait_exit(sock: socket.socket) -> int:
+    """The worker's exit code; killed by a signal: die of the same signal, as the worker did."""
+    try:
+        reply, _ = recv_message(sock)
+    except (OSError, ProtocolError):
+        reply = None
+    code = reply.get("exit") if reply else None
+    if type(code) is not int:
+        return 1  # the zygote died: so did the worker (PR_SET_PDEATHSIG)
+    if code < 0:
+        if -code in RELAYED_SIGNALS:
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        return 128 - code
+    return code
+
+
+# --------------------------------------------------------------------------------------------------
+# server
+
+
+def thread_count() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def warm(config: str, overrides: list[str]) -> None:
+    """Import what a worker of this job imports and index its image folders; start no thread."""
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy loads: OpenBLAS starts its pool at import
+    from elastictrain.config import load_config
+    from elastictrain.task import add_import_paths, resolve_builder
+
+    cfg = load_config(config, overrides)
+    add_import_paths(config)
+    import horovod.torch  # noqa: F401
+    import torch  # noqa: F401
+
+    from elastictrain import elastic, worker  # noqa: F401
+    from elastictrain.folder_index import folder_index
+
+    resolve_builder(cfg.task)  # imports the task's module; building it would run torch ops (threads)
+    for key in ("path", "val_path"):
+        path = cfg.task_args.get(key)
+        if isinstance(path, str) and Path(path).is_dir():
+            with contextlib.suppress(OSError):
+                folder_index(path)
+
+
+def listen(path: Path) -> socket.socket:
+    folder = path.parent
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = folder.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"{folder} must be owned by uid {os.getuid()} with mode 0700")
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(str(path))
+    finally:
+        os.umask(old)
+    sock.listen(64)
+    return sock
+
+
+class Zygote:
+    """The serving loop: one thread, a selector over the listener, the clients and a SIGCHLD wake-up pipe."""
+
+    def __init__(self, listener: socket.socket, path: Path) -> None:
+        import selectors
+
+        self.listener, self.path = listener, path
+        self.children: dict[int, socket.socket] = {}
+        self.stopping = False
+        self.sel = selectors.DefaultSelector()
+        self.EVENT_READ = selectors.EVENT_READ
+        self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.wake_w = wake_w
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.signal(signal.SIGTERM, self._stop)
+        signal.signal(signal.SIGINT, self._stop)
+        self.sel.register(listener, self.EVENT_READ, "accept")
+        self.sel.register(self.wake_r, self.EVENT_READ, "wake")
+
+    def _stop(self, *_: Any) -> None:
+        self.stopping = True
+
+    def serve(self) -> int:
+        while not (self.stopping and not self.children):
+            if self.stopping and self.listener.fileno() >= 0:
+                self.sel.unregister(self.listener)
+                self.listener.close()
+                with contextlib.suppress(FileNotFoundError):
+                    self.path.unlink()
+            for key, _ in self.sel.select(timeout=1.0):
+                if key.data == "accept":
+                    self._accept()
+                elif key.data == "wake":
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self.wake_r, 4096)
+                else:
+                    self._client_closed(key.data)
+            self._reap()
+        return 0
+
+    def _accept(self) -> None:
+        conn, _ = self.listener.accept()
+        conn.settimeout(CONNECT_TIMEOUT_SECONDS)
+        fds: list[int] = []
+        try:
+            uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+            if uid != os.getuid():
+                raise ProtocolError(f"peer uid {uid} is not ours")
+            msg, fds = recv_message(conn, max_fds=3)
+            request = _valid_request(msg, fds)
+            if thread_count() != 1:
+                send_message(conn, {"error": f"zygote has {thread_count()} threads; a fork would not be safe"})
+                raise ProtocolError("threads")
+            pid = self._fork(conn, request, fds)
+            send_message(conn, {"pid": pid})
+            print(f"zygote forked worker pid {pid}", flush=True)
+        except (OSError, ProtocolError) as e:
+            with contextlib.suppress(OSError):
+                send_message(conn, {"error": str(e)})
+            conn.close()
+            return
+        finally:
+            _close_all(fds)
+        conn.settimeout(None)
+        self.children[pid] = conn
+        self.sel.register(conn, self.EVENT_READ, pid)
+
+    def _fork(self, conn: socket.socket, request: dict[str, Any], fds: list[int]) -> int:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        parent = os.getpid()
+        pid = os.fork()
+        if pid:
+            return pid
+        code = 1
+        try:  # the worker: nothing in here may return into the serving loop
+            _die_with(parent)
+            signal.set_wakeup_fd(-1)
+            for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, signal.SIG_DFL)
+            self.sel.close()
+            for other in (self.listener, conn, *self.children.values()):
+                other.close()
+            os.close(self.wake_r)
+            os.close(self.wake_w)
+            for target, fd in enumerate(fds):
+                os.dup2(fd, target)
+            _close_all([fd for fd in fds if fd > 2])
+            os.chdir(request["cwd"])
+            os.environ.clear()
+            os.environ.update(request["env"])
+            sys.argv = ["elastictrain", "train", *request["args"]]
+            from elastictrain import worker
+
+            code = worker.main(list(request["args"]))
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            import atexit
+
+            with contextlib.suppress(BaseException):
+                atexit._run_exitfuncs()
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(code)
+
+    def _client_closed(self, pid: int) -> None:
+        conn = self.children.get(pid)
+        if conn is None:
+            return
+        with contextlib.suppress(OSError):
+            if conn.recv(1, socket.MSG_PEEK):
+                return  # a client sends nothing after its request; ignore stray bytes until it closes
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        self.sel.unregister(conn)
+
+    def _reap(self) -> None:
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = self.children.pop(pid, None)
+            if conn is None:
+                continue
+            with contextlib.suppress(OSError, ValueError):
+                send_message(conn, {"exit": os.waitstatus_to_exitcode(status)})
+            with contextlib.suppress(KeyError, ValueError):
+                self.sel.unregister(conn)
+            conn.close()
+
+
+def _valid_request(msg: dict[str, Any] | None, fds: list[int]) -> dict[str, Any]:
+    if msg is None:
+        raise ProtocolError("no request")
+    args, env, cwd = msg.get("args"), msg.get("env"), msg.get("cwd")
+    if not (isinstance(args, list) and all(isinstance(a, str) for a in args)):
+        raise ProtocolError("args must be a list of strings")
+    if not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
+        raise ProtocolError("env must map strings to strings")
+    if not isinstance(cwd, str) or not os.path.isabs(cwd):
+        raise ProtocolError("cwd must be an absolute path")
+    if len(fds) != 3:
+        raise ProtocolError(f"expected fds 0, 1 and 2, got {len(fds)}")
+    return {"args": args, "env": env, "cwd": cwd}
+
+
+def _die_with(parent: int) -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def serve_main(argv: list[str]) -> int:
+    import argparse
+
+    from elastictrain.config import ConfigError
+    from elastictrain.config_cli import OneLineParser, add_config_args, report_config_error
+
+    p = OneLineParser(prog="elastictrain zygote serve", description="a warm worker factory for one job and host")
+    add_config_args(p)
+    p.add_argument("--job", required=True, help="job name (the client finds the socket by job and host)")
+    p.add_argument("--host", required=True, help="host name, as horovodrun names it (HOROVOD_HOSTNAME)")
+    args: argparse.Namespace = p.parse_args(argv)
+    path = socket_path(args.job, args.host)
+    try:
+        listener = listen(path)
+        warm(args.config, args.overrides)
+    except ConfigError as e:
+        return report_config_error(e, "elastictrain zygote")
+    except (OSError, ImportError) as e:
+        print(f"elastictrain zygote: error: {e}", file=sys.stderr)
+        return 1
+    zygote = Zygote(listener, path)
+    print(f"{READY_LINE} {path} pid {os.getpid()}", flush=True)
+    try:
+        return zygote.serve()
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            if zygote.listener.fileno() >= 0:
+                path.unlink()
+
+
+def main(argv: list[str]) -> int:
+    """``elastictrain zygote serve ...`` | ``elastictrain zygote client -- COMMAND...``."""
+    if argv[:1] == ["serve"]:
+        return serve_main(argv[1:])
+    if argv[:1] == ["client"]:
+        return client_main(argv[1:])
+    print(
+        "elastictrain zygote: error: usage: zygote serve --config X --job J --host H | client -- CMD", file=sys.stderr
+    )
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

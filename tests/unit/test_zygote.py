@@ -1,0 +1,220 @@
+"""Hot join's zygote and client: real processes on a real AF_UNIX socket.
+
+The serving zygote here runs a stand-in for ``worker.main`` (so that no horovodrun is needed); everything
+else (the fork, the fds, the environment, signal relay, exit codes, the client's cold fallback) is the
+code a job runs. One test warms a real zygote on a real config and counts its threads.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from elastictrain import zygote
+from elastictrain.launch import LaunchOptions, runs_train, worker_command
+from tests.fixtures.procs import REPO, ProcessGroup, wait_until
+
+SERVER = """
+import os, signal, sys
+from elastictrain import worker, zygote
+
+def stand_in(args):
+    print("worker", os.getppid(), os.getcwd(), os.environ.get("PROBE"), " ".join(args), flush=True)
+    if args[0] == "wait":
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        while True:
+            signal.pause()
+    return int(args[0])
+
+worker.main = stand_in
+path = zygote.socket_path("job1", "h1")
+z = zygote.Zygote(zygote.listen(path), path)
+print(zygote.READY_LINE, os.getpid(), flush=True)
+sys.exit(z.serve())
+"""
+
+
+@pytest.fixture
+def procs():
+    group = ProcessGroup()
+    yield group
+    group.cleanup()
+
+
+@pytest.fixture
+def sockdir(monkeypatch) -> Path:
+    # Short: AF_UNIX paths hold at most 107 bytes, and pytest's tmp_path can be longer.
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="zt-", dir="/tmp"))
+    monkeypatch.setenv(zygote.DIR_ENV, str(d / "z"))
+    yield d / "z"
+    import shutil
+
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def client_env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "ELASTICTRAIN_JOB": "job1", "HOROVOD_HOSTNAME": "h1", "PYTHONPATH": str(REPO), **extra}
+
+
+def client(procs: ProcessGroup, *args: str, cwd: Path | None = None, **env: str) -> subprocess.Popen:
+    cold = [sys.executable, "-c", "import sys; print('cold', *sys.argv[1:])", "train", *args]
+    return procs.start(
+        [sys.executable, "-m", "elastictrain.zygote", "client", "--", *cold],
+        env=client_env(**env),
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.fixture
+def server(procs, sockdir) -> subprocess.Popen:
+    proc = procs.start(
+        [sys.executable, "-c", SERVER], env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith(zygote.READY_LINE), line
+    return proc
+
+
+def test_worker_gets_the_clients_args_env_cwd_and_streams_and_its_exit_code(server, procs, tmp_path):
+    c = client(procs, "7", "--config", "x.yaml", cwd=tmp_path, PROBE="hello")
+    out, err = c.communicate(timeout=60)
+    assert c.returncode == 7, err
+    word, ppid, cwd, probe, args = out.split(" ", 4)
+    assert (word, int(ppid), cwd, probe, args.strip()) == (
+        "worker",
+        server.pid,
+        str(tmp_path),
+        "hello",
+        "7 --config x.yaml",
+    )
+
+
+def test_sigterm_to_the_client_reaches_the_worker(server, procs):
+    c = client(procs, "wait")
+    assert c.stdout is not None
+    worker_line = c.stdout.readline()  # the worker is running (it printed before it waits for a signal)
+    assert worker_line.startswith("worker "), worker_line
+    c.send_signal(signal.SIGTERM)
+    assert c.wait(timeout=60) == 143
+
+
+def worker_children(server: subprocess.Popen) -> list[psutil.Process]:
+    return psutil.Process(server.pid).children()
+
+
+def test_a_killed_client_takes_its_worker_down(server, procs):
+    c = client(procs, "wait")
+    assert c.stdout is not None and c.stdout.readline().startswith("worker ")
+    (worker,) = worker_children(server)
+    c.kill()
+    c.wait(timeout=10)
+    wait_until(lambda: not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE, 30, what="worker gone")
+
+
+def test_a_killed_worker_kills_its_client_with_the_same_signal(server, procs):
+    c = client(procs, "wait")
+    assert c.stdout is not None and c.stdout.readline().startswith("worker ")
+    (worker,) = worker_children(server)
+    worker.kill()
+    assert c.wait(timeout=60) == -signal.SIGKILL
+
+
+def test_without_a_zygote_the_client_runs_the_cold_command(procs, sockdir):
+    c = client(procs, "3")
+    out, _ = c.communicate(timeout=60)
+    assert (c.returncode, out.strip()) == (0, "cold train 3")
+
+
+def test_sigterm_to_the_zygote_waits_for_its_workers_then_removes_the_socket(server, procs):
+    c = client(procs, "wait")
+    assert c.stdout is not None and c.stdout.readline().startswith("worker ")
+    server.send_signal(signal.SIGTERM)
+    path = zygote.socket_path("job1", "h1")
+    wait_until(lambda: not path.exists(), 30, what="socket removed")
+    assert server.poll() is None, "the zygote must outlive its running worker"
+    c.send_signal(signal.SIGTERM)
+    assert c.wait(timeout=60) == 143
+    assert server.wait(timeout=30) == 0
+
+
+def test_another_user_cannot_use_the_zygote(server, sockdir):
+    path = zygote.socket_path("job1", "h1")
+    assert oct(path.stat().st_mode & 0o777) == "0o600" and oct(path.parent.stat().st_mode & 0o777) == "0o700"
+
+
+@pytest.mark.parametrize(
+    ("request_", "fds", "error"),
+    [
+        ({"args": "x", "env": {}, "cwd": "/"}, 3, "args"),
+        ({"args": [], "env": {"A": 1}, "cwd": "/"}, 3, "env"),
+        ({"args": [], "env": {}, "cwd": "relative"}, 3, "cwd"),
+        ({"args": [], "env": {}, "cwd": "/"}, 1, "fds"),
+    ],
+)
+def test_a_malformed_request_is_refused(request_, fds, error):
+    with pytest.raises(zygote.ProtocolError, match=error):
+        zygote._valid_request(request_, list(range(fds)))
+
+
+@pytest.mark.parametrize("frame", [b"\xff\xff\xff\xff", b"\x00\x00\x00\x03abc", b"\x00\x00\x00\x02[]", b"\x00\x00"])
+def test_a_malformed_message_is_a_protocol_error(frame):
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(frame)
+        a.shutdown(socket.SHUT_WR)
+        with pytest.raises(zygote.ProtocolError):
+            zygote.recv_message(b)
+
+
+def test_socket_path_is_short_and_per_job_and_host(sockdir):
+    paths = {zygote.socket_path(j, h) for j in ("a", "b") for h in ("h1", "h2")}
+    assert len(paths) == 4 and all(len(str(p)) < 100 for p in paths)
+
+
+def test_launch_runs_workers_through_the_client_with_hot_join(tmp_path):
+    cfg = tmp_path / "job.yaml"
+    cold = worker_command(LaunchOptions(config=cfg, overrides=("a=1",)))
+    hot = worker_command(LaunchOptions(config=cfg, overrides=("a=1",), hot_join=True))
+    assert hot[1:5] == ["-m", "elastictrain.zygote", "client", "--"] and hot[5:] == cold
+    assert runs_train(cold) and runs_train(hot)
+
+
+def test_a_warm_zygote_has_one_thread_and_no_mlflow(procs, sockdir):
+    proc = procs.start(
+        [
+            sys.executable,
+            "-m",
+            "elastictrain.cli",
+            "zygote",
+            "serve",
+            "--config",
+            "configs/demo.yaml",
+            "--job",
+            "job1",
+            "--host",
+            "h1",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().startswith(zygote.READY_LINE)
+    assert len(os.listdir(f"/proc/{proc.pid}/task")) == 1
+    maps = Path(f"/proc/{proc.pid}/maps").read_text()
+    assert "libtorch" in maps and "horovod" in maps  # warm: torch and Horovod are loaded
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
