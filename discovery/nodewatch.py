@@ -142,7 +142,11 @@ def in_cluster(
                 f"--drain-when-cordoned needs the pod's service account: {path} is not readable "
                 "(automountServiceAccountToken: true)"
             )
+    try:
+        fetch = _tls_fetch(ca)
+    except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
+        raise ValueError(f"--drain-when-cordoned: cannot load the service account CA {ca}: {e}") from None
     netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     return NodeWatch(
-        node=node, api_url=f"https://{netloc}", token_file=token, fetch=_tls_fetch(ca), timeout_seconds=timeout_seconds
+        node=node, api_url=f"https://{netloc}", token_file=token, fetch=fetch, timeout_seconds=timeout_seconds
     )

@@ -82,8 +82,24 @@ def test_in_cluster_outside_a_pod_is_refused_with_one_line(tmp_path: Path) -> No
         )
     (tmp_path / "token").write_text("t")
     (tmp_path / "ca.crt").write_text("not a certificate")
+    pod = {"KUBERNETES_SERVICE_HOST": "h", "KUBERNETES_SERVICE_PORT": "1"}
     with pytest.raises(ValueError, match="invalid"):
-        in_cluster("../x", env={"KUBERNETES_SERVICE_HOST": "h", "KUBERNETES_SERVICE_PORT": "1"}, sa_dir=str(tmp_path))
+        in_cluster("../x", env=pod, sa_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="cannot load the service account CA"):
+        in_cluster("gpu-1", env=pod, sa_dir=str(tmp_path))
+
+
+def test_in_cluster_builds_the_watch_from_the_pods_environment(tmp_path: Path) -> None:
+    from tests.fixtures.tls import make_pki
+
+    pki = make_pki(tmp_path / "pki")
+    (tmp_path / "token").write_text("tok\n")
+    (tmp_path / "ca.crt").write_bytes(pki.ca.read_bytes())
+    env = {"KUBERNETES_SERVICE_HOST": "fd00::1", "KUBERNETES_SERVICE_PORT": "443"}
+    w = in_cluster("gpu-1", env=env, sa_dir=str(tmp_path), timeout_seconds=1.5)
+    assert (w.node, w.api_url, w.token_file, w.timeout_seconds) == (
+        "gpu-1", "https://[fd00::1]:443", str(tmp_path / "token"), 1.5
+    )  # fmt: skip
 
 
 def test_agent_cli_with_drain_when_cordoned_outside_a_pod_exits_2(
