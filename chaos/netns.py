@@ -56,6 +56,7 @@ import psutil
 from chaos import faults
 from chaos.procs import JobRef
 from chaos.scenarios import LAUNCH_FLAGS, Run, ScenarioError
+from discovery.fileio import write_atomic
 
 SUBNET = "169.254.77.0/24"
 """Link-local: never routed beyond this machine. The tier's default subnet."""
@@ -551,9 +552,7 @@ class Cluster:
             etcd = psutil.Process(self.etcd.pid)
             state.update(etcd_pid=etcd.pid, etcd_started=etcd.create_time())
         state["tmp"] = str(self.tmp)
-        tmp = self.state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state) + "\n")
-        os.replace(tmp, self.state_file)
+        write_atomic(self.state_file, json.dumps(state) + "\n")
 
     def _make_node(self, i: int) -> None:
         n = self.n

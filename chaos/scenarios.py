@@ -35,6 +35,7 @@ import yaml
 from chaos import faults
 from chaos import invariants as inv
 from chaos.procs import JobNotFound, JobRef, alive, environ, read_launch_state
+from discovery.fileio import write_atomic
 from elastictrain.audit import SampleAudit
 
 REPO = Path(__file__).resolve().parents[1]
@@ -690,9 +691,7 @@ def reference_loss(
     final = inv.final_loss(run.events())
     if code != 0 or final is None:
         return None
-    tmp = cache.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"step": final[0], "loss": final[1], "config": cfg}, indent=1))
-    os.replace(tmp, cache)
+    write_atomic(cache, json.dumps({"step": final[0], "loss": final[1], "config": cfg}, indent=1))
     return final
 
 

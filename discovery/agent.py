@@ -37,7 +37,6 @@ from types import FrameType
 from typing import Any, NoReturn
 
 from discovery import endpoints
-from discovery.logconf import configure_logging, get_logger
 from discovery.record import (
     DEFAULT_PREFIX,
     DRAINING,
@@ -54,6 +53,7 @@ from discovery.registry import (
     LeaseLost,
     RegistryError,
 )
+from elastictrain.logconf import configure_logging, get_logger
 
 PROG = "elastictrain agent"
 

@@ -24,6 +24,7 @@ import yaml
 
 from discovery.endpoints import parse_endpoints
 from discovery.wire import check_name
+from elastictrain.errors import ConfigError as ConfigError
 
 ETCD_ENV = "ELASTICTRAIN_ETCD"
 DEFAULT_TASK = "elastictrain.tasks.image:build"
@@ -42,10 +43,6 @@ IMAGE_TASK_KEYS = {
     "training.label_smoothing": "label_smoothing",
 }
 """Keys of the built-in image task that configs wrote before the Task API -> their name in ``task_args``."""
-
-
-class ConfigError(ValueError):
-    """A bad config file, key, value or override. The message is one line for the user."""
 
 
 def _check(cond: bool, path: str, msg: str) -> None:

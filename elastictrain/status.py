@@ -26,6 +26,7 @@ from typing import Any
 
 import psutil
 
+from elastictrain.errors import ToolError
 from elastictrain.events import EVENTS_FILE, read_events
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -36,7 +37,7 @@ LAUNCH_FILE = "launch.json"  # elastictrain.launch.STATE_FILE (not imported: lau
 NO_LIVE_PROCESS = "stopped (no live process)"
 
 
-class StatusError(Exception):
+class StatusError(ToolError):
     """The run dir cannot be read; the message is one line for the user."""
 
 

@@ -37,9 +37,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from discovery import fileio
-from discovery.fileio import temp_path
-from discovery.logconf import get_logger
 from elastictrain.events import EVENTS_FILE, read_events
+from elastictrain.logconf import get_logger
 
 if TYPE_CHECKING:
     from elastictrain.config import JobConfig
@@ -285,10 +284,9 @@ def _create_sqlite_store_atomically(tracking_uri: str) -> None:
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(temp_path(path))  # unpredictable: sqlite follows a symlink planted at a guessable name
-    store = SqlAlchemyStore(f"{prefix}{tmp}", str(path.parent / "mlartifacts"))
-    store.engine.dispose()
-    os.replace(tmp, path)
+    with fileio.atomic_path(path) as tmp:  # unpredictable: sqlite follows a symlink planted at a guessable name
+        store = SqlAlchemyStore(f"{prefix}{tmp}", str(path.parent / "mlartifacts"))
+        store.engine.dispose()
 
 
 METRICS_EVENT_FIELDS = ("loss", "lr", "world_size", "samples_per_sec", "step_seconds", "commit_seconds")

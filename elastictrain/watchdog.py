@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from discovery.fileio import write_atomic
-from discovery.logconf import get_logger
+from elastictrain.logconf import get_logger
 
 log = get_logger("elastictrain.watchdog")
 

@@ -191,7 +191,7 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from discovery.logconf import configure_logging
+    from elastictrain.logconf import configure_logging
 
     configure_logging()  # log lines go to stderr, the JSON result alone to stdout
     args = sys.argv[1:] if argv is None else argv
