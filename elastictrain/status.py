@@ -315,7 +315,7 @@ def main(
     p = argparse.ArgumentParser(prog="elastictrain status", description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--run-dir", required=True, help="the job's run_dir")
     p.add_argument("--json", action="store_true", help="print one JSON object (for scripts)")
-    p.add_argument("--etcd", help="etcd endpoint(s), http://HOST:PORT[,...]: also list the registered hosts")
+    p.add_argument("--etcd", help="etcd endpoint(s), http(s)://HOST:PORT[,...]: also list the registered hosts")
     p.add_argument("--job", help="the job's name (its etcd prefix); needed with --etcd")
     p.add_argument("--prefix", default="/elastictrain", help="etcd key prefix (default: /elastictrain)")
     args = p.parse_args(argv)

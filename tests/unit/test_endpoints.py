@@ -8,7 +8,6 @@ import pytest
 
 from discovery import discover, hosts_cli
 from discovery.endpoints import Endpoint, EtcdAccess, parse_endpoints, read_password
-from elastictrain.config import ConfigError, config_from_dict
 
 SECRET = "s3cr3t-Pa55"
 
@@ -128,16 +127,6 @@ def test_discover_reads_tls_and_user_from_the_environment(tmp_path: Path) -> Non
     code, _, err = discover.run({**env, "ELASTICTRAIN_ETCD_KEY": ""})
     assert code == 2 and "ELASTICTRAIN_ETCD_CERT and ELASTICTRAIN_ETCD_KEY go together" in err[0]
 
-
-def test_config_uses_the_same_parser() -> None:
-    base = {"job": "j", "run_dir": "/tmp/x"}
-    cfg = config_from_dict({**base, "discovery": {"etcd": ["https://[fd00::1]:2379"]}}, env={})
-    assert cfg.discovery.etcd == ("https://[fd00::1]:2379",)
-    with pytest.raises(ConfigError, match="credentials do not belong") as err:
-        config_from_dict({**base, "discovery": {"etcd": [f"https://u:{SECRET}@e:1"]}}, env={})
-    assert SECRET not in str(err.value)
-    with pytest.raises(ConfigError, match=r"discovery\.etcd: invalid etcd endpoint"):
-        config_from_dict({**base, "discovery": {"etcd": ["http://x:1/path"]}}, env={})
 
 
 @pytest.mark.parametrize(

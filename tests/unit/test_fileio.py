@@ -109,7 +109,7 @@ def test_the_launch_state_file_is_not_written_through_a_planted_link(tmp_path: P
     victim.write_text("precious")
     run_dir = tmp_path / "run"
     plant_links(run_dir, [".launch.json.tmp"], victim)
-    cfg = config_from_dict({"job": "j", "run_dir": str(run_dir)}, env={})
+    cfg = config_from_dict({"job": "j", "run_dir": str(run_dir)})
     launcher = Launcher(LaunchOptions(config=tmp_path / "c.yaml", etcd="http://127.0.0.1:1"), cfg, horovodrun=["x"])
     launcher._write_state()
     assert victim.read_text() == "precious" and json.loads((run_dir / "launch.json").read_text())["job"] == "j"

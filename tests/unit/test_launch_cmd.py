@@ -274,7 +274,7 @@ def test_k8s_manifests_parse_and_hold_the_agent_daemonset_launcher_job_and_etcd(
     from elastictrain.config import config_from_dict
 
     (job_config,) = [d["data"]["job.yaml"] for d in docs if d["kind"] == "ConfigMap"]
-    cfg = config_from_dict(yaml.safe_load(job_config), env={})
+    cfg = config_from_dict(yaml.safe_load(job_config))
     assert cfg.job == "resnet50" and cfg.device == "cuda"
 
 
