@@ -143,3 +143,25 @@ def test_hosts_cli_refuses_bad_access_with_one_line(
         hosts_cli.main([*extra, "--job", "j", "list"])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.count("\n") == 1 and match in err and SECRET not in err
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["https://etcd-0:2379,https://etcd-1:2379", "http://[::1]:2379", "ftp://etcd:2379", "https://a:1,http://b:1"],
+)
+def test_the_registry_and_discover_accept_and_refuse_the_same_endpoints(tmp_path: Path, spec: str) -> None:
+    """One rule: https is accepted everywhere (the system's CAs unless --cacert / ELASTICTRAIN_ETCD_CACERT),
+    and what one client refuses the other refuses with the same reason."""
+    from discovery.registry import EtcdRegistry
+
+    try:
+        with EtcdRegistry(spec, "job1") as registry:  # parses and checks; connects only on first use
+            registry_view: object = registry.endpoints
+    except ValueError as e:
+        registry_view = str(e)
+    try:
+        discover_view: object = discover.DiscoverConfig.from_env(discover_env(tmp_path, spec)).endpoints
+    except discover.ConfigError as e:
+        discover_view = str(e).removeprefix("ELASTICTRAIN_ETCD: ")
+    assert registry_view == discover_view
+    assert isinstance(registry_view, list) == spec.startswith(("https://etcd", "http://["))
