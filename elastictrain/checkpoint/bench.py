@@ -12,7 +12,7 @@ Measured side by side, alternating which goes first in each repeat, on the same 
   convolution on ``train_threads`` threads) with no write running, and while the writer process is
   serialising, hashing, writing and fsyncing.
 
-Goals from issue 5: stall at most 5% of the synchronous save (``stall_ratio <= 0.05``), and step
+Goals: stall at most 5% of the synchronous save (``stall_ratio <= 0.05``), and step
 time during a write at most 10% above steady state (``step_time_rise <= 0.10``).
 """
 
