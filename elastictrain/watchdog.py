@@ -2,9 +2,9 @@
 
 After a worker dies, the survivors that share a Gloo connection with it fail at once. A survivor
 waiting only on a *live* peer can block in a Gloo receive for the whole ``HOROVOD_GLOO_TIMEOUT_SECONDS``:
-the peer that failed first keeps its old sockets open while it waits in the next rendezvous. Shortening the timeout is not an answer: the same timeout
-bounds the rendezvous in which old workers wait for a new one to start (import torch, init), so a
-short one breaks scale-up on a slow machine.
+the peer that failed first keeps its old sockets open while it waits in the next rendezvous. Shortening
+the timeout is not an answer: the same timeout bounds the rendezvous in which old workers wait for a new
+one to start (import torch, init), so a short one breaks scale-up on a slow machine.
 
 Instead each worker runs a watchdog thread. It aborts this process's Gloo connections, so the blocked
 receive fails now and Horovod's elastic loop rolls back and re-forms the ring, only when both hold:

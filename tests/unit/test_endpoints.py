@@ -128,7 +128,6 @@ def test_discover_reads_tls_and_user_from_the_environment(tmp_path: Path) -> Non
     assert code == 2 and "ELASTICTRAIN_ETCD_CERT and ELASTICTRAIN_ETCD_KEY go together" in err[0]
 
 
-
 @pytest.mark.parametrize(
     ("extra", "match"),
     [
