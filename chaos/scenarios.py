@@ -360,24 +360,25 @@ def _multi_node_config(quick: bool) -> dict[str, Any]:
 PARTITION_SECONDS = 15.0
 
 
-def _cluster_run(r: Run) -> ClusterRun:
+def multi_node_scenario(name: str, description: str) -> Callable[[Inject], Inject]:
+    """:func:`scenario` on the multi-node tier: :data:`MULTI_NODE_NODES` namespaces, not run by CI."""
+    return scenario(name, f"multi-node: {description}", ci=False, nodes=MULTI_NODE_NODES, cfg=_multi_node_config)
+
+
+def _node_to_hit(r: Run) -> tuple[ClusterRun, int, str]:
+    """(run, node, address) of a node whose worker is not rank 0, once the job is past step 20."""
     if not isinstance(r, ClusterRun):
         raise ScenarioError("a multi-node scenario needs the multi-node tier (chaos/netns.py)")
-    return r
+    r.wait_step(20)
+    return (r, *r.victim())
 
 
-@scenario(
-    "node-killed",
-    "multi-node: every process of a node (namespace) SIGKILLed, then the node boots again and rejoins over ssh",
-    ci=False,
-    nodes=MULTI_NODE_NODES,
-    cfg=_multi_node_config,
+@multi_node_scenario(
+    "node-killed", "every process of a node (namespace) SIGKILLed, then the node boots again and rejoins over ssh"
 )
 def _node_killed(r: Run, quick: bool) -> None:
     """Kill a whole node (not rank 0's) mid-epoch; when the job has recovered, the node boots again."""
-    run = _cluster_run(r)
-    run.wait_step(20)
-    i, host = run.victim()
+    run, i, host = _node_to_hit(r)
     record = run.cluster.kill_node(i, run.log, run.job())
     run.wait_reset_after(float(record["ts"]))
     run.cluster.start_node(i)
@@ -385,18 +386,10 @@ def _node_killed(r: Run, quick: bool) -> None:
     run.log.log("host-returns", job=run.job_name, host=host, node=i)
 
 
-@scenario(
-    "node-partitioned",
-    "multi-node: a node cut off the bridge for 15 s, then back",
-    ci=False,
-    nodes=MULTI_NODE_NODES,
-    cfg=_multi_node_config,
-)
+@multi_node_scenario("node-partitioned", "a node cut off the bridge for 15 s, then back")
 def _node_partitioned(r: Run, quick: bool) -> None:
     """Cut a node (not rank 0's) off the bridge for 15 s; it comes back by itself when the link returns."""
-    run = _cluster_run(r)
-    run.wait_step(20)
-    i, _ = run.victim()
+    run, i, _ = _node_to_hit(r)
     run.cluster.partition(i, run.log, run.job(), PARTITION_SECONDS)
 
 

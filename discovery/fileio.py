@@ -46,6 +46,21 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
 
 
 @contextlib.contextmanager
+def _replacing(tmp: str, path: str, *, durable: bool) -> Iterator[None]:
+    """Rename ``tmp`` over ``path`` when the block ends without error (then fsync the folder if ``durable``);
+    on error remove ``tmp`` and leave ``path`` alone."""
+    try:
+        yield
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if durable:
+        fsync_dir(os.path.dirname(path))
+
+
+@contextlib.contextmanager
 def atomic_file(
     path: str | os.PathLike[str], *, durable: bool = True, mode: int = 0o644, tag: str = ""
 ) -> Iterator[BinaryIO]:
@@ -57,19 +72,11 @@ def atomic_file(
     path = os.fspath(path)
     tmp = temp_path(path, tag=tag)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            if durable:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    if durable:
-        fsync_dir(os.path.dirname(path))
+    with _replacing(tmp, path, durable=durable), os.fdopen(fd, "wb") as f:
+        yield f
+        f.flush()
+        if durable:
+            os.fsync(f.fileno())
 
 
 @contextlib.contextmanager
@@ -82,7 +89,7 @@ def atomic_path(path: str | os.PathLike[str], *, durable: bool = True) -> Iterat
     """
     path = os.fspath(path)
     tmp = temp_path(path)
-    try:
+    with _replacing(tmp, path, durable=durable):
         yield tmp
         if durable:
             fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -90,13 +97,6 @@ def atomic_path(path: str | os.PathLike[str], *, durable: bool = True) -> Iterat
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    if durable:
-        fsync_dir(os.path.dirname(path))
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes | str, *, durable: bool = True) -> None:
