@@ -24,8 +24,9 @@ from typing import Any, Protocol
 import psutil
 
 from chaos.procs import JobNotFound, JobRef, Worker, alive, tree
+from discovery import fileio
 
-TEMP_MARKER = ".tmp-"
+TEMP_MARKER = fileio.TEMP_MARKER
 """Checkpoint temp files are ``.<name>.tmp-<writer pid>-<hex>`` (elastictrain/checkpoint/storage.py)."""
 
 

@@ -55,7 +55,8 @@ import psutil
 
 from chaos import faults
 from chaos.procs import JobRef
-from chaos.scenarios import LAUNCH_FLAGS, Run, ScenarioError
+from chaos.run import LAUNCH_FLAGS, Run, ScenarioError
+from discovery.fileio import write_atomic
 
 SUBNET = "169.254.77.0/24"
 """Link-local: never routed beyond this machine. The tier's default subnet."""
@@ -551,9 +552,7 @@ class Cluster:
             etcd = psutil.Process(self.etcd.pid)
             state.update(etcd_pid=etcd.pid, etcd_started=etcd.create_time())
         state["tmp"] = str(self.tmp)
-        tmp = self.state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state) + "\n")
-        os.replace(tmp, self.state_file)
+        write_atomic(self.state_file, json.dumps(state) + "\n")
 
     def _make_node(self, i: int) -> None:
         n = self.n
@@ -752,10 +751,7 @@ class Cluster:
         return errors + left
 
 
-# ---------------------------------------------------------------------------------------------- scenarios
-PARTITION_SECONDS = 15.0
-
-
+# ---------------------------------------------------------------------------------------------- the job on the tier
 class ClusterRun(Run):
     """A scenario job launched against the tier: the tier's etcd, workers started over ssh on the nodes."""
 
@@ -781,29 +777,3 @@ class ClusterRun(Run):
             timeout,
             "a reset after the fault",
         )
-
-
-def _cluster_run(r: Run) -> ClusterRun:
-    if not isinstance(r, ClusterRun):
-        raise ScenarioError("a multi-node scenario needs the multi-node tier (chaos/netns.py)")
-    return r
-
-
-def node_killed(r: Run) -> None:
-    """Kill a whole node (not rank 0's) mid-epoch; when the job has recovered, the node boots again."""
-    run = _cluster_run(r)
-    run.wait_step(20)
-    i, host = run.victim()
-    record = run.cluster.kill_node(i, run.log, run.job())
-    run.wait_reset_after(float(record["ts"]))
-    run.cluster.start_node(i)
-    run.cluster.wait_node_ready(i)
-    run.log.log("host-returns", job=run.job_name, host=host, node=i)
-
-
-def node_partitioned(r: Run) -> None:
-    """Cut a node (not rank 0's) off the bridge for 15 s; it comes back by itself when the link returns."""
-    run = _cluster_run(r)
-    run.wait_step(20)
-    i, _ = run.victim()
-    run.cluster.partition(i, run.log, run.job(), PARTITION_SECONDS)

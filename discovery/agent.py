@@ -42,7 +42,6 @@ from types import FrameType
 from typing import Any, NoReturn
 
 from discovery import endpoints
-from discovery.logconf import configure_logging, get_logger
 from discovery.nodewatch import NodeReader, NodeWatchError, in_cluster
 from discovery.record import (
     DEFAULT_PREFIX,
@@ -60,6 +59,7 @@ from discovery.registry import (
     LeaseLost,
     RegistryError,
 )
+from elastictrain.logconf import configure_logging, get_logger
 
 PROG = "elastictrain agent"
 

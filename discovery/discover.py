@@ -48,6 +48,8 @@ from discovery.wire import (
     hosts_prefix,
     parse_value,
 )
+from elastictrain.errors import ConfigError as ConfigError
+from elastictrain.errors import RegistryUnavailable
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing alone costs ~10 ms
 if TYPE_CHECKING:
@@ -60,11 +62,7 @@ DEFAULT_TIMEOUT_SECONDS = 1.0
 MAX_REPLY_BYTES = 64 << 20
 
 
-class ConfigError(ValueError):
-    """A bad or missing environment variable (exit 2)."""
-
-
-class EtcdUnreachable(RuntimeError):
+class EtcdUnreachable(RegistryUnavailable):
     """No endpoint answered the range request."""
 
 

@@ -1,7 +1,7 @@
 """How to reach etcd: endpoint URLs, TLS files and credentials, parsed and checked in one place.
 
-Every client of the project's etcd (the registry, the agent, ``hosts``, ``launch``, the config's
-``discovery.etcd`` and ``discover.sh``) parses endpoints with :func:`parse_endpoints` and its TLS and
+Every client of the project's etcd (the registry, the agent, ``hosts``, ``launch``, ``status`` and
+``discover.sh``) parses endpoints with :func:`parse_endpoints` and its TLS and
 auth settings with :class:`EtcdAccess`. The names follow etcdctl's so that operators reuse what they
 have: flags ``--cacert --cert --key --user --password-file``, and for processes that get only an
 environment (``discover.sh``) the variables in :data:`ENV_VARS`.

@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from elastictrain.errors import ToolError
 from elastictrain.events import EVENTS_FILE, read_events
 from elastictrain.ledger import LEDGER_DIR, LedgerError, read_ledger
 
@@ -37,7 +38,7 @@ EXAMPLES = 5
 """Ids shown per kind of violation and epoch."""
 
 
-class AuditError(Exception):
+class AuditError(ToolError):
     """The run dir cannot be audited; the message is one line for the user."""
 
 

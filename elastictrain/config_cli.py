@@ -12,10 +12,6 @@ import sys
 from elastictrain.config import ConfigError, JobConfig, load_config
 
 
-class UsageError(Exception):
-    """Bad command-line use; the message is one line."""
-
-
 class OneLineParser(argparse.ArgumentParser):
     """argparse that reports misuse as one line and exit code 2 (its default code, without the usage block)."""
 

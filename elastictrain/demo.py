@@ -32,6 +32,7 @@ from typing import Any
 import psutil
 
 from elastictrain.config import ConfigError, JobConfig, load_config
+from elastictrain.errors import ToolError
 from elastictrain.events import read_events
 from elastictrain.launch import LAUNCH_ID_ENV, STATE_FILE, is_worker, local_logical_hosts
 
@@ -39,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "configs" / "digits.yaml"
 
 
-class DemoError(RuntimeError):
+class DemoError(ToolError, RuntimeError):
     """A phase of the demo did not happen in time; the message says which."""
 
 

@@ -35,7 +35,6 @@ from horovod.common.exceptions import HostsUpdatedInterrupt
 from horovod.runner.elastic.worker import HostUpdateResult
 
 from discovery.fileio import write_atomic
-from discovery.logconf import bind, get_logger
 from elastictrain.checkpoint import (
     Checkpointer,
     LocalStorage,
@@ -51,6 +50,7 @@ from elastictrain.config import JobConfig
 from elastictrain.data import load_batches
 from elastictrain.events import NullEventLog, open_event_log
 from elastictrain.ledger import SampleLedger
+from elastictrain.logconf import bind, get_logger
 from elastictrain.policy import ScaleRamp, batch_plan, lr_scale, schedule_factor, training_complete
 from elastictrain.progress import NullProgress, Progress, make_progress
 from elastictrain.sampler import (

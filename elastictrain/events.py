@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from discovery.logconf import get_logger
+from elastictrain.logconf import get_logger
 
 EVENTS_FILE = "events.jsonl"
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import psutil
 
+from elastictrain.errors import ToolError
 from elastictrain.events import EVENTS_FILE, read_events
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -36,7 +37,7 @@ LAUNCH_FILE = "launch.json"  # elastictrain.launch.STATE_FILE (not imported: lau
 NO_LIVE_PROCESS = "stopped (no live process)"
 
 
-class StatusError(Exception):
+class StatusError(ToolError):
     """The run dir cannot be read; the message is one line for the user."""
 
 
@@ -314,7 +315,7 @@ def main(
     p = argparse.ArgumentParser(prog="elastictrain status", description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--run-dir", required=True, help="the job's run_dir")
     p.add_argument("--json", action="store_true", help="print one JSON object (for scripts)")
-    p.add_argument("--etcd", help="etcd endpoint(s), http://HOST:PORT[,...]: also list the registered hosts")
+    p.add_argument("--etcd", help="etcd endpoint(s), http(s)://HOST:PORT[,...]: also list the registered hosts")
     p.add_argument("--job", help="the job's name (its etcd prefix); needed with --etcd")
     p.add_argument("--prefix", default="/elastictrain", help="etcd key prefix (default: /elastictrain)")
     args = p.parse_args(argv)

@@ -41,6 +41,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from elastictrain.errors import ElastictrainError
+
 DIR_ENV = "ELASTICTRAIN_ZYGOTE_DIR"
 MAX_MESSAGE = 1 << 20
 RELAYED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
@@ -48,7 +50,7 @@ CONNECT_TIMEOUT_SECONDS = 5.0
 READY_LINE = "zygote ready"
 
 
-class ProtocolError(Exception):
+class ProtocolError(ElastictrainError):
     """A peer sent something that is not a message of this protocol."""
 
 

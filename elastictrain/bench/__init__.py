@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"elastictrain bench: {e}", file=sys.stderr)
         return 2
-    from discovery.logconf import configure_logging
+    from elastictrain.logconf import configure_logging
 
     configure_logging()  # library log lines go to stderr
     progress = Progress()

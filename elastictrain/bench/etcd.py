@@ -20,13 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elastictrain.bench.procs import free_port
+from elastictrain.errors import ToolError
 
 ETCD_BIN = os.environ.get("ELASTICTRAIN_TEST_ETCD", shutil.which("etcd") or "/usr/bin/etcd")
 """The etcd binary: ``$ELASTICTRAIN_TEST_ETCD``, else ``etcd`` on PATH, else ``/usr/bin/etcd``."""
 START_DEADLINE_SECONDS = 20.0
 
 
-class EtcdError(RuntimeError):
+class EtcdError(ToolError, RuntimeError):
     """etcd did not start or did not become healthy in time."""
 
 

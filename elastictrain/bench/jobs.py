@@ -24,6 +24,7 @@ from typing import IO, Any
 import psutil
 import yaml
 
+from discovery.fileio import write_atomic
 from elastictrain.bench.procs import BIN_DIR, BenchError, kill_tree, wait_until
 
 
@@ -113,9 +114,8 @@ class ElasticJob:
 
     def set_hosts(self, hosts: list[str]) -> None:
         """Replace the hosts that discovery lists (atomically); horovodrun notices within about a second."""
-        tmp = self.workdir / "hosts.txt.tmp"
-        tmp.write_text("".join(f"{h}:1\n" for h in hosts))
-        os.replace(tmp, self.workdir / "hosts.txt")
+        # not durable: a scratch file read by the discovery script of a benchmark job that a crash ends anyway
+        write_atomic(self.workdir / "hosts.txt", "".join(f"{h}:1\n" for h in hosts), durable=False)
         self.hosts = list(hosts)
 
     def start(self) -> ElasticJob:

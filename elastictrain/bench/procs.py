@@ -12,13 +12,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from elastictrain.errors import ToolError
+
 T = TypeVar("T")
 
 BIN_DIR = Path(sys.executable).parent
 """Where ``horovodrun`` and ``elastictrain`` live: next to this Python (the virtual environment)."""
 
 
-class BenchError(RuntimeError):
+class BenchError(ToolError, RuntimeError):
     """A benchmark could not run as planned (a job ended early, an event never came). One line for the user."""
 
 

@@ -15,7 +15,8 @@ import pytest
 
 from chaos import faults
 from chaos import invariants as inv
-from chaos.scenarios import Run, ScenarioError, mlflow_run_ids, reference_loss
+from chaos.run import Run, ScenarioError
+from chaos.scenarios import mlflow_run_ids, reference_loss
 from elastictrain.audit import audit_samples
 from elastictrain.bench.jobs import logical_hosts
 from elastictrain.ledger import committed_samples

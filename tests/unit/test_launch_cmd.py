@@ -277,7 +277,7 @@ def test_k8s_manifests_parse_and_hold_the_agent_daemonset_launcher_job_and_etcd(
     from elastictrain.config import config_from_dict
 
     (job_config,) = [d["data"]["job.yaml"] for d in docs if d["kind"] == "ConfigMap"]
-    cfg = config_from_dict(yaml.safe_load(job_config), env={})
+    cfg = config_from_dict(yaml.safe_load(job_config))
     assert cfg.job == "resnet50" and cfg.device == "cuda"
 
 
@@ -323,9 +323,18 @@ def test_a_horovodrun_that_kept_no_worker_alive_is_relaunched_not_called_a_crash
     assert crash.exit_code == launch.EXIT_FAILED
 
 
-def test_stall_deadline_covers_gloo_timeout_cooldown_and_startup():
-    opts = launch.LaunchOptions(config=Path("c.yaml"), min_np=2, max_np=3)
-    assert opts.stall_seconds == opts.gloo_timeout_seconds + opts.blacklist_cooldown[1] + 60
+@pytest.mark.parametrize(("gloo", "cooldown"), [(60, (5, 60)), (15, (1, 2)), (600, (30, 900))])
+def test_the_stall_deadline_outlasts_every_legitimate_pause_without_workers(
+    gloo: int, cooldown: tuple[int, int]
+) -> None:
+    """Workers may all be gone while survivors wait out a Gloo timeout, a host sits out its longest blacklist
+    cooldown and new workers start: a stall declared before all of that would relaunch a healthy job."""
+    opts = launch.LaunchOptions(config=Path("c.yaml"), min_np=2, max_np=3, gloo_timeout_seconds=gloo,
+                                blacklist_cooldown=cooldown)  # fmt: skip
+    slower = launch.LaunchOptions(config=Path("c.yaml"), min_np=2, max_np=3, gloo_timeout_seconds=gloo * 2,
+                                  blacklist_cooldown=(cooldown[0], cooldown[1] * 2))  # fmt: skip
+    assert opts.stall_seconds >= gloo + cooldown[1] + 30, "no time left for a worker to start"
+    assert slower.stall_seconds >= opts.stall_seconds + gloo + cooldown[1]
 
 
 def test_one_launcher_per_run_dir_and_the_refusal_names_the_holder(tmp_path: Path) -> None:
