@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from discovery.record import check_name
+from elastictrain.errors import ElastictrainError
 
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
@@ -41,7 +42,7 @@ DRAIN_TAINTS = {
 """Taint keys that mean the node is being emptied, and how the agent names them in its log."""
 
 
-class NodeWatchError(Exception):
+class NodeWatchError(ElastictrainError):
     """The node could not be read (API server unreachable, refused, or an unexpected answer)."""
 
 
