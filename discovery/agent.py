@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any, NoReturn
+from typing import Any
 
 from discovery import endpoints
 from discovery.logconf import configure_logging, get_logger
@@ -54,6 +54,7 @@ from discovery.registry import (
     LeaseLost,
     RegistryError,
 )
+from elastictrain.cliutil import OneLineParser
 
 PROG = "elastictrain agent"
 
@@ -395,11 +396,6 @@ class Agent:
 # CLI
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def detect_gpus(timeout_seconds: float = 5.0) -> int:
     """Number of GPUs ``nvidia-smi -L`` lists; 0 when it is missing or fails."""
     exe = shutil.which("nvidia-smi")
@@ -440,7 +436,7 @@ def _number(kind: type) -> Callable[[str], float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="Register this host in etcd for a job; drain on SIGTERM.")
+    p = OneLineParser(prog=PROG, description="Register this host in etcd for a job; drain on SIGTERM.")
     p.add_argument("--etcd", required=True, metavar="URL", help="etcd endpoint(s), http(s)://HOST:PORT[,...]")
     p.add_argument("--job", required=True, help="job name")
     p.add_argument("--host", default=None, help="host name to register (default: this machine's hostname)")

@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from elastictrain.config_cli import OneLineParser
+from elastictrain.cliutil import OneLineParser
 
 PROG = "elastictrain export"
 

@@ -420,8 +420,9 @@ def _die_with(parent: int) -> None:
 def serve_main(argv: list[str]) -> int:
     import argparse
 
+    from elastictrain.cliutil import OneLineParser
     from elastictrain.config import ConfigError
-    from elastictrain.config_cli import OneLineParser, add_config_args, report_config_error
+    from elastictrain.config_cli import add_config_args, report_config_error
 
     p = OneLineParser(prog="elastictrain zygote serve", description="a warm worker factory for one job and host")
     add_config_args(p)
