@@ -54,7 +54,9 @@ from discovery.registry import (
     LeaseLost,
     RegistryError,
 )
+from elastictrain import envnames
 from elastictrain.cliutil import OneLineParser
+from elastictrain.launcher.commands import zygote_command
 
 PROG = "elastictrain agent"
 
@@ -473,7 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--prefix",
-        default=os.environ.get("ELASTICTRAIN_ETCD_PREFIX") or DEFAULT_PREFIX,
+        default=os.environ.get(envnames.ETCD_PREFIX) or DEFAULT_PREFIX,
         help="etcd key prefix (default $ELASTICTRAIN_ETCD_PREFIX or /elastictrain)",
     )
     p.add_argument(
@@ -493,14 +495,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     endpoints.add_arguments(p)
     return p
-
-
-def zygote_command(args: argparse.Namespace, cfg: AgentConfig) -> list[str]:
-    """``elastictrain zygote serve`` for this agent's job and host (pure)."""
-    cmd = [sys.executable, "-m", "elastictrain.cli", "zygote", "serve", "--config", args.warm_config]
-    for assignment in args.warm_set:
-        cmd += ["--set", assignment]
-    return [*cmd, "--job", cfg.job, "--host", cfg.host]
 
 
 def start_zygote(cmd: list[str], timeout: float, signals: Signals, log: Any) -> subprocess.Popen[str] | None:
@@ -600,7 +594,12 @@ def main(argv: list[str]) -> int:
     )
     zygote = None
     if args.warm_config:
-        zygote = start_zygote(zygote_command(args, cfg), args.warm_timeout, signals, get_logger("agent"))
+        zygote = start_zygote(
+            zygote_command(args.warm_config, args.warm_set, job=cfg.job, host=cfg.host),
+            args.warm_timeout,
+            signals,
+            get_logger("agent"),
+        )
     try:
         code = agent.run()
     finally:

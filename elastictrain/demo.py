@@ -31,9 +31,13 @@ from typing import Any
 
 import psutil
 
+from elastictrain import envnames
 from elastictrain.config import ConfigError, JobConfig, load_config
 from elastictrain.events import read_events
-from elastictrain.launch import LAUNCH_ID_ENV, STATE_FILE, is_worker, local_logical_hosts
+from elastictrain.launcher.commands import agent_command, elastictrain_command
+from elastictrain.launcher.hosts import local_logical_hosts
+from elastictrain.launcher.processes import is_worker
+from elastictrain.launcher.rundir import STATE_FILE
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "configs" / "digits.yaml"
@@ -100,17 +104,16 @@ class Demo:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
     def launch(self) -> None:
-        cmd = [
-            *_elastictrain(),
+        cmd = elastictrain_command(
             "launch",
             "--config", str(self.config_path),
             "--hosts", ",".join(self.hosts[:2]),
             "--blacklist-cooldown-range", "1", "2",
             "--drain-grace", "5",
-        ]  # fmt: skip
+        )  # fmt: skip
         self.say("$ " + " ".join(["elastictrain", *cmd[1:]] if cmd[0].endswith("elastictrain") else cmd))
         self.say(f"launcher, horovodrun and worker output: {self.log_path}")
-        env = {**os.environ, "ELASTICTRAIN_LOG_LEVEL": os.environ.get("ELASTICTRAIN_LOG_LEVEL", "warning")}
+        env = {**os.environ, envnames.LOG_LEVEL: os.environ.get(envnames.LOG_LEVEL, "warning")}
         with self.log_path.open("ab") as log:
             self.launcher = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=Path.cwd())
 
@@ -164,14 +167,7 @@ class Demo:
         return code
 
     def _start_agent(self, state: dict[str, Any], host: str) -> subprocess.Popen[bytes]:
-        d = self.cfg.discovery
-        ttl = max(2, round(d.ttl_seconds))
-        cmd = [
-            *_elastictrain(), "agent",
-            "--etcd", state["etcd"], "--job", state["job"], "--host", host, "--slots", "1",
-            "--ttl", str(ttl), "--heartbeat", f"{min(d.heartbeat_seconds, ttl / 3):g}",
-            "--request-timeout", f"{min(2.0, ttl / 6):g}", "--drain-grace", "5", "--prefix", d.prefix,
-        ]  # fmt: skip
+        cmd = agent_command(self.cfg.discovery, etcd=state["etcd"], job=state["job"], host=host, drain_grace_seconds=5)
         with (self.run_dir / "logs" / f"agent-{host}.log").open("ab") as log:
             return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -182,7 +178,8 @@ class Demo:
             for p in psutil.process_iter():
                 with contextlib.suppress(psutil.Error):
                     env = p.environ()
-                    if env.get(LAUNCH_ID_ENV) == launch_id and env.get("HOROVOD_HOSTNAME") == host and is_worker(p):
+                    ours = env.get(envnames.LAUNCH_ID) == launch_id and env.get("HOROVOD_HOSTNAME") == host
+                    if ours and is_worker(p):
                         return p
             return None
 
@@ -258,11 +255,6 @@ class Demo:
         if (self.run_dir / "mlflow.db").exists():
             print(f"  MLflow                mlflow ui --backend-store-uri {uri}")
         print("=" * 78)
-
-
-def _elastictrain() -> list[str]:
-    script = Path(sys.executable).parent / "elastictrain"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "elastictrain.cli"]
 
 
 def main(argv: list[str] | None = None) -> int:

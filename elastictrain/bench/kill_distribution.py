@@ -29,8 +29,9 @@ from typing import Any
 import psutil
 
 from elastictrain.bench.core import BenchContext, Goal, Metric, Result, summary
-from elastictrain.bench.jobs import ElasticJob, logical_hosts
+from elastictrain.bench.jobs import ElasticJob
 from elastictrain.bench.procs import BenchError, wait_until
+from elastictrain.launcher.hosts import local_logical_hosts
 
 NAME = "kill_distribution"
 GOAL_P95 = Goal("<=", 2.0)
@@ -111,7 +112,7 @@ def kill_once(job: ElasticJob, kind: str, rng: random.Random) -> dict[str, Any]:
 
 
 def measure(workdir: Path, kills: int, seed: int, log: Callable[[str], None]) -> list[dict[str, Any]]:
-    hosts = logical_hosts()
+    hosts = local_logical_hosts()
     if len(hosts) < WORKERS:
         raise BenchError(f"needs {WORKERS} logical hosts, this machine has {hosts}")
     rng = random.Random(seed)

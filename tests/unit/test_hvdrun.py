@@ -1,5 +1,5 @@
-"""The discovery executor of ``elastictrain.hvdrun``: Horovod's contract (stdout, a failure on a non-zero exit),
-without a Python interpreter per call, and nothing left behind by a script that hangs."""
+"""The discovery executor of ``elastictrain.launcher.hvdrun``: Horovod's contract (stdout, a failure on a
+non-zero exit), without a Python interpreter per call, and nothing left behind by a script that hangs."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from elastictrain.bench.procs import wait_until
-from elastictrain.hvdrun import run_discovery_script
+from elastictrain.launcher.hvdrun import run_discovery_script
 
 
 def test_stdout_is_returned_and_stderr_is_not_mixed_in(tmp_path: Path) -> None:

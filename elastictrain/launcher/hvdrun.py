@@ -1,4 +1,5 @@
-"""``python -m elastictrain.hvdrun ARGS``: ``horovodrun ARGS`` with a host discovery that costs a fork, not a Python.
+"""``python -m elastictrain.launcher.hvdrun ARGS``: ``horovodrun ARGS`` with a host discovery that costs a fork,
+not a Python.
 
 Horovod 0.28.1's elastic driver runs ``--host-discovery-script`` every second through
 ``safe_shell_exec.execute``, which starts a *spawned* multiprocessing middleman: a fresh Python
@@ -116,7 +117,7 @@ def install() -> None:
     found = getattr(horovod, "__version__", "unknown")
     if found != HOROVOD_VERSION:
         raise UnsupportedHorovod(
-            f"elastictrain.hvdrun needs Horovod {HOROVOD_VERSION} (it repairs that release's elastic driver); "
+            f"elastictrain.launcher.hvdrun needs Horovod {HOROVOD_VERSION} (it repairs that release's elastic driver); "
             f"found Horovod {found}"
         )
     from horovod.runner.elastic import discovery
