@@ -17,6 +17,7 @@ import time
 from discovery import endpoints
 from discovery.record import DEFAULT_PREFIX, DRAINING, READY, MalformedRecord
 from discovery.registry import EtcdRegistry, HostNotFound, HostRegistry, Listing, RegistryError, set_state
+from elastictrain import envnames
 from elastictrain.cliutil import OneLineParser
 
 PROG = "elastictrain hosts"
@@ -28,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--job", required=True, help="job name")
     p.add_argument(
         "--prefix",
-        default=os.environ.get("ELASTICTRAIN_ETCD_PREFIX") or DEFAULT_PREFIX,
+        default=os.environ.get(envnames.ETCD_PREFIX) or DEFAULT_PREFIX,
         help="etcd key prefix (default $ELASTICTRAIN_ETCD_PREFIX or /elastictrain)",
     )
     p.add_argument("--timeout", type=float, default=3.0, metavar="SECONDS", help="deadline per etcd request")

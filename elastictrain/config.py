@@ -24,8 +24,9 @@ import yaml
 
 from discovery.endpoints import parse_endpoints
 from discovery.wire import check_name
+from elastictrain import envnames
 
-ETCD_ENV = "ELASTICTRAIN_ETCD"
+ETCD_ENV = envnames.ETCD
 DEFAULT_TASK = "elastictrain.tasks.image:build"
 """The task of a config without ``task``: the built-in image classifier (:mod:`elastictrain.tasks.image`)."""
 IMAGE_TASK_KEYS = {

@@ -48,6 +48,7 @@ from horovod.common.elastic import State
 from horovod.torch.elastic.sampler import ElasticSampler as HorovodElasticSampler
 from torch import nn
 
+from elastictrain import envnames
 from elastictrain.elastic import arm_watchdog, discard_pending_allreduces, sync_modules_and_optimizers
 from elastictrain.sampler import ExactlyOncePlanner, SamplerState
 from elastictrain.state import (
@@ -275,7 +276,7 @@ class ElasticState(State):
 
 
 def _marker_path() -> Path:
-    run_dir = os.environ.get("ELASTICTRAIN_RUN_DIR")
+    run_dir = os.environ.get(envnames.RUN_DIR)
     if run_dir:
         return Path(run_dir) / ".elastic" / "collective-failure"
     addr = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR", "local")

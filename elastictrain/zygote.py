@@ -41,7 +41,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-DIR_ENV = "ELASTICTRAIN_ZYGOTE_DIR"
+from elastictrain import envnames
+
+DIR_ENV = envnames.ZYGOTE_DIR
 MAX_MESSAGE = 1 << 20
 RELAYED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 CONNECT_TIMEOUT_SECONDS = 5.0
@@ -126,7 +128,7 @@ def client_main(argv: list[str]) -> int:
         print("elastictrain zygote client: error: usage: client -- COMMAND...", file=sys.stderr)
         return 2
     cold = argv[1:]
-    job, host = os.environ.get("ELASTICTRAIN_JOB", ""), os.environ.get("HOROVOD_HOSTNAME", "")
+    job, host = os.environ.get(envnames.JOB, ""), os.environ.get("HOROVOD_HOSTNAME", "")
     relay = _Relay()  # from here on, a signal is kept until there is a worker to give it to
     if "train" in cold and job and host:
         sock = _request(socket_path(job, host), cold[cold.index("train") + 1 :], relay)

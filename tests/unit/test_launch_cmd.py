@@ -357,3 +357,16 @@ def test_a_data_dir_whose_database_is_locked_belongs_to_a_live_etcd(tmp_path: Pa
         fcntl.flock(held.fileno(), fcntl.LOCK_EX)
         assert etcd.etcd_data_dir_in_use(data_dir)
     assert db.exists()
+
+
+def test_every_launch_flag_defaults_to_the_options_dataclass_field() -> None:
+    import dataclasses
+
+    ns = options.build_parser().parse_args(["--config", "c.yaml"])
+    fields = {f.name: f.default for f in dataclasses.fields(LaunchOptions)}
+    # --min-np/--max-np/--hosts default from the job's config and the machine, not from the dataclass.
+    shared = set(vars(ns)) & set(fields) - {"config", "overrides", "min_np", "max_np", "hosts"}
+    assert {"gloo_timeout_seconds", "reset_limit", "wait_hosts_seconds", "stop_timeout_seconds"} <= shared
+    for name in shared:
+        default = fields[name]
+        assert getattr(ns, name) == (list(default) if isinstance(default, tuple) else default), name
