@@ -16,7 +16,6 @@ Exit code: the launcher's (0 when training completed), or 1 when a phase missed 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -32,6 +31,7 @@ from typing import Any
 import psutil
 
 from elastictrain import envnames
+from elastictrain.cliutil import OneLineParser
 from elastictrain.config import ConfigError, JobConfig, load_config
 from elastictrain.events import read_events
 from elastictrain.launcher.commands import agent_command, elastictrain_command
@@ -258,7 +258,7 @@ class Demo:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m elastictrain.demo", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="python -m elastictrain.demo", description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(_relative(DEFAULT_CONFIG)), help="job config (default configs/digits.yaml)")
     args = p.parse_args(argv)
     try:

@@ -21,7 +21,8 @@ from elastictrain.cliutil import EXIT_USAGE
 from elastictrain.config import ConfigError, JobConfig
 from elastictrain.config_cli import report_config_error
 from elastictrain.launcher.commands import REPO, config_validate_command, find_horovodrun, runner_command
-from elastictrain.launcher.options import PROG, LaunchError, LaunchOptions, parse
+from elastictrain.launcher.errors import LaunchError
+from elastictrain.launcher.options import PROG, LaunchOptions, parse
 from elastictrain.launcher.rundir import RunDirLock
 from elastictrain.launcher.supervisor import Launcher
 

@@ -21,13 +21,10 @@ from discovery import endpoints as etcd_endpoints
 from discovery.endpoints import EtcdAccess
 from elastictrain.cliutil import OneLineParser
 from elastictrain.config import JobConfig, load_config
+from elastictrain.launcher.errors import LaunchError
 from elastictrain.launcher.hosts import local_addresses, local_logical_hosts, resolve
 
 PROG = "elastictrain launch"
-
-
-class LaunchError(Exception):
-    """A user error found before anything was started (exit 2); the message is one line."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from discovery.record import check_name
-from elastictrain.launcher.options import LaunchError
+from elastictrain.launcher.errors import LaunchError
 
 LOCK_FILE = "launch.lock"
 """``run_dir/launch.lock``: flock'ed by the launcher for its whole life (one job per run_dir); names pid and host."""

@@ -76,8 +76,9 @@ from elastictrain.launcher.decisions import (
     decide_after_exit,
     training_completed,
 )
+from elastictrain.launcher.errors import LaunchError
 from elastictrain.launcher.etcd import EtcdError, EtcdServer, etcd_data_dir_in_use, find_etcd
-from elastictrain.launcher.options import PROG, LaunchError, LaunchOptions
+from elastictrain.launcher.options import PROG, LaunchOptions
 from elastictrain.launcher.processes import (
     ProcessTracker,
     create_time,

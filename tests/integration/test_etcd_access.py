@@ -20,8 +20,8 @@ from discovery.endpoints import EtcdAccess
 from discovery.record import HostRecord
 from discovery.registry import EtcdRegistry, RegistryError, RegistryUnavailable
 from elastictrain.launcher import main as launch_main
+from elastictrain.launcher.errors import LaunchError
 from elastictrain.launcher.etcd import ETCD_BIN, EtcdServer
-from elastictrain.launcher.options import LaunchError
 from tests.fixtures.procs import REPO, VENV_BIN, ProcessGroup, wait_until
 from tests.fixtures.tls import Pki, make_pki
 

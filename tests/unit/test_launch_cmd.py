@@ -29,7 +29,8 @@ from elastictrain.launcher.decisions import (
     decide_after_exit,
     training_completed,
 )
-from elastictrain.launcher.options import LaunchError, LaunchOptions
+from elastictrain.launcher.errors import LaunchError
+from elastictrain.launcher.options import LaunchOptions
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "configs" / "demo.yaml"

@@ -1,0 +1,5 @@
+"""The launcher's user error: found before anything was started, reported as one line with exit code 2."""
+
+
+class LaunchError(Exception):
+    """A user error found before anything was started (exit 2); the message is one line."""
