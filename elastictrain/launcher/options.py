@@ -120,13 +120,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--etcd", default=d["etcd"], metavar="URL", help="the cluster's etcd; none: start an embedded one")
     p.add_argument("--job", default=None, help="job name (default: the config's job)")
     p.add_argument("--hosts", default=None, help="embedded mode: logical hosts to run agents for (default: all)")
-    p.add_argument(
-        "--gloo-timeout-seconds",
-        type=int,
-        default=d["gloo_timeout_seconds"],
-        metavar="S",
-        help="horovodrun Gloo timeout; bounds the rendezvous with a starting worker (%(default)s)",
-    )
+    # (flag, LaunchOptions field, type, help): the default is the field's, shown by ``%(default)s``.
+    tuned: tuple[tuple[str, str, type, str], ...] = (
+        ("--gloo-timeout-seconds", "gloo_timeout_seconds", int, "horovodrun Gloo timeout; bounds the rendezvous "
+         "with a starting worker (%(default)s)"),
+        ("--reset-limit", "reset_limit", int, "horovodrun --reset-limit (%(default)s)"),
+        ("--elastic-timeout", "elastic_timeout_seconds", int, "horovodrun --elastic-timeout (%(default)s)"),
+        ("--wait-hosts-seconds", "wait_hosts_seconds", float, "after a preemption (%(default)g)"),
+        ("--max-relaunches", "max_relaunches", int, "relaunches after preemptions (%(default)s)"),
+        ("--stop-timeout", "stop_timeout_seconds", float, "SIGTERM to SIGKILL of workers (%(default)g)"),
+        ("--drain-grace", "drain_grace_seconds", float, "embedded agents' drain grace (%(default)g)"),
+    )  # fmt: skip
+    for flag, name, kind, help_ in tuned:
+        metavar = "S" if kind is float or name.endswith("_seconds") else None
+        p.add_argument(flag, dest=name, type=kind, default=d[name], metavar=metavar, help=help_)
     lo, hi = d["blacklist_cooldown"]
     p.add_argument(
         "--blacklist-cooldown-range",
@@ -136,41 +143,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=[lo, hi],
         metavar=("MIN", "MAX"),
         help=f"({lo} {hi})",
-    )
-    p.add_argument("--reset-limit", type=int, default=d["reset_limit"], help="horovodrun --reset-limit (%(default)s)")
-    p.add_argument(
-        "--elastic-timeout",
-        dest="elastic_timeout_seconds",
-        type=int,
-        default=d["elastic_timeout_seconds"],
-        metavar="S",
-        help="horovodrun --elastic-timeout (%(default)s)",
-    )
-    p.add_argument(
-        "--wait-hosts-seconds",
-        type=float,
-        default=d["wait_hosts_seconds"],
-        metavar="S",
-        help="after a preemption (%(default)g)",
-    )
-    p.add_argument(
-        "--max-relaunches", type=int, default=d["max_relaunches"], help="relaunches after preemptions (%(default)s)"
-    )
-    p.add_argument(
-        "--stop-timeout",
-        dest="stop_timeout_seconds",
-        type=float,
-        default=d["stop_timeout_seconds"],
-        metavar="S",
-        help="SIGTERM to SIGKILL of workers (%(default)g)",
-    )
-    p.add_argument(
-        "--drain-grace",
-        dest="drain_grace_seconds",
-        type=float,
-        default=d["drain_grace_seconds"],
-        metavar="S",
-        help="embedded agents' drain grace (%(default)g)",
     )
     p.add_argument(
         "--hot-join",

@@ -265,7 +265,7 @@ class Launcher:
         *,
         parent_death_signal: int = signal.SIGKILL,
     ) -> subprocess.Popen[bytes]:
-        """Start a service process (etcd, an agent); it gets ``parent_death_signal`` if the launcher dies."""
+        """Start a service process (an agent); it gets ``parent_death_signal`` if the launcher dies."""
         full_env = {**os.environ, **(env or {}), envnames.LAUNCH_ID: self.launch_id}
         with log_path.open("ab") as log:
             # A new session: Ctrl-C in a terminal reaches only the launcher, which stops the rest in order.
