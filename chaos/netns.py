@@ -57,6 +57,9 @@ from chaos import faults
 from chaos.procs import JobRef
 from chaos.run import LAUNCH_FLAGS, Run, ScenarioError
 from discovery.fileio import write_atomic
+from elastictrain import envnames
+from elastictrain.launcher.commands import agent_command
+from elastictrain.launcher.etcd import EtcdServer
 
 SUBNET = "169.254.77.0/24"
 """Link-local: never routed beyond this machine. The tier's default subnet."""
@@ -260,7 +263,7 @@ def launch_flags(*, etcd: str, job: str, iface: str) -> tuple[str, ...]:
 
 def clean_env(env: Mapping[str, str]) -> dict[str, str]:
     """``env`` without the variables that tie a process to a job or a Horovod run."""
-    return {k: v for k, v in env.items() if not k.startswith(("ELASTICTRAIN_", "HOROVOD_"))}
+    return {k: v for k, v in env.items() if not k.startswith((envnames.PREFIX, "HOROVOD_"))}
 
 
 # ---------------------------------------------------------------------------------------------- system
@@ -599,8 +602,6 @@ class Cluster:
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege-separation dir (Debian's path)
 
     def _start_etcd(self) -> None:
-        from elastictrain.bench.etcd import EtcdServer
-
         assert self.tmp is not None
         self.etcd = EtcdServer(self.tmp / "etcd", self.log_dir / "etcd.log", host=self.n.bridge_address)
         self.etcd.start()
@@ -639,8 +640,6 @@ class Cluster:
 
     def start_node(self, i: int) -> None:
         """Boot node ``i``: its sshd and its agent (again, after a kill)."""
-        from elastictrain.launch import agent_command
-
         assert self.tmp is not None
         sshd = sshd_binary()
         assert sshd is not None
@@ -655,7 +654,7 @@ class Cluster:
             drain_grace_seconds=self.drain_grace_seconds,
         )
         # The agent carries the job in its environment, like the launcher's agents: chaos.procs finds it.
-        self.agents[i] = self._spawn(i, agent, f"agent-n{i}.log", {**base, "ELASTICTRAIN_JOB": self.job})
+        self.agents[i] = self._spawn(i, agent, f"agent-n{i}.log", {**base, envnames.JOB: self.job})
 
     def ready_hosts(self) -> set[str]:
         from discovery.registry import EtcdRegistry, RegistryError

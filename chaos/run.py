@@ -24,8 +24,11 @@ import psutil
 import yaml
 
 from chaos import faults
-from chaos.procs import JobNotFound, JobRef, alive, environ, read_launch_state
+from chaos.procs import JobNotFound, JobRef, environ, read_launch_state
+from elastictrain import envnames
 from elastictrain.errors import ScenarioError as ScenarioError
+from elastictrain.launcher.commands import elastictrain_command
+from elastictrain.launcher.processes import is_alive
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -76,13 +79,13 @@ class Run:
         env = {
             **os.environ,
             "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
-            "ELASTICTRAIN_LOG_LEVEL": "warning",
-            "ELASTICTRAIN_JOB": self.job_name,  # inherited by etcd and the agents too: all found by environment
+            envnames.LOG_LEVEL: "warning",
+            envnames.JOB: self.job_name,  # inherited by etcd and the agents too: all found by environment
             "PYTHONUNBUFFERED": "1",
             **self.env,
         }
-        env.pop("ELASTICTRAIN_ETCD", None)
-        cmd = [str(BIN / "elastictrain"), "launch", "--config", str(self.config_path), *self.flags]
+        env.pop(envnames.ETCD, None)
+        cmd = elastictrain_command("launch", "--config", str(self.config_path), *self.flags)
         with (self.run_dir / "launch.log").open("ab") as out:
             self.launcher = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -172,7 +175,7 @@ class Run:
         job = self.job()
         with contextlib.suppress(JobNotFound):
             old = job.agent(host)
-            self.wait_for(lambda: not alive(old), timeout, f"the old agent of {host} to exit")
+            self.wait_for(lambda: not is_alive(old), timeout, f"the old agent of {host} to exit")
         with (self.run_dir / "logs" / f"agent-{host}-restarted.log").open("ab") as out:
             proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True

@@ -35,9 +35,10 @@ from chaos import faults, netns
 from chaos import invariants as inv
 from chaos.netns import ClusterRun
 from chaos.procs import JobNotFound, read_launch_state
-from chaos.run import BIN, GLOO_TIMEOUT_SECONDS, LAUNCH_FLAGS, REPO, Run, ScenarioError
+from chaos.run import GLOO_TIMEOUT_SECONDS, LAUNCH_FLAGS, REPO, Run, ScenarioError
 from discovery.fileio import write_atomic
 from elastictrain.audit import SampleAudit
+from elastictrain.launcher.commands import elastictrain_command
 
 DEFAULT_RUNS = REPO / "runs" / "chaos"
 REFERENCE_DIR = ".chaos-reference"
@@ -605,7 +606,7 @@ def _tier(
 def write_report(run_dir: Path) -> None:
     """``elastictrain report`` (timeline PNG + report.json) for the run dir."""
     subprocess.run(
-        [str(BIN / "elastictrain"), "report", "--run-dir", str(run_dir)],
+        elastictrain_command("report", "--run-dir", str(run_dir)),
         check=False,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any, NoReturn
+from typing import Any
 
 from discovery import endpoints
 from discovery.nodewatch import NodeReader, NodeWatchError, in_cluster
@@ -59,6 +59,9 @@ from discovery.registry import (
     LeaseLost,
     RegistryError,
 )
+from elastictrain import envnames
+from elastictrain.cliutil import OneLineParser
+from elastictrain.launcher.commands import zygote_command
 from elastictrain.logconf import configure_logging, get_logger
 
 PROG = "elastictrain agent"
@@ -467,11 +470,6 @@ class Agent:
 # CLI
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def detect_gpus(timeout_seconds: float = 5.0) -> int:
     """Number of GPUs ``nvidia-smi -L`` lists; 0 when it is missing or fails."""
     exe = shutil.which("nvidia-smi")
@@ -512,7 +510,7 @@ def _number(kind: type) -> Callable[[str], float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="Register this host in etcd for a job; drain on SIGTERM.")
+    p = OneLineParser(prog=PROG, description="Register this host in etcd for a job; drain on SIGTERM.")
     p.add_argument("--etcd", required=True, metavar="URL", help="etcd endpoint(s), http(s)://HOST:PORT[,...]")
     p.add_argument("--job", required=True, help="job name")
     p.add_argument("--host", default=None, help="host name to register (default: this machine's hostname)")
@@ -549,7 +547,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--prefix",
-        default=os.environ.get("ELASTICTRAIN_ETCD_PREFIX") or DEFAULT_PREFIX,
+        default=os.environ.get(envnames.ETCD_PREFIX) or DEFAULT_PREFIX,
         help="etcd key prefix (default $ELASTICTRAIN_ETCD_PREFIX or /elastictrain)",
     )
     p.add_argument(
@@ -576,14 +574,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     endpoints.add_arguments(p)
     return p
-
-
-def zygote_command(args: argparse.Namespace, cfg: AgentConfig) -> list[str]:
-    """``elastictrain zygote serve`` for this agent's job and host (pure)."""
-    cmd = [sys.executable, "-m", "elastictrain.cli", "zygote", "serve", "--config", args.warm_config]
-    for assignment in args.warm_set:
-        cmd += ["--set", assignment]
-    return [*cmd, "--job", cfg.job, "--host", cfg.host]
 
 
 def start_zygote(cmd: list[str], timeout: float, signals: Signals, log: Any) -> subprocess.Popen[str] | None:
@@ -688,7 +678,12 @@ def main(argv: list[str]) -> int:
     )
     zygote = None
     if args.warm_config:
-        zygote = start_zygote(zygote_command(args, cfg), args.warm_timeout, signals, get_logger("agent"))
+        zygote = start_zygote(
+            zygote_command(args.warm_config, args.warm_set, job=cfg.job, host=cfg.host),
+            args.warm_timeout,
+            signals,
+            get_logger("agent"),
+        )
     try:
         code = agent.run()
     finally:

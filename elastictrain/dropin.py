@@ -49,6 +49,7 @@ from horovod.common.elastic import State
 from horovod.torch.elastic.sampler import ElasticSampler as HorovodElasticSampler
 from torch import nn
 
+from elastictrain import envnames
 from elastictrain.elastic import arm_watchdog, discard_pending_allreduces, sync_modules_and_optimizers
 from elastictrain.sampler import ExactlyOncePlanner, SamplerState
 from elastictrain.state import (
@@ -276,7 +277,7 @@ class ElasticState(State):
 
 
 def _marker_path() -> Path:
-    run_dir = os.environ.get("ELASTICTRAIN_RUN_DIR")
+    run_dir = os.environ.get(envnames.RUN_DIR)
     if run_dir:
         return Path(run_dir) / ".elastic" / "collective-failure"
     addr = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR", "local")
@@ -324,7 +325,7 @@ def elastic_run(func: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             watchdog.stop()
             state.watchdog = None
-        if not os.environ.get("ELASTICTRAIN_RUN_DIR"):  # the job's folder in the temp dir: nothing reads it now
+        if not os.environ.get(envnames.RUN_DIR):  # the job's folder in the temp dir: nothing reads it now
             shutil.rmtree(marker.parent, ignore_errors=True)
         return result
 

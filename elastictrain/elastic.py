@@ -35,6 +35,7 @@ from horovod.common.exceptions import HostsUpdatedInterrupt
 from horovod.runner.elastic.worker import HostUpdateResult
 
 from discovery.fileio import write_atomic
+from elastictrain import envnames
 from elastictrain.checkpoint import (
     Checkpointer,
     LocalStorage,
@@ -389,7 +390,7 @@ class ElasticTrainer:
             host=lambda: self.ctx.host,
             tracking_uri=cfg.tracking.tracking_uri,
         )
-        self.attempt = int(os.environ.get("ELASTICTRAIN_ATTEMPT", "0"))
+        self.attempt = int(os.environ.get(envnames.ATTEMPT, "0"))
 
     # ------------------------------------------------------------------------------------ building
     def _device(self) -> torch.device:

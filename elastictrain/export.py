@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from discovery.fileio import atomic_file, write_atomic
-from elastictrain.config_cli import OneLineParser
+from elastictrain.cliutil import OneLineParser
 
 PROG = "elastictrain export"
 

@@ -9,7 +9,6 @@ written (machine, load average before and after, every number). Exit 0 when ever
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import shutil
 import sys
@@ -29,6 +28,7 @@ from elastictrain.bench.core import (
     result_stem,
     write_results,
 )
+from elastictrain.cliutil import OneLineParser
 
 # name -> what it measures, in run order (``commit`` and ``scaling`` reuse the runs of ``elastic_overhead``).
 MEASUREMENTS: dict[str, str] = {
@@ -79,7 +79,7 @@ def run_measurement(name: str, ctx: BenchContext) -> Result:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="elastictrain bench",
         description="Measure the performance goals side by side; results to DIR/<date>-<host>.json and .md.",
         epilog="measurements: " + "; ".join(f"{k}: {v}" for k, v in MEASUREMENTS.items()),

@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from elastictrain.bench.core import BenchContext, Goal, Metric, Result, alternate, summary, threads_per_worker
-from elastictrain.bench.jobs import HOROVODRUN, STOCK_HOROVODRUN, ElasticJob, logical_hosts, train_command
+from elastictrain.bench.jobs import HOROVODRUN, STOCK_HOROVODRUN, ElasticJob
+from elastictrain.launcher.commands import train_command
+from elastictrain.launcher.hosts import local_logical_hosts
 
 NAME = "recovery"
 GOAL_KILL = Goal("<=", 5.0)
@@ -114,7 +116,7 @@ def trial(
 
 
 def run(ctx: BenchContext) -> Result:
-    hosts = logical_hosts()
+    hosts = local_logical_hosts()
     if len(hosts) < 3:
         raise RuntimeError(f"needs 3 logical hosts, this machine has {hosts}")
     trials = 1 if ctx.quick else 3

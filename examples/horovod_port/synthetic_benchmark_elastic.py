@@ -45,7 +45,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import elastictrain
-from elastictrain.config_cli import OneLineParser
+from elastictrain.cliutil import OneLineParser
 from elastictrain.events import EventLog
 from elastictrain.ledger import SampleLedger
 

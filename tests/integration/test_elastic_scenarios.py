@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from elastictrain.checkpoint import LocalStorage, load_latest
-from tests.harness.elastic_job import ElasticJob, assert_exactly_once, job_config, logical_hosts
+from elastictrain.launcher.hosts import local_logical_hosts
+from tests.harness.elastic_job import ElasticJob, assert_exactly_once, job_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
-HOSTS = logical_hosts()
+HOSTS = local_logical_hosts()
 needs3 = pytest.mark.skipif(len(HOSTS) < 3, reason=f"needs 3 logical local hosts, found {HOSTS}")
 
 

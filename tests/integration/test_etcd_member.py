@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.bench.etcd import ETCD_BIN
+from elastictrain.launcher.etcd import ETCD_BIN
 from tests.fixtures.procs import REPO, ProcessGroup, free_port, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

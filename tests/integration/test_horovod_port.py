@@ -23,8 +23,8 @@ import pytest
 from chaos import invariants as inv
 from chaos.procs import JobRef
 from elastictrain.audit import audit_samples
-from elastictrain.bench.jobs import logical_hosts
 from elastictrain.events import read_events
+from elastictrain.launcher.hosts import local_logical_hosts
 from elastictrain.ledger import committed_samples, ledger_files
 from tests.fixtures.etcd import EtcdServer
 from tests.fixtures.procs import REPO, VENV_BIN, ProcessGroup, wait_until
@@ -42,7 +42,7 @@ LR, GAMMA = 0.01, 0.98
 back would show a different LR."""
 
 needs = pytest.mark.skipif(
-    not HOROVODRUN.exists() or len(logical_hosts()) < 2, reason="needs horovodrun and 2 logical local hosts"
+    not HOROVODRUN.exists() or len(local_logical_hosts()) < 2, reason="needs horovodrun and 2 logical local hosts"
 )
 
 
@@ -73,7 +73,7 @@ def rank0_pid(ledger: Path) -> int:
 def test_ported_script_survives_a_sigkill_in_seconds_with_every_sample_once_and_its_lr_rolled_back(
     etcd_server: EtcdServer, procs: ProcessGroup, tmp_path: Path
 ) -> None:
-    hosts = logical_hosts()[:3]
+    hosts = local_logical_hosts()[:3]
     job = f"port-{os.urandom(3).hex()}"
     run_dir = tmp_path / "run"
     env = {

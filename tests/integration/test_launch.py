@@ -23,7 +23,10 @@ import psutil
 import pytest
 import yaml
 
-from elastictrain.launch import EXIT_STOPPED, LAUNCH_ID_ENV, STATE_FILE, is_worker
+from elastictrain.envnames import LAUNCH_ID as LAUNCH_ID_ENV
+from elastictrain.launcher.decisions import EXIT_STOPPED
+from elastictrain.launcher.processes import is_worker
+from elastictrain.launcher.rundir import STATE_FILE
 from tests.fixtures.etcd import ETCD_BIN, EtcdServer
 from tests.fixtures.procs import REPO, VENV_BIN, ProcessGroup, free_port, wait_until
 
@@ -157,7 +160,9 @@ def test_launch_with_embedded_etcd_runs_a_short_job_to_completion(
     assert [e["step"] for e in evs if e["event"] == "done"] == [10]
     assert {e["world_size"] for e in evs if e["event"] == "start"} == {2}
     out = launch.log()
-    assert "-m elastictrain.hvdrun -np 2 --min-np 2 --max-np 2 --host-discovery-script" in out, "the command is printed"
+    assert "-m elastictrain.launcher.hvdrun -np 2 --min-np 2 --max-np 2 --host-discovery-script" in out, (
+        "the command is printed"
+    )
     assert "ELASTICTRAIN_ATTEMPT=0" in out and "training completed" in out
     assert not (launch.run_dir / STATE_FILE).exists()
 

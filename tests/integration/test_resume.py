@@ -8,12 +8,13 @@ import pytest
 
 from elastictrain.checkpoint import LocalStorage, load_latest
 from elastictrain.events import read_events
+from elastictrain.launcher.hosts import local_logical_hosts
 from tests.fixtures.procs import kill_tree, wait_until
-from tests.harness.elastic_job import ElasticJob, assert_exactly_once, job_config, logical_hosts
+from tests.harness.elastic_job import ElasticJob, assert_exactly_once, job_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
-HOSTS = logical_hosts()
+HOSTS = local_logical_hosts()
 
 
 @pytest.fixture

@@ -188,6 +188,6 @@ def test_launching_a_completed_run_dir_says_so_and_exits_0_without_starting_anyt
     assert not (run / "etcd").exists() and not (run / "launch.json").exists()
     # more epochs is not complete: the same check says so
     from elastictrain.config import config_from_dict
-    from elastictrain.launch import run_complete
+    from elastictrain.launcher.main import run_complete
 
     assert run_complete(config_from_dict({**cfg, "training": {**cfg["training"], "epochs": 2}})) is None

@@ -103,7 +103,8 @@ def test_the_failure_marker_is_not_written_through_a_planted_link(tmp_path: Path
 
 def test_the_launch_state_file_is_not_written_through_a_planted_link(tmp_path: Path) -> None:
     from elastictrain.config import config_from_dict
-    from elastictrain.launch import Launcher, LaunchOptions
+    from elastictrain.launcher.options import LaunchOptions
+    from elastictrain.launcher.supervisor import Launcher
 
     victim = tmp_path / "victim"
     victim.write_text("precious")

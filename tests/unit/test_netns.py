@@ -11,7 +11,8 @@ from chaos import netns, scenarios
 from chaos.run import Run, ScenarioError
 from chaos.scenarios import SCENARIOS, base_config
 from elastictrain.config import DiscoveryConfig
-from elastictrain.launch import agent_command, ssh_runs_train
+from elastictrain.launcher.commands import agent_command
+from elastictrain.launcher.processes import ssh_runs_train
 
 
 def names(nodes: int = 3, octet: int = 77) -> netns.TierNames:
