@@ -171,7 +171,7 @@ class ElasticConfig:
     commit_every_steps: int = 10
     """Steps between commits: the sample ledger is written, host changes are checked, checkpoints may be
     taken; with ``rollback: commit`` also the in-memory copy a hard failure rolls back to."""
-    rollback: Literal["commit", "none"] = "commit"
+    rollback: Literal["commit", "none"] = "none"
     """What a hard failure (a worker killed mid-step) costs. ``commit``: every rank rolls back to its last
     commit, a copy of the whole state taken every ``commit_every_steps``. ``none``: no copy is kept; the
     failed step's gradients are dropped and everything else is kept, so no step is rolled back (a rank that

@@ -86,7 +86,7 @@ def test_graceful_removal_3_to_2_loses_no_step(jobs, tmp_path):
 
 @needs3
 def test_worker_killed_mid_epoch_rolls_back_and_keeps_every_sample_exactly_once(jobs, tmp_path):
-    job = run_job(jobs, tmp_path, "kill", HOSTS[:3])
+    job = run_job(jobs, tmp_path, "kill", HOSTS[:3], elastic__rollback="commit")
     job.wait_step(10)
     host, _ = job.kill_worker(rank=2, sig=signal.SIGKILL)
     job.set_hosts([h for h in HOSTS[:3] if h != host])  # the machine is gone, as a cloud would report
