@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from elastictrain.events import read_events
 from elastictrain.sampler import committed_samples
@@ -77,9 +78,11 @@ def test_a_completed_run_dir_started_again_trains_nothing_and_exits_0(tmp_path):
     assert "run already complete" in again.stdout + again.stderr
 
 
-def test_failures_are_logged_and_a_shrink_after_a_reset_names_the_size_it_left(tmp_path):
-    """3 workers; a host change at step 3 leaves 2; a worker dies in step 5, leaving 1."""
-    cfg = config(tmp_path / "run")
+@pytest.mark.parametrize(("rollback", "lost"), [("commit", 1), ("none", 0)])
+def test_failures_are_logged_and_a_shrink_after_a_reset_names_the_size_it_left(tmp_path, rollback, lost):
+    """3 workers; a host change at step 3 leaves 2; a worker dies in step 5, leaving 1. Commits every 3 steps:
+    rollback ``commit`` redoes step 4, ``none`` nothing."""
+    cfg = config(tmp_path / "run", elastic__rollback=rollback)
     script = [
         {"kind": "initial", "size": 3},
         {"kind": "notice", "step": 3, "size": 2},
@@ -93,11 +96,33 @@ def test_failures_are_logged_and_a_shrink_after_a_reset_names_the_size_it_left(t
     assert [f["reason"] for f in failures] == ["hosts_changed", "worker_failed"], failures
     assert "scripted: a peer died" in failures[1]["error"]
     resets = [(r["old_size"], r["new_size"], r["reason"], r["lost_steps"]) for r in events(run, "reset")]
-    assert resets == [(3, 2, "hosts_changed", 0), (2, 1, "worker_failed", 1)], resets
+    assert resets == [(3, 2, "hosts_changed", 0), (2, 1, "worker_failed", lost)], resets
     for failure, reset in zip(failures, events(run, "reset"), strict=True):  # each failure before its reset
         assert failure["ts"] <= reset["ts"]
     per_epoch = committed_samples(run / "ledger")
     assert sorted(per_epoch[0]) == list(range(NUM_SAMPLES))
+
+
+def test_a_failed_gradient_allreduce_with_rollback_none_costs_only_that_step(tmp_path):
+    """The allreduce of step 8 fails after every backward pass enqueued its part (commits every 3 steps): the
+    step's pending allreduces and gradients are dropped, nothing is rolled back, and the run ends with the
+    parameters of a run without the failure."""
+    from elastictrain.checkpoint import LocalStorage, load_latest
+
+    params = {}
+    for name, script in (("clean", []), ("failed", [{"kind": "allreduce_failure", "step": 8}])):
+        run = tmp_path / name
+        proc = run_worker(config(run, elastic__rollback="none", training__grad_accumulation=2), script)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        loaded = load_latest(LocalStorage.for_run_dir(run))
+        assert loaded is not None
+        params[name] = torch.cat([t.flatten().double() for t in loaded.state["model"].values()])
+    failures, resets = events(run, "failure"), events(run, "reset")
+    assert [(f["reason"], f["step"]) for f in failures] == [("worker_failed", 7)], failures
+    assert "gradient allreduce" in failures[0]["error"]
+    assert [(r["reason"], r["step"], r["lost_steps"]) for r in resets] == [("worker_failed", 8, 0)], resets
+    assert sorted(committed_samples(run / "ledger")[0]) == list(range(NUM_SAMPLES))
+    assert torch.equal(params["clean"], params["failed"])
 
 
 def test_rank0_moving_away_and_back_writes_no_second_start(tmp_path):
