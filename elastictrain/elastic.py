@@ -1002,9 +1002,15 @@ class ElasticTrainer:
         self.stop_requested = True
 
     def checkpoint_last_commit(self) -> bool:
-        """After SIGTERM: rank 0 writes the last committed state and waits for it."""
+        """After SIGTERM: rank 0 writes the last committed state and waits for it.
+
+        With rollback ``none`` that is the live state (the last completed step), so the ledger records its
+        steps first, as at any commit.
+        """
         if not self.ctx.is_rank0 or self.checkpointer is None:
             return False
+        if not self.committed.keeps_copy:
+            self._write_ledger()
         return self._checkpoint(wait=True)
 
     def close(self, status: str) -> None:
