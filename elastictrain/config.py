@@ -164,7 +164,13 @@ class ElasticConfig:
     micro_batch_size: int = 32
     """Largest per-worker forward pass under ``global``; a larger share is split into accumulation steps."""
     commit_every_steps: int = 10
-    """Steps between in-memory commits (the rollback point after a hard failure)."""
+    """Steps between commits: the sample ledger is written, host changes are checked, checkpoints may be
+    taken; with ``rollback: commit`` also the in-memory copy a hard failure rolls back to."""
+    rollback: Literal["commit", "none"] = "none"
+    """What a hard failure (a worker killed mid-step) costs. ``commit``: every rank rolls back to its last
+    commit, a copy of the whole state taken every ``commit_every_steps``. ``none``: no copy is kept; the
+    failed step's gradients are dropped and everything else is kept, so no step is rolled back (a rank that
+    completed the failed step hands it to the others at the sync)."""
     min_np: int = 1
     """Fewest workers to train with (horovodrun ``--min-np``)."""
     max_np: int = 32

@@ -37,7 +37,8 @@ MEASUREMENTS: dict[str, str] = {
     "commit": "commit cost as % of step time; CommittedState.save() vs stock TorchState.save()",
     "scaling": "samples/s at world size 1 and 2 (report only)",
     "checkpoint_stall": "async checkpoint stall vs synchronous torch.save (256 MiB); step time during a write",
-    "recovery": "SIGKILL and drain to the first step at the new size, vs stock Horovod elastic",
+    "recovery": "SIGKILL and drain to the first step at the new size, steps rolled back; rollback none and commit "
+    "vs stock Horovod elastic",
     "scale_up": "pause of the running workers at a scale-up 2 -> 3, cold start vs hot join (warm zygote)",
     "kill_distribution": "recovery over 32 SIGKILLs (rank 0, others, pairs) in one 4-worker job (quick: 8)",
     "goodput": "productive step time / wall time under a seeded SIGKILL every 60 s (quick: 30 s, 2 min)",

@@ -38,9 +38,11 @@ def test_set_overrides_any_field_with_yaml_typed_values():
             "training.schedule.kind=multistep",
             "data.path=null",
             "run_dir=/shared/x",
+            "elastic.rollback=none",
         ],
     )
     assert cfg.training.base_lr == 0.05
+    assert cfg.elastic.rollback == "none"  # the word, not YAML's null
     assert cfg.training.schedule.milestones == (2, 4)
     assert cfg.run_dir == "/shared/x"
 
@@ -122,6 +124,8 @@ def test_config_is_frozen():
         (BASE, ["job.x=1"], "--set job.x: job is not a section"),
         (BASE, ["training.nope=1"], "training.nope: unknown key"),
         (BASE, ["checkpoint.keep_last=0"], "checkpoint.keep_last: must be >= 1"),
+        (BASE, ["elastic.rollback=nonee"], "elastic.rollback: must be one of 'commit', 'none', got 'nonee'"),
+        ({**BASE, "elastic": {"rollback": None}}, [], "elastic.rollback: must be one of 'commit', 'none', got None"),
     ],
 )
 def test_bad_config_is_one_line_naming_the_key(data, overrides, message):
