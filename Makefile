@@ -23,10 +23,14 @@ test-unit: $(STAMP)
 test-integration: $(STAMP)
 	$(PYTEST) -q -m integration tests
 
+# Python (ruff, mypy), the Dockerfile (hadolint) and the Kubernetes manifests (kubernetes-validate, strict: unknown
+# fields are errors). The last two come with the dev extras.
 lint: $(STAMP)
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
 	.venv/bin/mypy
+	.venv/bin/hadolint Dockerfile
+	.venv/bin/kubernetes-validate --strict --quiet deploy/k8s/*.yaml
 
 format: $(STAMP)
 	.venv/bin/ruff format .

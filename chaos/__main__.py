@@ -31,22 +31,17 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
 
 from chaos import faults
 from chaos.procs import JobNotFound, JobRef
+from elastictrain.cliutil import OneLineParser
 
 PROG = "python -m chaos"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="Fault injection for elastictrain jobs, and chaos scenarios.")
-    sub = p.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    p = OneLineParser(prog=PROG, description="Fault injection for elastictrain jobs, and chaos scenarios.")
+    sub = p.add_subparsers(dest="action", required=True, parser_class=OneLineParser)
 
     def action(name: str, help_: str) -> argparse.ArgumentParser:
         a = sub.add_parser(name, help=help_)

@@ -23,9 +23,11 @@ from typing import Any, Protocol
 
 import psutil
 
-from chaos.procs import JobNotFound, JobRef, Worker, alive, tree
+from chaos.procs import JobNotFound, JobRef, Worker, tree
+from discovery import fileio
+from elastictrain.launcher.processes import is_alive
 
-TEMP_MARKER = ".tmp-"
+TEMP_MARKER = fileio.TEMP_MARKER
 """Checkpoint temp files are ``.<name>.tmp-<writer pid>-<hex>`` (elastictrain/checkpoint/storage.py)."""
 
 
@@ -435,7 +437,7 @@ def default_action(job: JobRef, log: ChaosLog, action: str, rng: random.Random) 
 
 
 def _live_hosts(job: JobRef) -> list[str]:
-    hosts = sorted({w.host for w in job.workers() if alive(w.proc)})
+    hosts = sorted({w.host for w in job.workers() if is_alive(w.proc)})
     if not hosts:
         raise JobNotFound(f"job {job.job!r} has no live worker")
     return hosts

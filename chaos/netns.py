@@ -55,8 +55,12 @@ import psutil
 
 from chaos import faults
 from chaos.procs import JobRef
-from chaos.scenarios import LAUNCH_FLAGS, Run, ScenarioError
+from chaos.run import LAUNCH_FLAGS, Run, ScenarioError
+from discovery.fileio import write_atomic
+from elastictrain import envnames
 from elastictrain.events import Reset, of_kind
+from elastictrain.launcher.commands import agent_command
+from elastictrain.launcher.etcd import EtcdServer
 
 SUBNET = "169.254.77.0/24"
 """Link-local: never routed beyond this machine. The tier's default subnet."""
@@ -260,7 +264,7 @@ def launch_flags(*, etcd: str, job: str, iface: str) -> tuple[str, ...]:
 
 def clean_env(env: Mapping[str, str]) -> dict[str, str]:
     """``env`` without the variables that tie a process to a job or a Horovod run."""
-    return {k: v for k, v in env.items() if not k.startswith(("ELASTICTRAIN_", "HOROVOD_"))}
+    return {k: v for k, v in env.items() if not k.startswith((envnames.PREFIX, "HOROVOD_"))}
 
 
 # ---------------------------------------------------------------------------------------------- system
@@ -552,9 +556,7 @@ class Cluster:
             etcd = psutil.Process(self.etcd.pid)
             state.update(etcd_pid=etcd.pid, etcd_started=etcd.create_time())
         state["tmp"] = str(self.tmp)
-        tmp = self.state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state) + "\n")
-        os.replace(tmp, self.state_file)
+        write_atomic(self.state_file, json.dumps(state) + "\n")
 
     def _make_node(self, i: int) -> None:
         n = self.n
@@ -601,8 +603,6 @@ class Cluster:
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege-separation dir (Debian's path)
 
     def _start_etcd(self) -> None:
-        from elastictrain.bench.etcd import EtcdServer
-
         assert self.tmp is not None
         self.etcd = EtcdServer(self.tmp / "etcd", self.log_dir / "etcd.log", host=self.n.bridge_address)
         self.etcd.start()
@@ -641,8 +641,6 @@ class Cluster:
 
     def start_node(self, i: int) -> None:
         """Boot node ``i``: its sshd and its agent (again, after a kill)."""
-        from elastictrain.launch import agent_command
-
         assert self.tmp is not None
         sshd = sshd_binary()
         assert sshd is not None
@@ -657,7 +655,7 @@ class Cluster:
             drain_grace_seconds=self.drain_grace_seconds,
         )
         # The agent carries the job in its environment, like the launcher's agents: chaos.procs finds it.
-        self.agents[i] = self._spawn(i, agent, f"agent-n{i}.log", {**base, "ELASTICTRAIN_JOB": self.job})
+        self.agents[i] = self._spawn(i, agent, f"agent-n{i}.log", {**base, envnames.JOB: self.job})
 
     def ready_hosts(self) -> set[str]:
         from discovery.registry import EtcdRegistry, RegistryError
@@ -753,10 +751,7 @@ class Cluster:
         return errors + left
 
 
-# ---------------------------------------------------------------------------------------------- scenarios
-PARTITION_SECONDS = 15.0
-
-
+# ---------------------------------------------------------------------------------------------- the job on the tier
 class ClusterRun(Run):
     """A scenario job launched against the tier: the tier's etcd, workers started over ssh on the nodes."""
 
@@ -782,29 +777,3 @@ class ClusterRun(Run):
             timeout,
             "a reset after the fault",
         )
-
-
-def _cluster_run(r: Run) -> ClusterRun:
-    if not isinstance(r, ClusterRun):
-        raise ScenarioError("a multi-node scenario needs the multi-node tier (chaos/netns.py)")
-    return r
-
-
-def node_killed(r: Run) -> None:
-    """Kill a whole node (not rank 0's) mid-epoch; when the job has recovered, the node boots again."""
-    run = _cluster_run(r)
-    run.wait_step(20)
-    i, host = run.victim()
-    record = run.cluster.kill_node(i, run.log, run.job())
-    run.wait_reset_after(float(record["ts"]))
-    run.cluster.start_node(i)
-    run.cluster.wait_node_ready(i)
-    run.log.log("host-returns", job=run.job_name, host=host, node=i)
-
-
-def node_partitioned(r: Run) -> None:
-    """Cut a node (not rank 0's) off the bridge for 15 s; it comes back by itself when the link returns."""
-    run = _cluster_run(r)
-    run.wait_step(20)
-    i, _ = run.victim()
-    run.cluster.partition(i, run.log, run.job(), PARTITION_SECONDS)

@@ -24,12 +24,13 @@ from typing import Any
 
 import psutil
 
-LAUNCH_STATE = "launch.json"
-LAUNCH_ID_ENV = "ELASTICTRAIN_LAUNCH_ID"
-JOB_ENV = "ELASTICTRAIN_JOB"
+from elastictrain import envnames
+from elastictrain.errors import ToolError
+from elastictrain.launcher.processes import is_alive, process_runs_train
+from elastictrain.launcher.rundir import STATE_FILE
 
 
-class JobNotFound(Exception):
+class JobNotFound(ToolError):
     """The named job, or the process asked for, cannot be found (one line for the user)."""
 
 
@@ -37,7 +38,7 @@ def read_launch_state(run_dir: Path | None) -> dict[str, Any] | None:
     if run_dir is None:
         return None
     try:
-        state = json.loads((run_dir / LAUNCH_STATE).read_text())
+        state = json.loads((run_dir / STATE_FILE).read_text())
     except (OSError, ValueError):
         return None
     return state if isinstance(state, dict) else None
@@ -48,25 +49,6 @@ def environ(p: psutil.Process) -> dict[str, str]:
         return dict(p.environ())
     except (psutil.Error, OSError):
         return {}
-
-
-def alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def runs_train(p: psutil.Process) -> bool:
-    """``[python] .../elastictrain train ...`` or ``python -m elastictrain.cli train ...`` (not a shell around it)."""
-    try:
-        cmd = p.cmdline()
-    except psutil.Error:
-        return False
-    for i, arg in enumerate(cmd[:3]):
-        if (arg == "elastictrain" or arg.endswith("/elastictrain")) and cmd[i + 1 : i + 2] == ["train"]:
-            return True
-    return cmd[1:4] == ["-m", "elastictrain.cli", "train"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +96,7 @@ class JobRef:
 
     def owns(self, env: dict[str, str]) -> bool:
         lid = self.launch_id
-        return env.get(JOB_ENV) == self.job or (lid is not None and env.get(LAUNCH_ID_ENV) == lid)
+        return env.get(envnames.JOB) == self.job or (lid is not None and env.get(envnames.LAUNCH_ID) == lid)
 
     def processes(self, extra_launch_ids: Iterable[str] = ()) -> list[psutil.Process]:
         """Every live process of the job (not this one), found by its environment."""
@@ -127,7 +109,7 @@ class JobRef:
             env = environ(p)
             if not env:
                 continue
-            if (env.get(JOB_ENV) == self.job or env.get(LAUNCH_ID_ENV) in ids) and alive(p):
+            if (env.get(envnames.JOB) == self.job or env.get(envnames.LAUNCH_ID) in ids) and is_alive(p):
                 out.append(p)
         return out
 
@@ -139,7 +121,7 @@ class JobRef:
             p = psutil.Process(int(pid))
         except (psutil.Error, ValueError):
             return None
-        return p if alive(p) and environ(p).get(LAUNCH_ID_ENV) == self.launch_id else None
+        return p if is_alive(p) and environ(p).get(envnames.LAUNCH_ID) == self.launch_id else None
 
     def launcher(self) -> psutil.Process | None:
         """The launcher itself (its own environment has no launch id: checked by its command line and pid)."""
@@ -149,14 +131,14 @@ class JobRef:
         with contextlib.suppress(psutil.Error):
             p = psutil.Process(int(pid))
             cmd = p.cmdline()
-            if alive(p) and "launch" in cmd and any(a.endswith("elastictrain") or "elastictrain" in a for a in cmd):
+            if is_alive(p) and "launch" in cmd and any(a.endswith("elastictrain") or "elastictrain" in a for a in cmd):
                 return p
         return None
 
     # ---------------------------------------------------------------------------------- workers
     def workers(self) -> list[Worker]:
         out = []
-        procs = [p for p in self.processes() if environ(p).get(JOB_ENV) == self.job and runs_train(p)]
+        procs = [p for p in self.processes() if environ(p).get(envnames.JOB) == self.job and process_runs_train(p)]
         pids = {p.pid for p in procs}
         for p in procs:
             with contextlib.suppress(psutil.Error):

@@ -1,12 +1,13 @@
 """Scenario runner: ``python -m chaos run SCENARIO [--run-dir D] [--quick]``.
 
-Runs a small job with ``elastictrain launch`` (embedded etcd, one agent per logical host of this
-machine; for the multi-node scenarios, ``Scenario.nodes`` > 0, the namespaces of :mod:`chaos.netns` instead:
-their etcd, an agent per node, every worker started over ssh) while a scenario injects faults through
-:mod:`chaos.faults`, then checks the invariants
-(:mod:`chaos.invariants`) from ``events.jsonl``, the ledger, the checkpoints and ``mlflow.db`` and prints
-one table. The fault-free reference (same config and seed) runs once per config and is cached by
-config hash under ``<run dir's parent>/.chaos-reference/``.
+A scenario is a function registered with :func:`scenario` into :data:`SCENARIOS`; it injects faults
+through :mod:`chaos.faults` into a job started by :class:`chaos.run.Run`. The local tier runs the job
+with ``elastictrain launch`` (embedded etcd, one agent per logical host of this machine); a scenario
+with ``nodes`` > 0 runs on the namespaces of :mod:`chaos.netns` instead (their etcd, an agent per node,
+every worker started over ssh). Afterwards the runner checks the invariants (:mod:`chaos.invariants`)
+from ``events.jsonl``, the ledger, the checkpoints and ``mlflow.db`` and prints one table. The
+fault-free reference (same config and seed) runs once per config and is cached by config hash under
+``<run dir's parent>/.chaos-reference/``.
 
 Every process is tracked by pid and environment; agents the runner restarts (a host coming back) are
 stopped by pid when the job ends, and then nothing of the job may be left.
@@ -22,37 +23,26 @@ import random
 import signal
 import sqlite3
 import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psutil
-import yaml
 
-from chaos import faults
+from chaos import faults, netns
 from chaos import invariants as inv
-from chaos.procs import JobNotFound, JobRef, alive, environ, read_launch_state
+from chaos.netns import ClusterRun
+from chaos.procs import JobNotFound, read_launch_state
+from chaos.run import GLOO_TIMEOUT_SECONDS, LAUNCH_FLAGS, REPO, Run, ScenarioError
+from discovery.fileio import write_atomic
 from elastictrain.audit import SampleAudit
-from elastictrain.events import EVENTS_FILE, Checkpoint, Commit, Event, Metrics, Reset, Start, of_kind, read_events
+from elastictrain.events import Checkpoint, Commit, Event, Reset, of_kind
+from elastictrain.launcher.commands import elastictrain_command
 
-REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
 DEFAULT_RUNS = REPO / "runs" / "chaos"
 REFERENCE_DIR = ".chaos-reference"
-
-# Launcher flags of every run: a short Gloo timeout that still covers a new worker's start-up on 2 cores,
-# quick blacklist cooldown, short drain grace. The seed's job: 3 logical hosts, min 2 workers.
-LAUNCH_FLAGS = (
-    "--gloo-timeout-seconds", "15",
-    "--blacklist-cooldown-range", "1", "2",
-    "--drain-grace", "2",
-    "--wait-hosts-seconds", "90",
-    "--stop-timeout", "30",
-)  # fmt: skip
-GLOO_TIMEOUT_SECONDS = 15
 
 
 def base_config(*, epochs: int = 2, num_samples: int = 2880) -> dict[str, Any]:
@@ -91,202 +81,13 @@ def config_hash(cfg: dict[str, Any], flags: tuple[str, ...]) -> str:
     return hashlib.sha256(json.dumps([body, list(flags)], sort_keys=True).encode()).hexdigest()[:16]
 
 
-# ---------------------------------------------------------------------------------------------- one launch
-class Run:
-    """One job under ``elastictrain launch`` (possibly launched again after ``kill-job``), and its faults."""
-
-    def __init__(
-        self,
-        run_dir: Path,
-        cfg: dict[str, Any],
-        *,
-        flags: tuple[str, ...] = LAUNCH_FLAGS,
-        env: Mapping[str, str] | None = None,
-    ) -> None:
-        self.run_dir = run_dir.resolve()
-        self.cfg = {**cfg, "run_dir": str(self.run_dir)}
-        self.job_name = str(cfg["job"])
-        self.flags = flags
-        self.env = dict(env or {})
-        """The launcher's environment on top of this process's (the multi-node tier puts its ssh first on PATH)."""
-        self.config_path = self.run_dir / "job.yaml"
-        self.log = faults.ChaosLog(self.run_dir / "chaos.jsonl")
-        self.launcher: subprocess.Popen[bytes] | None = None
-        self.launch_ids: list[str] = []
-        self.agent_specs: dict[str, tuple[list[str], dict[str, str]]] = {}
-        self.restarted: list[subprocess.Popen[bytes]] = []
-        self.exit_code: int | None = None
-        self.started = 0.0
-
-    # -- life
-    def start(self) -> Run:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.config_path.write_text(yaml.safe_dump(self.cfg, sort_keys=False))
-        env = {
-            **os.environ,
-            "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
-            "ELASTICTRAIN_LOG_LEVEL": "warning",
-            "ELASTICTRAIN_JOB": self.job_name,  # inherited by etcd and the agents too: all found by environment
-            "PYTHONUNBUFFERED": "1",
-            **self.env,
-        }
-        env.pop("ELASTICTRAIN_ETCD", None)
-        cmd = [str(BIN / "elastictrain"), "launch", "--config", str(self.config_path), *self.flags]
-        with (self.run_dir / "launch.log").open("ab") as out:
-            self.launcher = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-        self.started = time.monotonic()
-        self.exit_code = None
-        self.wait_for(self._launch_ready, 120, "the launcher's launch.json with horovodrun running")
-        return self
-
-    def _launch_ready(self) -> bool:
-        state = read_launch_state(self.run_dir)
-        if not state or not state.get("horovodrun_pid") or self.launcher is None:
-            return False
-        if state.get("pid") != self.launcher.pid:
-            return False
-        if state["launch_id"] not in self.launch_ids:
-            self.launch_ids.append(state["launch_id"])
-        job = self.job()
-        for host in state.get("hosts", []):
-            if host not in self.agent_specs:
-                with contextlib.suppress(JobNotFound, psutil.Error):
-                    agent = job.agent(host)
-                    self.agent_specs[host] = (agent.cmdline(), environ(agent))
-        return True
-
-    def job(self) -> JobRef:
-        return JobRef.resolve(self.job_name, self.run_dir)
-
-    def running(self) -> bool:
-        return self.launcher is not None and self.launcher.poll() is None
-
-    def wait_for(self, predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.1) -> Any:
-        deadline = time.monotonic() + timeout
-        while True:
-            value = predicate()
-            if value:
-                return value
-            if self.launcher is not None and self.launcher.poll() is not None:
-                raise ScenarioError(f"the launcher exited ({self.launcher.returncode}) while waiting for {what}")
-            if time.monotonic() > deadline:
-                raise ScenarioError(f"timed out after {timeout:g}s waiting for {what}")
-            time.sleep(interval)
-
-    def wait_exit(self, timeout: float) -> int:
-        assert self.launcher is not None
-        try:
-            self.exit_code = self.launcher.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise ScenarioError(f"the job did not finish within {timeout:g}s") from None
-        return self.exit_code
-
-    # -- what the job wrote
-    def events(self) -> list[Event]:
-        try:
-            return read_events(self.run_dir / EVENTS_FILE, on_skip=lambda line, reason: None)
-        except FileNotFoundError:
-            return []
-
-    def step(self) -> int:
-        return max((e.step for e in self.events()), default=0)
-
-    def wait_step(self, step: int, timeout: float = 120) -> None:
-        self.wait_for(lambda: self.step() >= step, timeout, f"step {step}")
-
-    def world_size(self) -> int | None:
-        for e in reversed(self.events()):
-            if isinstance(e, Start | Reset | Metrics):
-                return e.world_size
-        return None
-
-    def wait_world(self, size: int, timeout: float = 120) -> None:
-        self.wait_for(lambda: self.world_size() == size, timeout, f"world size {size}")
-
-    def checkpoint_steps(self) -> list[int]:
-        return [e.step for e in of_kind(self.events(), Checkpoint)]
-
-    def victim_host(self) -> str:
-        """A host whose worker is not rank 0 (so a host fault does not also hit the ledger writer)."""
-        job = self.job()
-        r0 = job.rank0()
-        hosts = [w.host for w in job.workers() if r0 is None or w.pid != r0.pid]
-        if not hosts:
-            raise ScenarioError("no worker besides rank 0 to aim at")
-        return sorted(hosts)[-1]
-
-    # -- hosts coming back
-    def restart_agent(self, host: str, timeout: float = 30) -> None:
-        """Start the host's agent again with the command and environment the launcher gave the first one."""
-        cmd, env = self.agent_specs[host]
-        job = self.job()
-        with contextlib.suppress(JobNotFound):
-            old = job.agent(host)
-            self.wait_for(lambda: not alive(old), timeout, f"the old agent of {host} to exit")
-        with (self.run_dir / "logs" / f"agent-{host}-restarted.log").open("ab") as out:
-            proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-        self.restarted.append(proc)
-        self.log.log("host-returns", job=self.job_name, host=host, agent_pid=proc.pid)
-
-    def stop_restarted_agents(self) -> None:
-        for proc in self.restarted:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGTERM)
-                    proc.send_signal(signal.SIGTERM)  # a second signal skips the drain grace
-        for proc in self.restarted:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
-
-    def leftovers(self, settle_seconds: float = 15.0) -> list[str]:
-        """Processes of the job still alive once the launcher has gone (polled for ``settle_seconds``)."""
-        job = self.job()
-        deadline = time.monotonic() + settle_seconds
-        while True:
-            procs = job.processes(self.launch_ids)
-            if not procs or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        out = []
-        for p in procs:
-            with contextlib.suppress(psutil.Error):
-                out.append(f"{p.pid} {' '.join(p.cmdline())[:100]}")
-        return out
-
-    def kill_everything(self) -> None:
-        """Last resort after a failed scenario: SIGKILL every process of the job, by pid."""
-        if self.launcher is not None and self.launcher.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.launcher.kill()
-            self.launcher.wait(timeout=10)
-        for proc in self.restarted:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=5)
-        procs = self.job().processes(self.launch_ids)
-        for p in procs:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        psutil.wait_procs(procs, timeout=10)
-
-
-class ScenarioError(Exception):
-    """The scenario could not be carried out (the job ended early, a wait timed out)."""
-
-
 # ---------------------------------------------------------------------------------------------- scenarios
 @dataclass(frozen=True, slots=True)
 class Scenario:
     name: str
     description: str
-    inject: Callable[[Run], None]
+    inject: Inject
+    """Injects the faults into the running job; ``quick`` is ``run --quick``."""
     ci: bool
     """Short enough for ``make test``; the rest run under ``make chaos``."""
     graceful: bool = False
@@ -300,7 +101,26 @@ class Scenario:
     namespaces with sshd and an agent each (:mod:`chaos.netns`)."""
 
 
-def _kill_worker_mid_epoch(r: Run) -> None:
+Inject = Callable[[Run, bool], None]
+
+SCENARIOS: dict[str, Scenario] = {}
+"""Every scenario by name, in the order registered; filled by :func:`scenario`."""
+
+
+def scenario(name: str, description: str, *, ci: bool, **options: Any) -> Callable[[Inject], Inject]:
+    """Register the decorated function as the injection of scenario ``name`` (``options``: :class:`Scenario`'s)."""
+
+    def register(inject: Inject) -> Inject:
+        if name in SCENARIOS:
+            raise ValueError(f"scenario {name!r} is registered twice")
+        SCENARIOS[name] = Scenario(name, description, inject, ci, **options)
+        return inject
+
+    return register
+
+
+@scenario("kill-worker", "SIGKILL of a worker mid-epoch", ci=True)
+def _kill_worker_mid_epoch(r: Run, quick: bool) -> None:
     r.wait_step(25)
     faults.kill_worker(r.job(), r.log, rank=None, rng=_NotRank0(r))
 
@@ -323,19 +143,26 @@ def _wait_mlflow_run(r: Run) -> None:
     r.wait_for((r.run_dir / "mlflow_run_id").exists, 120, "the MLflow run (mlflow_run_id)")
 
 
-def _kill_during_commit(r: Run) -> None:
+@scenario("kill-during-commit", "SIGKILL of rank 0 while it commits", ci=True)
+def _kill_during_commit(r: Run, quick: bool) -> None:
     r.wait_step(10)
     _wait_mlflow_run(r)
     faults.kill_during_commit(r.job(), r.log, rank=0, timeout=60)
 
 
-def _kill_during_checkpoint(r: Run) -> None:
+@scenario("kill-during-checkpoint", "SIGKILL of rank 0 and its writer mid-save", ci=True)
+def _kill_during_checkpoint(r: Run, quick: bool) -> None:
     r.wait_step(10)
     _wait_mlflow_run(r)
     faults.kill_during_checkpoint(r.job(), r.log, timeout=60)
 
 
-def _kill_rank0_spare_writer(r: Run) -> None:
+@scenario(
+    "kill-rank0-spare-writer",
+    "SIGKILL of rank 0 but not its writer, mid-save: the writer dies with it, latest only moves forward",
+    ci=False,
+)
+def _kill_rank0_spare_writer(r: Run, quick: bool) -> None:
     """Rank 0 SIGKILLed while its writer, stopped, is mid-save. A writer that survives is resumed once the new
     rank 0 has checkpointed, so it finishes late, as in the race; ``latest`` is read once it is gone."""
     r.wait_step(10)
@@ -375,22 +202,31 @@ def _kill_rank0_spare_writer(r: Run) -> None:
     )
 
 
-def _preempt_host(r: Run) -> None:
+@scenario("preempt-host", "SIGTERM to a host's agent: drain, no step lost", ci=True, graceful=True)
+def _preempt_host(r: Run, quick: bool) -> None:
     r.wait_step(20)
     faults.preempt_host(r.job(), r.log, r.victim_host())
 
 
-def _frozen_worker(r: Run) -> None:
+@scenario("frozen-worker", "a worker SIGSTOPped longer than the Gloo timeout", ci=False)
+def _frozen_worker(r: Run, quick: bool) -> None:
     r.wait_step(20)
     faults.freeze_worker(r.job(), r.log, rank=None, seconds=GLOO_TIMEOUT_SECONDS + 5, rng=_NotRank0(r))
 
 
-def _etcd_outage(r: Run) -> None:
+@scenario("etcd-outage", "etcd suspended 20 s while training continues", ci=False, expect_reset=False)
+def _etcd_outage(r: Run, quick: bool) -> None:
     r.wait_step(20)
     faults.etcd_outage(r.job(), r.log, seconds=20)
 
 
-def _agent_killed(r: Run) -> None:
+@scenario(
+    "agent-killed",
+    "an agent SIGKILLed: the host leaves when its lease expires, then returns",
+    ci=False,
+    graceful=True,
+)
+def _agent_killed(r: Run, quick: bool) -> None:
     r.wait_step(20)
     host = r.victim_host()
     faults.kill_agent(r.job(), r.log, host)
@@ -398,7 +234,8 @@ def _agent_killed(r: Run) -> None:
     r.restart_agent(host)
 
 
-def _kill_job_and_resume(r: Run) -> None:
+@scenario("kill-job", "the whole job SIGKILLed, then launched again: resume", ci=True)
+def _kill_job_and_resume(r: Run, quick: bool) -> None:
     r.wait_for(lambda: any(s >= 30 for s in r.checkpoint_steps()), 120, "a checkpoint at step >= 30")
     faults.kill_job(r.job(), r.log)
     assert r.launcher is not None
@@ -406,7 +243,8 @@ def _kill_job_and_resume(r: Run) -> None:
     r.start()  # the same command on the same run dir resumes from the latest checkpoint
 
 
-def _below_min_np(r: Run) -> None:
+@scenario("below-min-np", "two hosts die (below --min-np), then come back", ci=False)
+def _below_min_np(r: Run, quick: bool) -> None:
     r.wait_step(20)
     job = r.job()
     hosts = [h for h in sorted({w.host for w in job.workers()}) if h != (job.rank0() or _Nobody).host][:2]
@@ -466,6 +304,13 @@ def _soak_config(quick: bool) -> dict[str, Any]:
     return base_config(epochs=max(3, round(duration * 1.1 / 2.4)))
 
 
+@scenario(
+    "soak",
+    "a SIGKILL every 60 s for 20 min plus one of each other fault (--quick: 25 s, 150 s)",
+    ci=False,
+    timeout=3600.0,
+    cfg=_soak_config,
+)
 def _soak(r: Run, quick: bool) -> None:
     duration, every = _soak_params(quick)
     r.wait_step(10)
@@ -505,17 +350,6 @@ def _soak_action(r: Run, action: str, rng: random.Random) -> None:
         r.restart_agent(host, timeout=30)
 
 
-def _multi_node(name: str) -> Callable[[Run], None]:
-    """The injection ``name`` of :mod:`chaos.netns` (imported when it runs: that module builds on this one)."""
-
-    def inject(r: Run) -> None:
-        from chaos import netns
-
-        getattr(netns, name)(r)
-
-    return inject
-
-
 MULTI_NODE_NODES = 3
 
 
@@ -525,33 +359,40 @@ def _multi_node_config(quick: bool) -> dict[str, Any]:
     return base_config(epochs=15)
 
 
-SCENARIOS: dict[str, Scenario] = {
-    s.name: s
-    for s in [
-        Scenario("kill-worker", "SIGKILL of a worker mid-epoch", _kill_worker_mid_epoch, ci=True),
-        Scenario("kill-during-commit", "SIGKILL of rank 0 while it commits", _kill_during_commit, ci=True),
-        Scenario("kill-during-checkpoint", "SIGKILL of rank 0 and its writer mid-save", _kill_during_checkpoint,
-                 ci=True),
-        Scenario("kill-rank0-spare-writer", "SIGKILL of rank 0 but not its writer, mid-save: the writer dies "
-                 "with it, latest only moves forward", _kill_rank0_spare_writer, ci=False),
-        Scenario("preempt-host", "SIGTERM to a host's agent: drain, no step lost", _preempt_host, ci=True,
-                 graceful=True),
-        Scenario("kill-job", "the whole job SIGKILLed, then launched again: resume", _kill_job_and_resume, ci=True),
-        Scenario("frozen-worker", "a worker SIGSTOPped longer than the Gloo timeout", _frozen_worker, ci=False),
-        Scenario("etcd-outage", "etcd suspended 20 s while training continues", _etcd_outage, ci=False,
-                 expect_reset=False),
-        Scenario("agent-killed", "an agent SIGKILLed: the host leaves when its lease expires, then returns",
-                 _agent_killed, ci=False, graceful=True),
-        Scenario("below-min-np", "two hosts die (below --min-np), then come back", _below_min_np, ci=False),
-        Scenario("soak", "a SIGKILL every 60 s for 20 min plus one of each other fault (--quick: 25 s, 150 s)",
-                 lambda r: None, ci=False, timeout=3600.0, cfg=_soak_config),
-        Scenario("node-killed", "multi-node: every process of a node (namespace) SIGKILLed, then the node boots "
-                 "again and rejoins over ssh", _multi_node("node_killed"), ci=False, nodes=MULTI_NODE_NODES,
-                 cfg=_multi_node_config),
-        Scenario("node-partitioned", "multi-node: a node cut off the bridge for 15 s, then back",
-                 _multi_node("node_partitioned"), ci=False, nodes=MULTI_NODE_NODES, cfg=_multi_node_config),
-    ]
-}  # fmt: skip
+PARTITION_SECONDS = 15.0
+
+
+def multi_node_scenario(name: str, description: str) -> Callable[[Inject], Inject]:
+    """:func:`scenario` on the multi-node tier: :data:`MULTI_NODE_NODES` namespaces, not run by CI."""
+    return scenario(name, f"multi-node: {description}", ci=False, nodes=MULTI_NODE_NODES, cfg=_multi_node_config)
+
+
+def _node_to_hit(r: Run) -> tuple[ClusterRun, int, str]:
+    """(run, node, address) of a node whose worker is not rank 0, once the job is past step 20."""
+    if not isinstance(r, ClusterRun):
+        raise ScenarioError("a multi-node scenario needs the multi-node tier (chaos/netns.py)")
+    r.wait_step(20)
+    return (r, *r.victim())
+
+
+@multi_node_scenario(
+    "node-killed", "every process of a node (namespace) SIGKILLed, then the node boots again and rejoins over ssh"
+)
+def _node_killed(r: Run, quick: bool) -> None:
+    """Kill a whole node (not rank 0's) mid-epoch; when the job has recovered, the node boots again."""
+    run, i, host = _node_to_hit(r)
+    record = run.cluster.kill_node(i, run.log, run.job())
+    run.wait_reset_after(float(record["ts"]))
+    run.cluster.start_node(i)
+    run.cluster.wait_node_ready(i)
+    run.log.log("host-returns", job=run.job_name, host=host, node=i)
+
+
+@multi_node_scenario("node-partitioned", "a node cut off the bridge for 15 s, then back")
+def _node_partitioned(r: Run, quick: bool) -> None:
+    """Cut a node (not rank 0's) off the bridge for 15 s; it comes back by itself when the link returns."""
+    run, i, _ = _node_to_hit(r)
+    run.cluster.partition(i, run.log, run.job(), PARTITION_SECONDS)
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -694,9 +535,7 @@ def reference_loss(
     final = inv.final_loss(run.events())
     if code != 0 or final is None:
         return None
-    tmp = cache.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"step": final[0], "loss": final[1], "config": cfg}, indent=1))
-    os.replace(tmp, cache)
+    write_atomic(cache, json.dumps({"step": final[0], "loss": final[1], "config": cfg}, indent=1))
     return final
 
 
@@ -704,8 +543,6 @@ def run_scenario(
     name: str, run_dir: Path | None = None, *, quick: bool = False, out: Callable[[str], None] = print
 ) -> Result:
     scenario = SCENARIOS[name]
-    if name == "soak":
-        scenario = replace(scenario, inject=lambda r: _soak(r, quick))
     run_dir = (run_dir or DEFAULT_RUNS / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     if run_dir.exists() and any(run_dir.iterdir()):
         raise ScenarioError(f"--run-dir {run_dir} is not empty (a scenario needs a fresh run dir)")
@@ -721,7 +558,7 @@ def run_scenario(
         out(f"chaos: {name}: job {job} in {run_dir}")
         try:
             run.start()
-            scenario.inject(run)
+            scenario.inject(run, quick)
             run.wait_exit(scenario.timeout)
         except ScenarioError as e:
             run.log.log("scenario-error", job=job, error=str(e))
@@ -741,8 +578,6 @@ def run_scenario(
 def _tier_unavailable(scenario: Scenario) -> str | None:
     if not scenario.nodes:
         return None
-    from chaos import netns
-
     return netns.preflight()
 
 
@@ -755,8 +590,6 @@ def _tier(
     if not scenario.nodes:
         yield Run(run_dir, cfg), None
         return
-    from chaos import netns
-
     run_dir.mkdir(parents=True, exist_ok=True)
     disc = cfg.get("discovery", {})
     cluster = netns.Cluster(
@@ -774,7 +607,7 @@ def _tier(
 def write_report(run_dir: Path) -> None:
     """``elastictrain report`` (timeline PNG + report.json) for the run dir."""
     subprocess.run(
-        [str(BIN / "elastictrain"), "report", "--run-dir", str(run_dir)],
+        elastictrain_command("report", "--run-dir", str(run_dir)),
         check=False,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

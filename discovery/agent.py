@@ -14,6 +14,11 @@ Behaviour:
 - SIGTERM or SIGINT: marks the host ``draining`` at once (discovery drops it, Horovod removes it
   gracefully), revokes the lease after ``--drain-grace`` seconds and exits 0; a second signal
   skips the rest of the grace period;
+- with ``--drain-when-cordoned NODE`` (Kubernetes): reads the node each cycle (``discovery/nodewatch.py``);
+  while it is cordoned (``kubectl drain`` cordons, then skips DaemonSet pods, so no SIGTERM comes) the host
+  is kept ``draining`` and keeps its lease; when the node is schedulable again the agent marks it ``ready``
+  if the cordon was what drained it (an operator's ``undrain`` in between already did). A node that cannot
+  be read keeps the last answer, logged once per new error;
 - exits 0 when an operator removed its key (``elastictrain hosts remove``) while its lease lived;
 - exits 1 with one line when etcd stays unreachable longer than ``--retry-deadline`` (also at
   start-up), and 2 with one line for bad flags.
@@ -34,10 +39,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any, NoReturn
+from typing import Any
 
 from discovery import endpoints
-from discovery.logconf import configure_logging, get_logger
+from discovery.nodewatch import NodeReader, NodeWatchError, in_cluster
 from discovery.record import (
     DEFAULT_PREFIX,
     DRAINING,
@@ -54,6 +59,10 @@ from discovery.registry import (
     LeaseLost,
     RegistryError,
 )
+from elastictrain import envnames
+from elastictrain.cliutil import OneLineParser
+from elastictrain.launcher.commands import zygote_command
+from elastictrain.logconf import configure_logging, get_logger
 
 PROG = "elastictrain agent"
 
@@ -82,6 +91,8 @@ class AgentConfig:
     """Time between marking the host draining (SIGTERM) and revoking the lease."""
     retry_deadline_seconds: float = 60.0
     """How long etcd may stay unreachable (or a stale key block registration) before the agent gives up."""
+    drain_when_cordoned: str | None = None
+    """Kubernetes node whose cordon drains this host (``--drain-when-cordoned``); None: no node watch."""
 
     def __post_init__(self) -> None:
         check_name("job", self.job)
@@ -105,6 +116,14 @@ class AgentConfig:
                 f"heartbeat + 2*request_timeout = {self.heartbeat_seconds + 2 * self.request_timeout_seconds:g}s "
                 f"must be <= ttl = {self.ttl_seconds}s (lower --heartbeat or --request-timeout, or raise --ttl)"
             )
+        if self.drain_when_cordoned is not None:
+            check_name("--drain-when-cordoned node", self.drain_when_cordoned)
+            cycle = self.heartbeat_seconds + 3 * self.request_timeout_seconds
+            if cycle > self.ttl_seconds:
+                raise ValueError(
+                    f"with --drain-when-cordoned a cycle reads the node too: heartbeat + 3*request_timeout = "
+                    f"{cycle:g}s must be <= ttl = {self.ttl_seconds}s (lower --heartbeat or --request-timeout)"
+                )
         if self.drain_grace_seconds < 0:
             raise ValueError(f"--drain-grace must be >= 0, got {self.drain_grace_seconds:g}")
         if self.retry_deadline_seconds < self.ttl_seconds:
@@ -117,6 +136,8 @@ class AgentConfig:
 class Action(enum.Enum):
     REGISTER = "register"
     MARK_DRAINING = "mark_draining"
+    DRAIN_CORDONED = "drain_cordoned"
+    READY_UNCORDONED = "ready_uncordoned"
     HEARTBEAT = "heartbeat"
     WAIT = "wait"
     REVOKE_AND_EXIT = "revoke_and_exit"
@@ -149,6 +170,12 @@ class AgentState:
     unreachable_since: float | None = None
     blocked_since: float | None = None
     """When a key of another lease first blocked registration."""
+    cordon: str | None = None
+    """Last known reason the node is being emptied (``--drain-when-cordoned``); None: schedulable or unknown."""
+    cordon_drained: bool = False
+    """The agent marked the host draining because of a cordon (so an uncordon makes it ready again)."""
+    cordon_error: str = ""
+    """Last error reading the node (logged once per new error)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +193,8 @@ class Observation:
     key_lease: int = 0
     key_pid: int = 0
     error: str = ""
+    cordon: str | None = None
+    """Why the node is being emptied (the last answer read), or None when it is schedulable or not watched."""
 
 
 def decide(cfg: AgentConfig, st: AgentState, obs: Observation) -> Decision:
@@ -198,10 +227,12 @@ def decide(cfg: AgentConfig, st: AgentState, obs: Observation) -> Decision:
                 Action.REVOKE_AND_EXIT, f"host key removed by an operator while lease {st.lease_id:x} lived; exiting", 0
             )
         how = "lease lost; " if obs.lease_lost else ""
+        state = st.wanted_state
+        if obs.cordon is not None and state == READY and st.drain_requested_at is None:
+            how, state = f"{how}{obs.cordon}; ", DRAINING
         return Decision(
             Action.REGISTER,
-            f"{how}registering {cfg.host} ({cfg.slots} slots) as {st.wanted_state} "
-            f"under a new {cfg.ttl_seconds}s lease",
+            f"{how}registering {cfg.host} ({cfg.slots} slots) as {state} under a new {cfg.ttl_seconds}s lease",
         )
     if not ours:
         since = st.blocked_since if st.blocked_since is not None else obs.now
@@ -222,6 +253,11 @@ def decide(cfg: AgentConfig, st: AgentState, obs: Observation) -> Decision:
     if st.drain_requested_at is not None and obs.key_state != DRAINING:
         left = cfg.drain_grace_seconds - (obs.now - st.drain_requested_at)
         return Decision(Action.MARK_DRAINING, f"drain requested; marking host draining, lease revoked in {left:.0f}s")
+    if st.drain_requested_at is None:
+        if obs.cordon is not None and not st.cordon_drained and obs.key_state == READY:
+            return Decision(Action.DRAIN_CORDONED, f"{obs.cordon}; marking host draining until it is uncordoned")
+        if obs.cordon is None and st.cordon_drained:
+            return Decision(Action.READY_UNCORDONED, "node is schedulable again; marking host ready")
     return Decision(Action.HEARTBEAT, f"lease {st.lease_id:x} refreshed; host {obs.key_state}")
 
 
@@ -250,6 +286,8 @@ class Agent:
     signals: Signals = field(default_factory=Signals)
     sleep: Callable[[float], None] = time.sleep
     log: Any = None
+    node_watch: NodeReader | None = None
+    """Reads the Kubernetes node each cycle (``--drain-when-cordoned``); None: not watched."""
     state: AgentState = field(default_factory=AgentState)
     exit_code: int | None = None
     last_decision: Decision | None = None
@@ -261,6 +299,7 @@ class Agent:
             st.drain_requested_at = now
         if self.signals.count > 1:
             st.force_stop = True
+        self._read_node()
         lease_alive = lease_lost = False
         try:
             if st.lease_id is not None:
@@ -278,21 +317,42 @@ class Agent:
         except RegistryError as e:
             if st.unreachable_since is None:
                 st.unreachable_since = now
-            return Observation(now=now, reachable=False, error=str(e))
+            return Observation(now=now, reachable=False, error=str(e), cordon=st.cordon)
         st.unreachable_since = None
         if key is None:
             st.blocked_since = None
-            return Observation(now=now, lease_alive=lease_alive, lease_lost=lease_lost)
+            return Observation(now=now, lease_alive=lease_alive, lease_lost=lease_lost, cordon=st.cordon)
         state, key_lease, pid = key
         if st.lease_id is not None and key_lease == st.lease_id:
             st.blocked_since = None
             if st.drain_requested_at is None:
                 st.wanted_state = state  # follow an operator's drain / undrain
+                if state == READY:
+                    st.cordon_drained = False  # an operator undrained it: an uncordon has nothing to undo
         elif st.blocked_since is None:
             st.blocked_since = now
         return Observation(
-            now=now, lease_alive=lease_alive, lease_lost=lease_lost, key_state=state, key_lease=key_lease, key_pid=pid
+            now=now,
+            lease_alive=lease_alive,
+            lease_lost=lease_lost,
+            key_state=state,
+            key_lease=key_lease,
+            key_pid=pid,
+            cordon=st.cordon,
         )
+
+    def _read_node(self) -> None:
+        """Update ``state.cordon`` from the node; on a failure keep the last answer and log the error once."""
+        if self.node_watch is None:
+            return
+        st = self.state
+        try:
+            st.cordon = self.node_watch.drain_reason()
+            st.cordon_error = ""
+        except NodeWatchError as e:
+            if str(e) != st.cordon_error:
+                self._log().warning("cannot read the node; keeping the last answer", error=str(e), cordon=st.cordon)
+            st.cordon_error = str(e)
 
     def apply(self, decision: Decision) -> None:
         st = self.state
@@ -304,6 +364,19 @@ class Agent:
                 if entry is not None and entry.lease_id == st.lease_id:
                     self.registry.compare_and_set(entry, entry.record.with_state(DRAINING))
                 st.wanted_state = DRAINING
+            elif decision.action in (Action.DRAIN_CORDONED, Action.READY_UNCORDONED):
+                cordoned = decision.action is Action.DRAIN_CORDONED
+                old, new = (READY, DRAINING) if cordoned else (DRAINING, READY)
+                entry = self.registry.get(self.cfg.host)
+                ours = entry if entry is not None and entry.lease_id == st.lease_id else None
+                if (
+                    ours
+                    and ours.record.state == old
+                    and self.registry.compare_and_set(ours, ours.record.with_state(new))
+                ):
+                    st.wanted_state, st.cordon_drained = new, cordoned
+                elif not cordoned:  # already ready (an operator undrained it): nothing left to undo
+                    st.cordon_drained = False
             elif decision.action is Action.REVOKE_AND_EXIT:
                 if st.lease_id is not None:
                     self.registry.revoke_lease(st.lease_id)
@@ -319,6 +392,8 @@ class Agent:
         st = self.state
         if st.drain_requested_at is not None:
             st.wanted_state = DRAINING
+        elif st.cordon is not None and st.wanted_state == READY:
+            st.wanted_state, st.cordon_drained = DRAINING, True
         lease_id = self.registry.grant_lease(self.cfg.ttl_seconds)
         record = HostRecord(
             host=self.cfg.host,
@@ -395,11 +470,6 @@ class Agent:
 # CLI
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def detect_gpus(timeout_seconds: float = 5.0) -> int:
     """Number of GPUs ``nvidia-smi -L`` lists; 0 when it is missing or fails."""
     exe = shutil.which("nvidia-smi")
@@ -440,7 +510,7 @@ def _number(kind: type) -> Callable[[str], float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="Register this host in etcd for a job; drain on SIGTERM.")
+    p = OneLineParser(prog=PROG, description="Register this host in etcd for a job; drain on SIGTERM.")
     p.add_argument("--etcd", required=True, metavar="URL", help="etcd endpoint(s), http(s)://HOST:PORT[,...]")
     p.add_argument("--job", required=True, help="job name")
     p.add_argument("--host", default=None, help="host name to register (default: this machine's hostname)")
@@ -477,8 +547,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--prefix",
-        default=os.environ.get("ELASTICTRAIN_ETCD_PREFIX") or DEFAULT_PREFIX,
+        default=os.environ.get(envnames.ETCD_PREFIX) or DEFAULT_PREFIX,
         help="etcd key prefix (default $ELASTICTRAIN_ETCD_PREFIX or /elastictrain)",
+    )
+    p.add_argument(
+        "--drain-when-cordoned",
+        default=None,
+        metavar="NODE",
+        help="Kubernetes: drain this host while node NODE is cordoned (reads the node from the API server "
+        "with the pod's service account each cycle); ready again when it is uncordoned",
     )
     p.add_argument(
         "--warm-config",
@@ -497,14 +574,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     endpoints.add_arguments(p)
     return p
-
-
-def zygote_command(args: argparse.Namespace, cfg: AgentConfig) -> list[str]:
-    """``elastictrain zygote serve`` for this agent's job and host (pure)."""
-    cmd = [sys.executable, "-m", "elastictrain.cli", "zygote", "serve", "--config", args.warm_config]
-    for assignment in args.warm_set:
-        cmd += ["--set", assignment]
-    return [*cmd, "--job", cfg.job, "--host", cfg.host]
 
 
 def start_zygote(cmd: list[str], timeout: float, signals: Signals, log: Any) -> subprocess.Popen[str] | None:
@@ -569,6 +638,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         request_timeout_seconds=args.request_timeout if args.request_timeout is not None else min(2.0, ttl / 6),
         drain_grace_seconds=args.drain_grace,
         retry_deadline_seconds=args.retry_deadline if args.retry_deadline is not None else max(60.0, ttl),
+        drain_when_cordoned=args.drain_when_cordoned,
     )
 
 
@@ -585,13 +655,16 @@ def main(argv: list[str]) -> int:
     try:
         access = endpoints.from_args(args, os.environ).check(endpoints.parse_endpoints(args.etcd))
         cfg = config_from_args(args)
+        node_watch = None
+        if cfg.drain_when_cordoned is not None:
+            node_watch = in_cluster(cfg.drain_when_cordoned, timeout_seconds=cfg.request_timeout_seconds)
     except ValueError as e:
         parser.error(str(e))
     configure_logging(job=cfg.job, host=cfg.host)
     signals = Signals()
     signals.install()  # before the first request, so a SIGTERM during start-up drains too
     registry = EtcdRegistry(args.etcd, cfg.job, cfg.prefix, timeout_seconds=cfg.request_timeout_seconds, access=access)
-    agent = Agent(cfg, registry, signals=signals)
+    agent = Agent(cfg, registry, signals=signals, node_watch=node_watch)
     get_logger("agent").info(
         "agent starting",
         etcd=args.etcd,
@@ -600,11 +673,17 @@ def main(argv: list[str]) -> int:
         ttl=cfg.ttl_seconds,
         heartbeat=cfg.heartbeat_seconds,
         drain_grace=cfg.drain_grace_seconds,
+        drain_when_cordoned=cfg.drain_when_cordoned,
         pid=os.getpid(),
     )
     zygote = None
     if args.warm_config:
-        zygote = start_zygote(zygote_command(args, cfg), args.warm_timeout, signals, get_logger("agent"))
+        zygote = start_zygote(
+            zygote_command(args.warm_config, args.warm_set, job=cfg.job, host=cfg.host),
+            args.warm_timeout,
+            signals,
+            get_logger("agent"),
+        )
     try:
         code = agent.run()
     finally:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from discovery.record import HostRecord
 from discovery.registry import EtcdRegistry
+from elastictrain import envnames
 
 DISCOVER_SH = Path(__file__).resolve().with_name("discover.sh")
 
@@ -31,9 +32,9 @@ def bench_discover(endpoint: str, job: str, n_hosts: int = 32, calls: int = 30) 
         with tempfile.TemporaryDirectory(prefix="elastictrain-bench-") as tmp:
             env = {
                 **os.environ,
-                "ELASTICTRAIN_ETCD": endpoint,
-                "ELASTICTRAIN_JOB": job,
-                "ELASTICTRAIN_DISCOVER_CACHE": str(Path(tmp) / "cache.json"),
+                envnames.ETCD: endpoint,
+                envnames.JOB: job,
+                envnames.DISCOVER_CACHE: str(Path(tmp) / "cache.json"),
             }
             times_ms = []
             for _ in range(calls):

@@ -48,6 +48,9 @@ from discovery.wire import (
     hosts_prefix,
     parse_value,
 )
+from elastictrain import envnames
+from elastictrain.errors import ConfigError as ConfigError
+from elastictrain.errors import RegistryUnavailable
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing alone costs ~10 ms
 if TYPE_CHECKING:
@@ -60,11 +63,7 @@ DEFAULT_TIMEOUT_SECONDS = 1.0
 MAX_REPLY_BYTES = 64 << 20
 
 
-class ConfigError(ValueError):
-    """A bad or missing environment variable (exit 2)."""
-
-
-class EtcdUnreachable(RuntimeError):
+class EtcdUnreachable(RegistryUnavailable):
     """No endpoint answered the range request."""
 
 
@@ -94,23 +93,23 @@ class DiscoverConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> DiscoverConfig:
-        spec = env.get("ELASTICTRAIN_ETCD", "")
+        spec = env.get(envnames.ETCD, "")
         if not spec.strip():
-            raise ConfigError("ELASTICTRAIN_ETCD is not set (expected http(s)://HOST:PORT[,...])")
+            raise ConfigError(f"{envnames.ETCD} is not set (expected http(s)://HOST:PORT[,...])")
         try:
             endpoints = parse_endpoints(spec)
         except ValueError as e:
-            raise ConfigError(f"ELASTICTRAIN_ETCD: {e}") from None
+            raise ConfigError(f"{envnames.ETCD}: {e}") from None
         try:
             access = EtcdAccess.from_env(env).check(endpoints, names="env")
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        job = env.get("ELASTICTRAIN_JOB", "")
+        job = env.get(envnames.JOB, "")
         try:
             check_name("job", job)
         except ValueError as e:
-            raise ConfigError(f"ELASTICTRAIN_JOB must name the job: {e}") from None
-        cache = env.get("ELASTICTRAIN_DISCOVER_CACHE")
+            raise ConfigError(f"{envnames.JOB} must name the job: {e}") from None
+        cache = env.get(envnames.DISCOVER_CACHE)
         if not cache:
             base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
             cache = os.path.join(base, "elastictrain", f"discover-{job}.json")
@@ -118,9 +117,9 @@ class DiscoverConfig:
             endpoints=endpoints,
             job=job,
             cache_path=cache,
-            prefix=env.get("ELASTICTRAIN_ETCD_PREFIX") or DEFAULT_PREFIX,
-            staleness_seconds=_seconds(env, "ELASTICTRAIN_DISCOVER_STALENESS", DEFAULT_STALENESS_SECONDS),
-            timeout_seconds=_seconds(env, "ELASTICTRAIN_DISCOVER_TIMEOUT", DEFAULT_TIMEOUT_SECONDS),
+            prefix=env.get(envnames.ETCD_PREFIX) or DEFAULT_PREFIX,
+            staleness_seconds=_seconds(env, envnames.DISCOVER_STALENESS, DEFAULT_STALENESS_SECONDS),
+            timeout_seconds=_seconds(env, envnames.DISCOVER_TIMEOUT, DEFAULT_TIMEOUT_SECONDS),
             access=access,
         )
 

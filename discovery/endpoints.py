@@ -1,7 +1,7 @@
 """How to reach etcd: endpoint URLs, TLS files and credentials, parsed and checked in one place.
 
-Every client of the project's etcd (the registry, the agent, ``hosts``, ``launch``, the config's
-``discovery.etcd`` and ``discover.sh``) parses endpoints with :func:`parse_endpoints` and its TLS and
+Every client of the project's etcd (the registry, the agent, ``hosts``, ``launch``, ``status`` and
+``discover.sh``) parses endpoints with :func:`parse_endpoints` and its TLS and
 auth settings with :class:`EtcdAccess`. The names follow etcdctl's so that operators reuse what they
 have: flags ``--cacert --cert --key --user --password-file``, and for processes that get only an
 environment (``discover.sh``) the variables in :data:`ENV_VARS`.
@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import os
 
+from elastictrain import envnames
+
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing alone costs ~10 ms
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -34,11 +36,11 @@ if TYPE_CHECKING:
 DEFAULT_PORT = 2379
 SCHEMES = ("http", "https")
 
-CACERT_ENV = "ELASTICTRAIN_ETCD_CACERT"
-CERT_ENV = "ELASTICTRAIN_ETCD_CERT"
-KEY_ENV = "ELASTICTRAIN_ETCD_KEY"
-USER_ENV = "ELASTICTRAIN_ETCD_USER"
-PASSWORD_FILE_ENV = "ELASTICTRAIN_ETCD_PASSWORD_FILE"
+CACERT_ENV = envnames.ETCD_CACERT
+CERT_ENV = envnames.ETCD_CERT
+KEY_ENV = envnames.ETCD_KEY
+USER_ENV = envnames.ETCD_USER
+PASSWORD_FILE_ENV = envnames.ETCD_PASSWORD_FILE
 ENV_VARS = (CACERT_ENV, CERT_ENV, KEY_ENV, USER_ENV, PASSWORD_FILE_ENV)
 """The variables that carry :class:`EtcdAccess` to a process that reads only its environment."""
 

@@ -13,32 +13,28 @@ import argparse
 import os
 import sys
 import time
-from typing import NoReturn
 
 from discovery import endpoints
 from discovery.record import DEFAULT_PREFIX, DRAINING, READY, MalformedRecord
 from discovery.registry import EtcdRegistry, HostNotFound, HostRegistry, Listing, RegistryError, set_state
+from elastictrain import envnames
+from elastictrain.cliutil import OneLineParser
 
 PROG = "elastictrain hosts"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="List, drain, undrain or remove the hosts of a job.")
+    p = OneLineParser(prog=PROG, description="List, drain, undrain or remove the hosts of a job.")
     p.add_argument("--etcd", required=True, metavar="URL", help="etcd endpoint(s), http(s)://HOST:PORT[,...]")
     p.add_argument("--job", required=True, help="job name")
     p.add_argument(
         "--prefix",
-        default=os.environ.get("ELASTICTRAIN_ETCD_PREFIX") or DEFAULT_PREFIX,
+        default=os.environ.get(envnames.ETCD_PREFIX) or DEFAULT_PREFIX,
         help="etcd key prefix (default $ELASTICTRAIN_ETCD_PREFIX or /elastictrain)",
     )
     p.add_argument("--timeout", type=float, default=3.0, metavar="SECONDS", help="deadline per etcd request")
     endpoints.add_arguments(p)
-    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True, parser_class=_Parser)
+    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True, parser_class=OneLineParser)
     sub.add_parser("list", help="table of hosts: host, slots, state, age")
     for name, help_ in (
         ("drain", "mark HOST draining: Horovod removes it gracefully"),

@@ -26,16 +26,10 @@ from discovery.record import (
     host_key,
     hosts_prefix,
 )
+from elastictrain.errors import RegistryError as RegistryError
+from elastictrain.errors import RegistryUnavailable as RegistryUnavailable
 
 T = TypeVar("T")
-
-
-class RegistryError(Exception):
-    """Base of every registry error."""
-
-
-class RegistryUnavailable(RegistryError):
-    """The store did not answer in time (etcd down, paused or unreachable). Retry later."""
 
 
 class LeaseLost(RegistryError):

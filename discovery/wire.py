@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 
+from elastictrain.errors import InputError
+
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing alone costs ~10 ms
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -32,7 +34,7 @@ MAX_SLOTS = 4096
 """Most slots one host may advertise (an upper bound against a garbage value, far above any machine)."""
 
 
-class MalformedRecord(ValueError):
+class MalformedRecord(InputError):
     """A value under the hosts prefix that is not a valid host record (readers skip it)."""
 
 

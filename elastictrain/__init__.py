@@ -5,7 +5,11 @@ The public names (``Task``, and the drop-in for Horovod elastic scripts: ``Elast
 light (no torch, no Horovod) for the agent and the CLI.
 """
 
-from typing import Any
+from __future__ import annotations
+
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: discover.sh imports elastictrain.errors and counts milliseconds
+if TYPE_CHECKING:
+    from typing import Any
 
 __version__ = "0.1.0"
 

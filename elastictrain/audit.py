@@ -22,13 +22,14 @@ Standard library and PyYAML only: no torch import.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from elastictrain.cliutil import OneLineParser
+from elastictrain.errors import ToolError
 from elastictrain.events import EVENTS_FILE, Lifecycle, lifecycle, read_events
 from elastictrain.ledger import LEDGER_DIR, LedgerError, read_ledger
 
@@ -37,7 +38,7 @@ EXAMPLES = 5
 """Ids shown per kind of violation and epoch."""
 
 
-class AuditError(Exception):
+class AuditError(ToolError):
     """The run dir cannot be audited; the message is one line for the user."""
 
 
@@ -256,7 +257,7 @@ def format_audit(r: RunAudit) -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="elastictrain audit", description=__doc__.splitlines()[0] if __doc__ else None)
+    p = OneLineParser(prog="elastictrain audit", description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--run-dir", required=True, help="the job's run_dir (holds ledger/, config.yaml, events.jsonl)")
     p.add_argument(
         "--num-samples",

@@ -18,7 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "agent": ("discovery.agent", "node agent: register this host in etcd and drain on SIGTERM"),
     "hosts": ("discovery.hosts_cli", "list, drain, undrain or remove hosts of a job"),
     "zygote": ("elastictrain.zygote", "hot join: a host's warm worker factory (serve) and its thin client"),
-    "launch": ("elastictrain.launch", "run a job: embedded etcd and agents, horovodrun, supervision"),
+    "launch": ("elastictrain.launcher.main", "run a job: embedded etcd and agents, horovodrun, supervision"),
     "status": ("elastictrain.status", "show the state of a run from its run_dir"),
     "report": ("elastictrain.report", "timeline PNG and goodput summary of a run"),
     "audit": ("elastictrain.audit", "check a run's sample ledger: every sample exactly once per epoch"),

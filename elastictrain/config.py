@@ -22,10 +22,9 @@ from typing import Any, Literal
 
 import yaml
 
-from discovery.endpoints import parse_endpoints
 from discovery.wire import check_name
+from elastictrain.errors import ConfigError as ConfigError
 
-ETCD_ENV = "ELASTICTRAIN_ETCD"
 DEFAULT_TASK = "elastictrain.tasks.image:build"
 """The task of a config without ``task``: the built-in image classifier (:mod:`elastictrain.tasks.image`)."""
 IMAGE_TASK_KEYS = {
@@ -42,10 +41,6 @@ IMAGE_TASK_KEYS = {
     "training.label_smoothing": "label_smoothing",
 }
 """Keys of the built-in image task that configs wrote before the Task API -> their name in ``task_args``."""
-
-
-class ConfigError(ValueError):
-    """A bad config file, key, value or override. The message is one line for the user."""
 
 
 def _check(cond: bool, path: str, msg: str) -> None:
@@ -169,7 +164,13 @@ class ElasticConfig:
     micro_batch_size: int = 32
     """Largest per-worker forward pass under ``global``; a larger share is split into accumulation steps."""
     commit_every_steps: int = 10
-    """Steps between in-memory commits (the rollback point after a hard failure)."""
+    """Steps between commits: the sample ledger is written, host changes are checked, checkpoints may be
+    taken; with ``rollback: commit`` also the in-memory copy a hard failure rolls back to."""
+    rollback: Literal["commit", "none"] = "none"
+    """What a hard failure (a worker killed mid-step) costs. ``commit``: every rank rolls back to its last
+    commit, a copy of the whole state taken every ``commit_every_steps``. ``none``: no copy is kept; the
+    failed step's gradients are dropped and everything else is kept, so no step is rolled back (a rank that
+    completed the failed step hands it to the others at the sync)."""
     min_np: int = 1
     """Fewest workers to train with (horovodrun ``--min-np``)."""
     max_np: int = 32
@@ -275,17 +276,12 @@ class TrackingConfig:
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class DiscoveryConfig:
-    etcd: tuple[str, ...] = ()
-    """etcd endpoints (``http(s)://host:port``, IPv6 in brackets); defaults to ``ELASTICTRAIN_ETCD`` (comma
-    separated). Credentials never go in a URL: see ``--user`` and ``--password-file``."""
     prefix: str = "/elastictrain"
     """Key prefix; hosts live under ``<prefix>/<job>/hosts/<host>``."""
     ttl_seconds: float = 10.0
     """Lease TTL of an agent: a dead agent's host disappears after at most this long."""
     heartbeat_seconds: float = 2.0
     """Interval between lease refreshes."""
-    cache_staleness_seconds: float = 30.0
-    """How long discover.sh serves its cached host list while etcd is unreachable."""
 
     def __post_init__(self) -> None:
         _check(self.prefix.startswith("/"), "discovery.prefix", f"must start with '/', got {self.prefix!r}")
@@ -295,12 +291,6 @@ class DiscoveryConfig:
             "discovery.heartbeat_seconds",
             f"must be in (0, ttl_seconds/3 = {self.ttl_seconds / 3:g}], got {self.heartbeat_seconds}",
         )
-        _check(self.cache_staleness_seconds >= 0, "discovery.cache_staleness_seconds", "must be >= 0")
-        if self.etcd:
-            try:
-                parse_endpoints(",".join(self.etcd))
-            except ValueError as e:
-                raise ConfigError(f"discovery.etcd: {e}") from None
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -521,17 +511,9 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
     node[parts[-1]] = value
 
 
-def config_from_dict(
-    data: Mapping[str, Any], overrides: Sequence[str] = (), env: Mapping[str, str] | None = None
-) -> JobConfig:
-    """Build a :class:`JobConfig` from a mapping plus ``--set`` overrides and the environment."""
-    env = os.environ if env is None else env
+def config_from_dict(data: Mapping[str, Any], overrides: Sequence[str] = ()) -> JobConfig:
+    """Build a :class:`JobConfig` from a mapping plus ``--set`` overrides."""
     raw = json.loads(json.dumps(data))  # deep copy, plain types only
-    if env.get(ETCD_ENV) and not (raw.get("discovery") or {}).get("etcd"):
-        raw.setdefault("discovery", {})
-        if raw["discovery"] is None:
-            raw["discovery"] = {}
-        raw["discovery"]["etcd"] = env[ETCD_ENV]
     _move_image_task_keys(raw)
     for assignment in overrides:
         apply_override(raw, _image_task_override(assignment, raw.get("task", DEFAULT_TASK)))
@@ -584,9 +566,7 @@ def _move_image_task_keys(raw: dict[str, Any]) -> None:
         del raw["model"]
 
 
-def load_config(
-    path: str | os.PathLike[str], overrides: Sequence[str] = (), env: Mapping[str, str] | None = None
-) -> JobConfig:
+def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> JobConfig:
     """Read a YAML config file, apply overrides, and validate. Raises :class:`ConfigError`."""
     p = Path(path)
     try:
@@ -606,4 +586,4 @@ def load_config(
         data = {}
     if not isinstance(data, Mapping):
         raise ConfigError(f"{p}: the top level must be a mapping, got {type(data).__name__}")
-    return config_from_dict(data, overrides, env)
+    return config_from_dict(data, overrides)

@@ -9,18 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from elastictrain.cliutil import OneLineParser
 from elastictrain.config import ConfigError, JobConfig, load_config
-
-
-class UsageError(Exception):
-    """Bad command-line use; the message is one line."""
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse that reports misuse as one line and exit code 2 (its default code, without the usage block)."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def report_config_error(e: ConfigError, prog: str = "elastictrain") -> int:

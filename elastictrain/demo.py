@@ -16,7 +16,6 @@ Exit code: the launcher's (0 when training completed), or 1 when a phase missed 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -31,15 +30,21 @@ from typing import Any
 
 import psutil
 
+from elastictrain import envnames
+from elastictrain.cliutil import OneLineParser
 from elastictrain.config import ConfigError, JobConfig, load_config
+from elastictrain.errors import ToolError
 from elastictrain.events import Commit, EpochEnd, Event, Reset, Start, of_kind, read_events
-from elastictrain.launch import LAUNCH_ID_ENV, STATE_FILE, is_worker, local_logical_hosts
+from elastictrain.launcher.commands import agent_command, elastictrain_command
+from elastictrain.launcher.hosts import local_logical_hosts
+from elastictrain.launcher.processes import is_worker
+from elastictrain.launcher.rundir import STATE_FILE
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "configs" / "digits.yaml"
 
 
-class DemoError(RuntimeError):
+class DemoError(ToolError, RuntimeError):
     """A phase of the demo did not happen in time; the message says which."""
 
 
@@ -100,17 +105,16 @@ class Demo:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
     def launch(self) -> None:
-        cmd = [
-            *_elastictrain(),
+        cmd = elastictrain_command(
             "launch",
             "--config", str(self.config_path),
             "--hosts", ",".join(self.hosts[:2]),
             "--blacklist-cooldown-range", "1", "2",
             "--drain-grace", "5",
-        ]  # fmt: skip
+        )  # fmt: skip
         self.say("$ " + " ".join(["elastictrain", *cmd[1:]] if cmd[0].endswith("elastictrain") else cmd))
         self.say(f"launcher, horovodrun and worker output: {self.log_path}")
-        env = {**os.environ, "ELASTICTRAIN_LOG_LEVEL": os.environ.get("ELASTICTRAIN_LOG_LEVEL", "warning")}
+        env = {**os.environ, envnames.LOG_LEVEL: os.environ.get(envnames.LOG_LEVEL, "warning")}
         with self.log_path.open("ab") as log:
             self.launcher = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=Path.cwd())
 
@@ -164,14 +168,7 @@ class Demo:
         return code
 
     def _start_agent(self, state: dict[str, Any], host: str) -> subprocess.Popen[bytes]:
-        d = self.cfg.discovery
-        ttl = max(2, round(d.ttl_seconds))
-        cmd = [
-            *_elastictrain(), "agent",
-            "--etcd", state["etcd"], "--job", state["job"], "--host", host, "--slots", "1",
-            "--ttl", str(ttl), "--heartbeat", f"{min(d.heartbeat_seconds, ttl / 3):g}",
-            "--request-timeout", f"{min(2.0, ttl / 6):g}", "--drain-grace", "5", "--prefix", d.prefix,
-        ]  # fmt: skip
+        cmd = agent_command(self.cfg.discovery, etcd=state["etcd"], job=state["job"], host=host, drain_grace_seconds=5)
         with (self.run_dir / "logs" / f"agent-{host}.log").open("ab") as log:
             return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -182,7 +179,8 @@ class Demo:
             for p in psutil.process_iter():
                 with contextlib.suppress(psutil.Error):
                     env = p.environ()
-                    if env.get(LAUNCH_ID_ENV) == launch_id and env.get("HOROVOD_HOSTNAME") == host and is_worker(p):
+                    ours = env.get(envnames.LAUNCH_ID) == launch_id and env.get("HOROVOD_HOSTNAME") == host
+                    if ours and is_worker(p):
                         return p
             return None
 
@@ -260,13 +258,8 @@ class Demo:
         print("=" * 78)
 
 
-def _elastictrain() -> list[str]:
-    script = Path(sys.executable).parent / "elastictrain"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "elastictrain.cli"]
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m elastictrain.demo", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="python -m elastictrain.demo", description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(_relative(DEFAULT_CONFIG)), help="job config (default configs/digits.yaml)")
     args = p.parse_args(argv)
     try:

@@ -28,7 +28,7 @@ What changes for the script, with the engine's parts doing the work:
 
 The failure marker the watchdog shares between workers lives in ``$ELASTICTRAIN_RUN_DIR/.elastic/`` when that
 is set (shared storage on a cluster), else in this machine's temporary folder under the job's rendezvous
-address.
+address, removed when the training function returns.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import shutil
 import socket
 import tempfile
 from collections.abc import Callable, Iterator, Sized
@@ -48,6 +49,7 @@ from horovod.common.elastic import State
 from horovod.torch.elastic.sampler import ElasticSampler as HorovodElasticSampler
 from torch import nn
 
+from elastictrain import envnames
 from elastictrain.elastic import arm_watchdog, discard_pending_allreduces, sync_modules_and_optimizers
 from elastictrain.sampler import ExactlyOncePlanner, SamplerState
 from elastictrain.state import (
@@ -275,7 +277,7 @@ class ElasticState(State):
 
 
 def _marker_path() -> Path:
-    run_dir = os.environ.get("ELASTICTRAIN_RUN_DIR")
+    run_dir = os.environ.get(envnames.RUN_DIR)
     if run_dir:
         return Path(run_dir) / ".elastic" / "collective-failure"
     addr = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR", "local")
@@ -315,12 +317,16 @@ def elastic_run(func: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
-        watchdog = arm_watchdog(state, FailureMarker(_marker_path()), host=_host)
+        marker = _marker_path()
+        watchdog = arm_watchdog(state, FailureMarker(marker), host=_host)
         state.watchdog = watchdog
         try:
-            return run(state, *args, **kwargs)
+            result = run(state, *args, **kwargs)
         finally:
             watchdog.stop()
             state.watchdog = None
+        if not os.environ.get(envnames.RUN_DIR):  # the job's folder in the temp dir: nothing reads it now
+            shutil.rmtree(marker.parent, ignore_errors=True)
+        return result
 
     return wrapper

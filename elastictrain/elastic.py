@@ -9,7 +9,8 @@ Life of a worker::
     hvd.elastic.run(train):
         sync   state from the most advanced rank (not blindly rank 0: a new process may hold rank 0)
         train  steps; every ``commit_every_steps``: ledger, commit (in-memory), check host updates
-        on HorovodInternalError: roll back to the last commit, re-init, sync, continue
+        on HorovodInternalError: discard the partial step; rollback ``commit``: back to the last commit;
+                                 rollback ``none``: keep the rest (whole steps only); re-init, sync, continue
         on HostsUpdatedInterrupt: (state already committed) re-init, sync, continue
     exit 0 only when training is complete; 143 after SIGTERM (rank 0 checkpoints the last commit first)
 """
@@ -35,7 +36,7 @@ from horovod.common.exceptions import HostsUpdatedInterrupt
 from horovod.runner.elastic.worker import HostUpdateResult
 
 from discovery.fileio import write_atomic
-from discovery.logconf import bind, get_logger
+from elastictrain import envnames
 from elastictrain.checkpoint import (
     Checkpointer,
     LocalStorage,
@@ -66,6 +67,7 @@ from elastictrain.events import (
     open_event_log,
 )
 from elastictrain.ledger import SampleLedger
+from elastictrain.logconf import bind, get_logger
 from elastictrain.policy import ScaleRamp, batch_plan, lr_scale, schedule_factor, training_complete
 from elastictrain.progress import NullProgress, Progress, make_progress
 from elastictrain.sampler import (
@@ -76,7 +78,7 @@ from elastictrain.sampler import (
     iter_plans,
     shares,
 )
-from elastictrain.state import CommittedState, Counters, reseed
+from elastictrain.state import CommittedState, Counters, make_state, reseed
 from elastictrain.step import Precision, eval_batches, train_step
 from elastictrain.task import TaskError, build_task, check_dataset_size
 from elastictrain.tracking import NullTracker, Tracker, make_tracker
@@ -165,14 +167,37 @@ def sync_modules_and_optimizers(
 ) -> None:
     """Make every rank's modules and optimizers equal to ``root``'s, in place (a collective: every rank calls it).
 
+    Tensors are overwritten as they arrive: a failure midway leaves a mix, which a rollback to the last
+    commit repairs. Without a commit to go back to, use :func:`receive_modules_and_optimizers` staged.
+    """
+    receive_modules_and_optimizers(root, modules, optimizers, staged=False)()
+
+
+def receive_modules_and_optimizers(
+    root: int, modules: dict[str, torch.nn.Module], optimizers: dict[str, torch.optim.Optimizer], *, staged: bool
+) -> Callable[[], None]:
+    """Receive ``root``'s modules and optimizers (a collective: every rank calls it); returns ``apply()``.
+
     Optimizer state layout (which params have which buffers) comes from the root first, so a rank that has
     not stepped yet allocates the buffers; then every tensor is broadcast, then the param-group
     hyper-parameters. Keys name the objects in the broadcasts, identically on every rank.
+
+    Call ``apply()`` (local, cannot fail) once every collective of the sync has completed. ``staged``: a
+    receiving rank takes the tensors into new buffers and changes nothing of its own until ``apply()``, so a
+    collective that fails midway leaves it as it was, a whole step (rollback ``none``: there is no commit
+    to repair a mix). Costs one more copy of the state on receivers, during the sync only. Not staged: the
+    tensors are overwritten in place as they arrive, and ``apply()`` sets the param groups.
     """
+    receiving = staged and hvd.rank() != root
     tensors: dict[str, torch.Tensor] = {}
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # staged: (live tensor, received buffer)
     for prefix, module in modules.items():
         for name, t in module.state_dict(keep_vars=True).items():
-            tensors[f"{prefix}.{name}"] = t.detach()
+            live = t.detach()
+            tensors[f"{prefix}.{name}"] = buf = torch.empty_like(live) if receiving else live
+            if receiving:
+                copies.append((live, buf))
+    new_states: list[tuple[torch.optim.Optimizer, dict[torch.Tensor, dict[str, Any]]]] = []
     for prefix, opt in optimizers.items():
         params = [p for g in opt.param_groups for p in g["params"]]
         layout = hvd.broadcast_object(
@@ -188,33 +213,56 @@ def sync_modules_and_optimizers(
             root_rank=root,
             name=f"sync.{prefix}_layout",
         )
+        states: dict[torch.Tensor, dict[str, Any]] = {}
         for i, entries in layout.items():
             p = params[i]
-            st = opt.state.setdefault(p, {}) if entries else opt.state.get(p, {})
+            if not entries:
+                continue
+            live = opt.state.get(p, {})
+            st = states[p] = {} if receiving else opt.state.setdefault(p, {})
             for key, spec in entries.items():
                 if spec[0] == "value":
                     st[key] = spec[1]
                     continue
                 shape, dtype, on_cpu = spec  # where the root keeps it: AdamW's step on the CPU, the rest by the param
-                cur, device = st.get(key), torch.device("cpu") if on_cpu else p.device
-                if not (
+                cur, device = live.get(key), torch.device("cpu") if on_cpu else p.device
+                if receiving or not (
                     isinstance(cur, torch.Tensor)
                     and (tuple(cur.shape), cur.dtype, cur.device) == (shape, dtype, device)
                 ):
                     st[key] = cur = torch.zeros(shape, dtype=dtype, device=device)
                 tensors[f"{prefix}.{i}.{key}"] = cur
-        for i, p in enumerate(params):
-            if not layout.get(i):
-                opt.state.pop(p, None)
+        if receiving:
+            new_states.append((opt, states))
+        else:
+            for i, p in enumerate(params):
+                if not layout.get(i):
+                    opt.state.pop(p, None)
     sync_tensors_from(root, tensors)
-    for prefix, opt in optimizers.items():
-        groups = hvd.broadcast_object(
+    groups = {
+        prefix: hvd.broadcast_object(
             [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
             root_rank=root,
             name=f"sync.{prefix}_groups",
         )
-        for g, saved in zip(opt.param_groups, groups, strict=True):
-            g.update(saved)
+        for prefix, opt in optimizers.items()
+    }
+
+    def apply() -> None:
+        if copies:
+            with torch.no_grad():
+                torch._foreach_copy_([live for live, _ in copies], [buf for _, buf in copies])
+        for opt, states in new_states:
+            for p in [p for g in opt.param_groups for p in g["params"]]:
+                if p in states:
+                    opt.state[p] = states[p]
+                else:
+                    opt.state.pop(p, None)
+        for prefix, opt in optimizers.items():
+            for g, saved in zip(opt.param_groups, groups[prefix], strict=True):
+                g.update(saved)
+
+    return apply
 
 
 def arm_watchdog(
@@ -244,10 +292,17 @@ def arm_watchdog(
 
 
 class ElasticTrainingState(State):
-    """Horovod elastic state over :class:`CommittedState`: commit/rollback in place, sync from the best rank."""
+    """Horovod elastic state over :class:`CommittedState`: commit/rollback in place, sync from the best rank.
+
+    Over a :class:`LiveState` (``elastic.rollback: none``) a failure rolls nothing back: the partial step is
+    discarded, and the sync takes the most advanced rank's live state (staged, so that a failure during
+    the sync leaves every rank a whole step).
+    """
 
     _last_updated_timestamp: float
     """Newest host-change notice acted on (Horovod's ``State`` sets it to 0)."""
+    reached_step: int | None = None
+    """The step this rank had reached when a collective of the current reset failed (None: no failure)."""
 
     def __init__(self, committed: CommittedState, seed: int, stop_requested: Callable[[], bool]) -> None:
         self.committed = committed
@@ -258,6 +313,7 @@ class ElasticTrainingState(State):
         self.failure_error = ""
         """First line of the error of that failure (empty for a host notice)."""
         self.lost_steps = 0
+        """Steps rolled back by the current reset: the furthest step a survivor had reached, less the synced one."""
         self.last_commit_seconds = 0.0
         self.last_progress_ts = time.time()
         """End of the last completed step: a failure is timed from here (the failed step's start)."""
@@ -285,10 +341,12 @@ class ElasticTrainingState(State):
             error = sys.exc_info()[1]  # restore() runs inside Horovod's `except HorovodInternalError`
             self.failure_error = str(error).strip().splitlines()[0][:300] if error and str(error).strip() else ""
         self.failure = self.failure or ("worker_failed", self.last_progress_ts)
-        failed_at = self.committed.counters.step
-        self.committed.restore()
-        self.lost_steps = max(0, failed_at - self.committed.counters.step)
+        self.reached_step = max(self.reached_step or 0, self.committed.counters.step)
         discard_pending_allreduces(self.committed.optimizer)
+        if self.committed.keeps_copy:
+            self.committed.restore()
+        else:  # the live state holds whole steps: only the failed one's gradients go
+            self.committed.discard_partial_step()
 
     def check_host_updates(self) -> None:
         try:
@@ -299,7 +357,6 @@ class ElasticTrainingState(State):
             self.on_failure_notice()
             self.failure = ("hosts_removed" if e.skip_sync else "hosts_changed", time.time())
             self.failure_error = ""
-            self.lost_steps = 0
             raise
 
     def _check_host_updates(self) -> None:
@@ -325,11 +382,15 @@ class ElasticTrainingState(State):
     def sync(self) -> None:
         c = self.committed
         # The most advanced commit: the epoch-end commit adds no step, so a step tie goes to the later epoch.
-        positions = hvd.allgather_object((c.counters.step, c.sampler.epoch))
-        root = max(range(len(positions)), key=lambda r: (tuple(positions[r]), -r))
-        sync_modules_and_optimizers(root, {"model": c.model}, {"opt": c.optimizer})
+        reached = c.counters.step if self.reached_step is None else self.reached_step
+        positions = hvd.allgather_object((c.counters.step, c.sampler.epoch, reached))
+        root = max(range(len(positions)), key=lambda r: (tuple(positions[r][:2]), -r))
+        apply = receive_modules_and_optimizers(root, {"model": c.model}, {"opt": c.optimizer}, staged=not c.keeps_copy)
         small = hvd.broadcast_object(c.small_state(), root_rank=root, name="sync.small")
+        apply()
         c.load_small_state(small)
+        self.lost_steps = max(0, max(int(p[2]) for p in positions) - c.counters.step)
+        self.reached_step = None
         reseed(self.seed, c.counters.step, hvd.rank())
         self.save()
 
@@ -365,7 +426,8 @@ class ElasticTrainer:
         self.ramp = ScaleRamp(1.0, 1.0, 0, 0)
         # With the audit on, the last steps' plans travel with the committed state (see StepLog).
         self.step_log = StepLog(maxlen=4 * cfg.elastic.commit_every_steps + 8 if cfg.audit.sample_ledger else 0)
-        self.committed = CommittedState(
+        self.committed = make_state(
+            cfg.elastic.rollback,
             self.model,
             self.optimizer,
             self.scheduler,
@@ -404,7 +466,7 @@ class ElasticTrainer:
             host=lambda: self.ctx.host,
             tracking_uri=cfg.tracking.tracking_uri,
         )
-        self.attempt = int(os.environ.get("ELASTICTRAIN_ATTEMPT", "0"))
+        self.attempt = int(os.environ.get(envnames.ATTEMPT, "0"))
 
     # ------------------------------------------------------------------------------------ building
     def _device(self) -> torch.device:
@@ -979,9 +1041,15 @@ class ElasticTrainer:
         self.stop_requested = True
 
     def checkpoint_last_commit(self) -> bool:
-        """After SIGTERM: rank 0 writes the last committed state and waits for it."""
+        """After SIGTERM: rank 0 writes the last committed state and waits for it.
+
+        With rollback ``none`` that is the live state (the last completed step), so the ledger records its
+        steps first, as at any commit.
+        """
         if not self.ctx.is_rank0 or self.checkpointer is None:
             return False
+        if not self.committed.keeps_copy:
+            self._write_ledger()
         return self._checkpoint(wait=True)
 
     def close(self, status: str) -> None:

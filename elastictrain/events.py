@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, TypeVar
 
-from discovery.logconf import get_logger
+from elastictrain.errors import InputError
+from elastictrain.logconf import get_logger
 
 EVENTS_FILE = "events.jsonl"
 
@@ -148,7 +149,7 @@ class Reset(Event):
     old_size: int | None = _doc("")
     new_size: int | None = _doc("")
     reason: str | None = _doc("as in `failure`")
-    lost_steps: int | None = _doc("optimizer steps rolled back to the last commit")
+    lost_steps: int | None = _doc("optimizer steps rolled back: 0 with `elastic.rollback: none`")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -447,7 +448,7 @@ def open_event_log(run_dir: str | os.PathLike[str], rank: int) -> EventLog | Nul
 
 
 # ------------------------------------------------------------------------------------------------ reader
-class EventError(ValueError):
+class EventError(InputError):
     """A parsed line that is not a usable event; the message says why (one line)."""
 
 

@@ -8,24 +8,13 @@ rebuilds the architecture that the weights fit. Exit 2 with one line when the ru
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
-from elastictrain.config_cli import OneLineParser
+from discovery.fileio import atomic_file, write_atomic
+from elastictrain.cliutil import OneLineParser
 
 PROG = "elastictrain export"
-
-
-def _write_atomically(path: Path, write: object) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        write(tmp)  # type: ignore[operator]
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def main(argv: list[str]) -> int:
@@ -62,10 +51,11 @@ def main(argv: list[str]) -> int:
     config = (loaded.manifest.get("meta") or {}).get("config")
     if config is None and (run_dir / "config.yaml").exists():
         config = yaml.safe_load((run_dir / "config.yaml").read_text())
-    _write_atomically(out, lambda tmp: torch.save(state, tmp))
+    with atomic_file(out) as f:
+        torch.save(state, f)
     wrote = [str(out)]
     if isinstance(config, dict):
-        _write_atomically(config_out, lambda tmp: tmp.write_text(yaml.safe_dump(config, sort_keys=False)))
+        write_atomic(config_out, yaml.safe_dump(config, sort_keys=False))
         wrote.append(str(config_out))
     print(f"exported step {loaded.step} (epoch {loaded.epoch}) of {run_dir}: {', '.join(wrote)} ({len(state)} tensors)")
     return 0

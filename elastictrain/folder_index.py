@@ -31,11 +31,12 @@ from pathlib import Path
 from typing import Any
 
 from discovery.fileio import write_atomic
+from elastictrain import envnames
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-CACHE_ENV = "ELASTICTRAIN_CACHE"
+CACHE_ENV = envnames.CACHE
 RACY_SECONDS = 2.0
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")  # torchvision's
 

@@ -28,13 +28,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elastictrain.errors import InputError
+
 LEDGER_DIR = "ledger"
 LEDGER_PREFIX = "tenure-"
 """Ledger files are ``tenure-<sequence>-<name>.jsonl``; the sequence orders them (see :func:`ledger_files`)."""
 _TENURE = re.compile(r"^tenure-(\d+)-")
 
 
-class LedgerError(ValueError):
+class LedgerError(InputError):
     """A ledger that cannot be read or trusted; the message is one line naming the file (and line)."""
 
 

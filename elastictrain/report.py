@@ -10,7 +10,6 @@ checked against ``launch.json`` by :func:`elastictrain.status.checked_state` (th
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from discovery.fileio import atomic_file, write_atomic
+from elastictrain.cliutil import OneLineParser
 from elastictrain.events import (
     EVENTS_FILE,
     Checkpoint,
@@ -320,7 +320,7 @@ def report(
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="elastictrain report", description=__doc__.splitlines()[0] if __doc__ else None)
+    p = OneLineParser(prog="elastictrain report", description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--run-dir", required=True, help="the job's run_dir (holds events.jsonl)")
     p.add_argument("--out", help=f"where to write the PNG (default: RUN_DIR/{REPORT_PNG})")
     p.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")

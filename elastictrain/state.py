@@ -1,10 +1,17 @@
 """The complete training state, committed in memory and rolled back in place. No Horovod here.
 
-A commit copies every tensor into buffers allocated once (``torch._foreach_copy_``, one call per
-group), instead of deep-copying state dicts the way stock ``TorchState`` does. A rollback copies them
-back. The scheduler, the GradScaler, the sampler position, the counters and the RNG states are small;
-their state dicts are copied as plain values. Stock ``ObjectState`` keeps references to those objects,
-so its ``restore()`` would not roll them back.
+Two kinds of state, one per ``elastic.rollback`` mode:
+
+- :class:`CommittedState` (``commit``): a commit copies every tensor into buffers allocated once
+  (``torch._foreach_copy_``, one call per group), instead of deep-copying state dicts the way stock
+  ``TorchState`` does. A rollback copies them back. The scheduler, the GradScaler, the sampler
+  position, the counters and the RNG states are small; their state dicts are copied as plain values.
+  Stock ``ObjectState`` keeps references to those objects, so its ``restore()`` would not roll them back.
+- :class:`LiveState` (``none``): no copy. The live state is the commit: it only ever holds whole
+  steps, because everything a step changes (parameters, optimizer state, scheduler, scaler, sampler
+  cursor, counters, step log) changes after the step's last collective, in local code that cannot
+  fail half-way. A failure discards the partial step (:meth:`CommittedState.discard_partial_step`)
+  and keeps the rest. Checkpoints snapshot the live state at a commit point.
 """
 
 from __future__ import annotations
@@ -274,11 +281,28 @@ class CommittedState:
         self.ramp.load_state_dict(d["ramp"])
         self.step_log.load_state_dict(d.get("step_log"))
 
+    keeps_copy = True
+    """A commit copies the state and a failure rolls back to it (``elastic.rollback: commit``)."""
+
     def save(self) -> None:
         self._model_snapshot.save(module_tensors(self.model))
         self._opt_snapshot.save()
         self._small = copy.deepcopy(self.small_state())
         self._rng = rng_state()
+
+    def discard_partial_step(self) -> None:
+        """Forget what the step in progress accumulated: gradients and the GradScaler's per-step record.
+
+        Call after a failed collective. The step's collectives come before anything it changes for good
+        (the gradient allreduce precedes unscale, clip, the optimizer step and the scaler update), so
+        this is all a failure can have left half-done.
+        """
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
+        per_optimizer = getattr(self.scaler, "_per_optimizer_states", None)
+        if per_optimizer is not None:
+            per_optimizer.clear()  # a defaultdict: the next step starts from a fresh record
 
     def restore(self) -> None:
         self._model_snapshot.restore(module_tensors(self.model))
@@ -329,3 +353,61 @@ class CommittedState:
         self.load_small_state(d)
         self._small = copy.deepcopy(self.small_state())
         self._rng = rng_state()
+
+
+class LiveState(CommittedState):
+    """``elastic.rollback: none``: the live state is the commit, and nothing is copied.
+
+    Valid only where the engine owns the step (see the module docstring): :meth:`save` does nothing,
+    :meth:`committed_small` and :meth:`full_state` read the live objects (the checkpointer
+    copies them before it returns), and there is nothing to :meth:`restore`; a failure calls
+    :meth:`discard_partial_step` instead.
+    """
+
+    keeps_copy = False
+
+    def save(self) -> None:
+        """Nothing to copy: the live state is the commit."""
+
+    def restore(self) -> None:
+        raise RuntimeError("LiveState keeps no copy to roll back to; discard_partial_step() after a failure")
+
+    def committed_small(self) -> dict[str, Any]:
+        return self.small_state()
+
+    def full_state(self) -> dict[str, Any]:
+        layout, tensors, values = self._opt_snapshot._entries()
+        return {
+            "model": {k: t.detach() for k, t in self.model.state_dict().items()},
+            "optimizer_layout": layout,
+            "optimizer_tensors": tensors,
+            "optimizer_values": {f"{i}:{k}": v for (i, k), v in values.items()},
+            "optimizer_groups": [
+                {k: copy.copy(v) for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
+            ],
+            **copy.deepcopy(self.small_state()),
+            "rng_torch": torch.get_rng_state(),
+        }
+
+    def load_full_state(self, d: dict[str, Any]) -> None:
+        """Load a checkpoint into the live objects (as :class:`CommittedState` does), keeping no copy of it."""
+        super().load_full_state(d)
+        self._model_snapshot = TensorSnapshot()
+        self._opt_snapshot.tensors = TensorSnapshot()
+        self._small = {}
+
+
+def make_state(
+    rollback: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    scaler: Any,
+    sampler: SamplerState,
+    counters: Counters,
+    ramp: ScaleRamp,
+    step_log: StepLog | None = None,
+) -> CommittedState:
+    """The state for ``elastic.rollback``: ``commit`` -> :class:`CommittedState`, ``none`` -> :class:`LiveState`."""
+    kinds: dict[str, type[CommittedState]] = {"commit": CommittedState, "none": LiveState}
+    return kinds[rollback](model, optimizer, scheduler, scaler, sampler, counters, ramp, step_log)

@@ -15,7 +15,6 @@ It never imports torch, horovod or mlflow, so it answers in well under a second.
 
 from __future__ import annotations
 
-import argparse
 import json
 import socket
 import sys
@@ -26,6 +25,8 @@ from typing import Any
 
 import psutil
 
+from elastictrain.cliutil import OneLineParser
+from elastictrain.errors import ToolError
 from elastictrain.events import (
     EVENTS_FILE,
     Checkpoint,
@@ -38,16 +39,16 @@ from elastictrain.events import (
     lifecycle,
     read_events,
 )
+from elastictrain.launcher.rundir import STATE_FILE
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
 MANIFEST_FILE = "manifest.json"
 RUN_ID_FILE = "mlflow_run_id"  # written by elastictrain.tracking (not imported here: it is not needed)
-LAUNCH_FILE = "launch.json"  # elastictrain.launch.STATE_FILE (not imported: launch pulls in etcd clients)
 NO_LIVE_PROCESS = "stopped (no live process)"
 
 
-class StatusError(Exception):
+class StatusError(ToolError):
     """The run dir cannot be read; the message is one line for the user."""
 
 
@@ -96,25 +97,25 @@ def _alive_as_recorded(pid: int, created: Any) -> bool:
 
 def launch_liveness(run_dir: Path) -> tuple[bool | None, str]:
     """(live, why) from ``run_dir/launch.json``: live None when it cannot be told from this host."""
-    path = run_dir / LAUNCH_FILE
+    path = run_dir / STATE_FILE
     try:
         state = json.loads(path.read_text())
     except FileNotFoundError:
-        return None, f"unknown: no {LAUNCH_FILE}"
+        return None, f"unknown: no {STATE_FILE}"
     except (OSError, ValueError) as e:
-        return None, f"unknown: {LAUNCH_FILE} unreadable ({type(e).__name__})"
+        return None, f"unknown: {STATE_FILE} unreadable ({type(e).__name__})"
     if not isinstance(state, dict):
-        return None, f"unknown: {LAUNCH_FILE} is not an object"
+        return None, f"unknown: {STATE_FILE} is not an object"
     host, created = state.get("host"), state.get("create_times")
     if not isinstance(host, str) or not isinstance(created, dict):
-        return None, f"unknown: {LAUNCH_FILE} has no host/create_times"
+        return None, f"unknown: {STATE_FILE} has no host/create_times"
     if host != socket.gethostname():
-        return None, f"unknown: {LAUNCH_FILE} was written on host {host}; its pids are not checked here"
+        return None, f"unknown: {STATE_FILE} was written on host {host}; its pids are not checked here"
     pids = _launch_pids(state)
     live = [p for p in pids if _alive_as_recorded(p, created.get(str(p)))]
     if live:
         return True, f"live: pid {', '.join(map(str, live))} on {host}"
-    return False, f"no live process: pids {', '.join(map(str, pids)) or '-'} in {LAUNCH_FILE} are gone"
+    return False, f"no live process: pids {', '.join(map(str, pids)) or '-'} in {STATE_FILE} are gone"
 
 
 def checked_state(state: str, run_dir: Path) -> tuple[str, bool | None, str | None]:
@@ -307,10 +308,10 @@ def main(
     *,
     hosts_reader: Callable[[str, str, str], list[dict[str, Any]]] = registered_hosts,
 ) -> int:
-    p = argparse.ArgumentParser(prog="elastictrain status", description=__doc__.splitlines()[0] if __doc__ else None)
+    p = OneLineParser(prog="elastictrain status", description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--run-dir", required=True, help="the job's run_dir")
     p.add_argument("--json", action="store_true", help="print one JSON object (for scripts)")
-    p.add_argument("--etcd", help="etcd endpoint(s), http://HOST:PORT[,...]: also list the registered hosts")
+    p.add_argument("--etcd", help="etcd endpoint(s), http(s)://HOST:PORT[,...]: also list the registered hosts")
     p.add_argument("--job", help="the job's name (its etcd prefix); needed with --etcd")
     p.add_argument("--prefix", default="/elastictrain", help="etcd key prefix (default: /elastictrain)")
     args = p.parse_args(argv)

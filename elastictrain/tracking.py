@@ -21,7 +21,7 @@ Two invariants hold here, not in the worker:
   high-water marks (:func:`backfill_points`: the points the dead sender would have sent), before anything
   queued. The points come from the events by :func:`event_metrics`, the same values the worker logs.
 
-``import mlflow`` (about 3 s) happens in the sender thread, so building a tracker costs nothing.
+``import mlflow`` (seconds of CPU) happens in the sender thread, so building a tracker costs nothing.
 """
 
 from __future__ import annotations
@@ -37,9 +37,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from discovery import fileio
-from discovery.fileio import temp_path
-from discovery.logconf import get_logger
 from elastictrain.events import EVENTS_FILE, Checkpoint, EpochEnd, Event, Metrics, Reset, read_events
+from elastictrain.logconf import get_logger
 
 if TYPE_CHECKING:
     from elastictrain.config import JobConfig
@@ -273,8 +272,8 @@ class MlflowBackend:
 def _create_sqlite_store_atomically(tracking_uri: str) -> None:
     """Create a new sqlite store under a temporary name and move it into place when its schema is complete.
 
-    MLflow creates the schema in the final file, table after table; a rank 0 killed meanwhile (seen in the
-    chaos suite) left a half-made ``mlflow.db`` that no later process could open. Now the file appears whole.
+    MLflow creates the schema in the file it is given, table after table: a rank 0 killed meanwhile must not
+    leave a half-made ``mlflow.db`` that no later process can open, so the file appears whole or not at all.
     """
     prefix = "sqlite:///"
     if not tracking_uri.startswith(prefix):
@@ -285,10 +284,9 @@ def _create_sqlite_store_atomically(tracking_uri: str) -> None:
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(temp_path(path))  # unpredictable: sqlite follows a symlink planted at a guessable name
-    store = SqlAlchemyStore(f"{prefix}{tmp}", str(path.parent / "mlartifacts"))
-    store.engine.dispose()
-    os.replace(tmp, path)
+    with fileio.atomic_path(path) as tmp:  # unpredictable: sqlite follows a symlink planted at a guessable name
+        store = SqlAlchemyStore(f"{prefix}{tmp}", str(path.parent / "mlartifacts"))
+        store.engine.dispose()
 
 
 METRICS_EVENT_FIELDS = ("loss", "lr", "world_size", "samples_per_sec", "step_seconds", "commit_seconds")

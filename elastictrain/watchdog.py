@@ -1,11 +1,10 @@
 """Fast recovery from a dead peer without shortening Horovod's Gloo timeout.
 
 After a worker dies, the survivors that share a Gloo connection with it fail at once. A survivor
-waiting only on a *live* peer can block in a Gloo receive until ``HOROVOD_GLOO_TIMEOUT_SECONDS`` (30 s by
-default; measured here: 20 s of a 20 s timeout). The peer that failed first keeps its old sockets open
-while it waits in the next rendezvous. Shortening the timeout is not an answer: the same timeout
-bounds the rendezvous in which old workers wait for a new one to start (import torch, init), so a
-short one breaks scale-up on a slow machine.
+waiting only on a *live* peer can block in a Gloo receive for the whole ``HOROVOD_GLOO_TIMEOUT_SECONDS``:
+the peer that failed first keeps its old sockets open while it waits in the next rendezvous. Shortening
+the timeout is not an answer: the same timeout bounds the rendezvous in which old workers wait for a new
+one to start (import torch, init), so a short one breaks scale-up on a slow machine.
 
 Instead each worker runs a watchdog thread. It aborts this process's Gloo connections, so the blocked
 receive fails now and Horovod's elastic loop rolls back and re-forms the ring, only when both hold:
@@ -38,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from discovery.fileio import write_atomic
-from discovery.logconf import get_logger
+from elastictrain.logconf import get_logger
 
 log = get_logger("elastictrain.watchdog")
 

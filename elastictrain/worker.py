@@ -6,9 +6,10 @@ config or input, with one line; 143 when stopped by SIGTERM.
 
 from __future__ import annotations
 
-from discovery.logconf import configure_logging
+from elastictrain.cliutil import OneLineParser
 from elastictrain.config import ConfigError, load_config
-from elastictrain.config_cli import OneLineParser, add_config_args, report_config_error
+from elastictrain.config_cli import add_config_args, report_config_error
+from elastictrain.logconf import configure_logging
 
 
 def main(argv: list[str]) -> int:

@@ -41,14 +41,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-DIR_ENV = "ELASTICTRAIN_ZYGOTE_DIR"
+from elastictrain import envnames
+from elastictrain.errors import ElastictrainError
+
+DIR_ENV = envnames.ZYGOTE_DIR
 MAX_MESSAGE = 1 << 20
 RELAYED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 CONNECT_TIMEOUT_SECONDS = 5.0
 READY_LINE = "zygote ready"
 
 
-class ProtocolError(Exception):
+class ProtocolError(ElastictrainError):
     """A peer sent something that is not a message of this protocol."""
 
 
@@ -126,7 +129,7 @@ def client_main(argv: list[str]) -> int:
         print("elastictrain zygote client: error: usage: client -- COMMAND...", file=sys.stderr)
         return 2
     cold = argv[1:]
-    job, host = os.environ.get("ELASTICTRAIN_JOB", ""), os.environ.get("HOROVOD_HOSTNAME", "")
+    job, host = os.environ.get(envnames.JOB, ""), os.environ.get("HOROVOD_HOSTNAME", "")
     relay = _Relay()  # from here on, a signal is kept until there is a worker to give it to
     if "train" in cold and job and host:
         sock = _request(socket_path(job, host), cold[cold.index("train") + 1 :], relay)
@@ -420,8 +423,9 @@ def _die_with(parent: int) -> None:
 def serve_main(argv: list[str]) -> int:
     import argparse
 
+    from elastictrain.cliutil import OneLineParser
     from elastictrain.config import ConfigError
-    from elastictrain.config_cli import OneLineParser, add_config_args, report_config_error
+    from elastictrain.config_cli import add_config_args, report_config_error
 
     p = OneLineParser(prog="elastictrain zygote serve", description="a warm worker factory for one job and host")
     add_config_args(p)

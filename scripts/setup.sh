@@ -26,6 +26,8 @@ GPU_OPS=${ELASTICTRAIN_GPU_OPS:-auto}
 EXTRAS=${ELASTICTRAIN_EXTRAS-test,dev}
 
 say() { printf '[setup] %s\n' "$*"; }
+# shellcheck source=scripts/horovod-nccl.sh
+source "$ROOT/scripts/horovod-nccl.sh"
 die() { printf 'elastictrain setup: %s\n' "$*" >&2; exit 1; }
 
 # ---------------------------------------------------------------- prerequisites
@@ -139,7 +141,8 @@ case "$GPU_OPS" in
 esac
 
 # ---------------------------------------------------------------- Horovod
-KEY="horovod-${HOROVOD_VERSION}_torch-${TORCH_VER}_${PY_TAG}_cuda-${CUDA_VER}_gpuops-${GPU_OPS}"
+# NCCL-shared: wheels built before Horovod was told to link NCCL dynamically have another key.
+KEY="horovod-${HOROVOD_VERSION}_torch-${TORCH_VER}_${PY_TAG}_cuda-${CUDA_VER}_gpuops-${GPU_OPS/NCCL/NCCL-shared}"
 WHEEL_DIR="$CACHE/wheels/$KEY"
 STAMP="$VENV/.horovod-key"
 if [ "$(cat "$STAMP" 2>/dev/null)" = "$KEY" ] && [ "$(pkg_version horovod)" = "$HOROVOD_VERSION" ]; then
@@ -168,11 +171,8 @@ else
       export CUDA_HOME="$CUDA_DIR" CUDAToolkit_ROOT="$CUDA_DIR" HOROVOD_CUDA_HOME="$CUDA_DIR"
     fi
     if [ "$GPU_OPS" = NCCL ]; then
-      export HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_NCCL_HOME="$NCCL_DIR"
-      if [ ! -e "$NCCL_DIR/lib/libnccl.so" ] && ls "$NCCL_DIR"/lib/libnccl.so.* >/dev/null 2>&1; then
-        # pip's nvidia-nccl ships only libnccl.so.2; the linker wants the unversioned name.
-        ln -sf "$(ls "$NCCL_DIR"/lib/libnccl.so.* | head -1)" "$NCCL_DIR/lib/libnccl.so"
-      fi
+      # Shared, from NCCL_DIR only (scripts/horovod-nccl.sh says why).
+      horovod_nccl_env "$NCCL_DIR" 2>/dev/null || die "NCCL for Horovod: $(horovod_nccl_env "$NCCL_DIR" 2>&1 >/dev/null)"
     fi
     LOG="$CACHE/build-$KEY.log"
     mkdir -p "$CACHE"
@@ -187,6 +187,11 @@ else
   fi
   "${PIP[@]}" install -q --force-reinstall --no-deps "$WHEEL_DIR"/horovod-*.whl
   "${PIP[@]}" install -q 'cffi>=1.4.0' cloudpickle psutil pyyaml packaging
+  if [ "$GPU_OPS" = NCCL ]; then
+    for so in "$SITE"/horovod/torch/mpi_lib_v2*.so; do
+      horovod_nccl_check "$so" || die "Horovod's NCCL operations do not share torch's NCCL; remove $WHEEL_DIR and run setup again"
+    done
+  fi
   echo "$KEY" >"$STAMP"
 fi
 

@@ -9,7 +9,6 @@ written (machine, load average before and after, every number). Exit 0 when ever
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import shutil
 import sys
@@ -29,6 +28,7 @@ from elastictrain.bench.core import (
     result_stem,
     write_results,
 )
+from elastictrain.cliutil import OneLineParser
 
 # name -> what it measures, in run order (``commit`` and ``scaling`` reuse the runs of ``elastic_overhead``).
 MEASUREMENTS: dict[str, str] = {
@@ -37,7 +37,8 @@ MEASUREMENTS: dict[str, str] = {
     "commit": "commit cost as % of step time; CommittedState.save() vs stock TorchState.save()",
     "scaling": "samples/s at world size 1 and 2 (report only)",
     "checkpoint_stall": "async checkpoint stall vs synchronous torch.save (256 MiB); step time during a write",
-    "recovery": "SIGKILL and drain to the first step at the new size, vs stock Horovod elastic",
+    "recovery": "SIGKILL and drain to the first step at the new size, steps rolled back; rollback none and commit "
+    "vs stock Horovod elastic",
     "scale_up": "pause of the running workers at a scale-up 2 -> 3, cold start vs hot join (warm zygote)",
     "kill_distribution": "recovery over 32 SIGKILLs (rank 0, others, pairs) in one 4-worker job (quick: 8)",
     "goodput": "productive step time / wall time under a seeded SIGKILL every 60 s (quick: 30 s, 2 min)",
@@ -79,7 +80,7 @@ def run_measurement(name: str, ctx: BenchContext) -> Result:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="elastictrain bench",
         description="Measure the performance goals side by side; results to DIR/<date>-<host>.json and .md.",
         epilog="measurements: " + "; ".join(f"{k}: {v}" for k, v in MEASUREMENTS.items()),
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"elastictrain bench: {e}", file=sys.stderr)
         return 2
-    from discovery.logconf import configure_logging
+    from elastictrain.logconf import configure_logging
 
     configure_logging()  # library log lines go to stderr
     progress = Progress()

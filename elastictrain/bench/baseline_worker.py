@@ -16,7 +16,6 @@ at the first completed step after a reset, and ``done``.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -27,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import default_collate
 
+from elastictrain.cliutil import OneLineParser
 from elastictrain.config import JobConfig, load_config
 from elastictrain.events import Done, Event, EventLog, Metrics, NullEventLog, Reset, Start, open_event_log
 from elastictrain.task import build_task
@@ -225,7 +225,7 @@ def run_stock_elastic(cfg: JobConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m elastictrain.bench.baseline_worker", description=__doc__)
+    p = OneLineParser(prog="python -m elastictrain.bench.baseline_worker", description=__doc__)
     p.add_argument("mode", choices=["plain", "stock-elastic"])
     p.add_argument("--config", required=True)
     args = p.parse_args(argv)

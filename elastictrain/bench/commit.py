@@ -3,14 +3,15 @@
 1. In a real run at the default interval (``elastic.commit_every_steps`` = 10): the median
    ``commit_seconds`` of the ``commit`` events over the interval's step time (10 x the median
    ``step_seconds``), in percent. Goal <= 2%. Uses the world-size-2 runs of ``elastic_overhead``
-   when it ran, else one run of its own.
+   when it ran, else one run of its own (both in the default ``elastic.rollback`` mode).
 2. In-process: ``elastictrain.state.CommittedState.save()`` (copies into buffers allocated once) vs
    stock ``horovod.torch.elastic.TorchState(model=..., optimizer=...).save()`` (deep copies of the
    state dicts) on the same state (ResNet-18 and the small CNN, SGD with momentum after one step),
    alternating. Goal: stock / elastictrain >= 3. Beside them, one ``copy_`` of the same number of bytes
    into a buffer allocated once: the floor for any commit that copies the state. When stock is less than
    3x that floor (a large state, where a deep copy is itself mostly memory traffic), no copying commit can
-   reach the goal; the note of each metric says how far both are from the floor.
+   reach the goal; the note of each metric says how far both are from the floor. And ``LiveState.save()``
+   (``elastic.rollback: none``), which copies nothing.
 """
 
 from __future__ import annotations
@@ -45,17 +46,21 @@ def build_state(model_name: str) -> tuple[torch.nn.Module, torch.optim.Optimizer
 
 
 def savers(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Callable[[], None]]:
-    """The two ``save()`` calls on the same live state. Neither needs ``hvd.init()``."""
+    """The ``save()`` calls on the same live state: ours with ``elastic.rollback`` commit and none, and stock's.
+    None needs ``hvd.init()``."""
     from horovod.torch.elastic import TorchState
 
     from elastictrain.policy import ScaleRamp
     from elastictrain.sampler import SamplerState
-    from elastictrain.state import CommittedState, Counters
+    from elastictrain.state import Counters, make_state
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lambda _: 1.0)
-    ours = CommittedState(model, optimizer, scheduler, None, SamplerState(), Counters(), ScaleRamp(1.0, 1.0, 0, 0))
+    ours, live = (
+        make_state(mode, model, optimizer, scheduler, None, SamplerState(), Counters(), ScaleRamp(1.0, 1.0, 0, 0))
+        for mode in ("commit", "none")
+    )
     stock = TorchState(model=model, optimizer=optimizer)
-    return {"elastictrain": ours.save, "stock_torchstate": stock.save}
+    return {"elastictrain": ours.save, "elastictrain_rollback_none": live.save, "stock_torchstate": stock.save}
 
 
 def time_call(fn: Callable[[], None]) -> float:
@@ -90,13 +95,15 @@ def microbench(model_name: str, repeats: int, progress: Callable[[str], None]) -
     times = alternate(contenders, repeats)
     ours, stock = statistics.median(times["elastictrain"]), statistics.median(times["stock_torchstate"])
     floor = statistics.median(times["memcpy_floor"])
+    none = statistics.median(times["elastictrain_rollback_none"])
     progress(
-        f"{model_name} ({state_mb:.0f} MiB): elastictrain {ours * 1e3:.2f} ms, stock TorchState {stock * 1e3:.2f} ms, "
-        f"one memcpy of the same bytes {floor * 1e3:.2f} ms"
+        f"{model_name} ({state_mb:.0f} MiB): elastictrain {ours * 1e3:.2f} ms (rollback none {none * 1e3:.4f} ms), "
+        f"stock TorchState {stock * 1e3:.2f} ms, one memcpy of the same bytes {floor * 1e3:.2f} ms"
     )
     return {
         "state_mb": state_mb,
         "elastictrain": summary([t * 1e3 for t in times["elastictrain"]], "ms"),
+        "elastictrain_rollback_none": summary([t * 1e3 for t in times["elastictrain_rollback_none"]], "ms"),
         "stock_torchstate": summary([t * 1e3 for t in times["stock_torchstate"]], "ms"),
         "memcpy_floor": summary([t * 1e3 for t in times["memcpy_floor"]], "ms"),
         "speedup": stock / ours,
@@ -163,9 +170,16 @@ def run(ctx: BenchContext) -> Result:
                 )
                 for name, m in micro.items()
             ),
+            Metric(
+                "save() with rollback none, resnet18",
+                micro["resnet18"]["elastictrain_rollback_none"]["median"],
+                "ms",
+                note="no copy: the live state is the commit",
+            ),
         ],
         contenders={
             "elastictrain (resnet18)": micro["resnet18"]["elastictrain"],
+            "elastictrain rollback none (resnet18)": micro["resnet18"]["elastictrain_rollback_none"],
             "stock_torchstate (resnet18)": micro["resnet18"]["stock_torchstate"],
         },
         detail={"in_run": share, "microbench": micro, "repeats": repeats, "torch_threads": threads},

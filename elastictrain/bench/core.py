@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TextIO, TypeVar
 
+from discovery.fileio import write_atomic
+
 T = TypeVar("T")
 
 SCHEMA = "elastictrain-bench/1"
@@ -347,7 +349,5 @@ def write_results(report: dict[str, Any], out_dir: Path, stem: str) -> tuple[Pat
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = (out_dir / f"{stem}.json", out_dir / f"{stem}.md")
     for path, text in zip(paths, (json.dumps(report, indent=1) + "\n", markdown_table(report)), strict=True):
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        write_atomic(path, text)
     return paths

@@ -7,7 +7,7 @@ Starts a real etcd (free loopback ports, a temporary data dir, killed by pid at 
 from __future__ import annotations
 
 from elastictrain.bench.core import BenchContext, Goal, Metric, Result
-from elastictrain.bench.etcd import EtcdServer
+from elastictrain.launcher.etcd import EtcdServer
 
 NAME = "discovery"
 GOAL = Goal("<=", 100.0)

@@ -8,9 +8,9 @@ events, MLflow in run_dir); the baseline is ``hvd.DistributedOptimizer`` in a pl
 after step 20; rank 0 opens its MLflow run before the first step, as in every job).
 
 The two run back to back as a pair, in alternating order (A B, B A, ...), and the result is the median of
-the pairs' ratios: on a shared 2-core VM the speed of the machine drifts by more than the difference being
-measured (the plain loop alone ranged over 817-1,118 samples/s within one hour, with under 0.2% steal), and
-a pair sees the same machine. The ratio of the two medians is reported beside it. Goal: ratio >= 0.97.
+the pairs' ratios: a shared machine's speed drifts by more than the difference being measured, and a pair
+sees the same machine (docs/decisions.md). The ratio of the two medians is reported beside it.
+Goal: ratio >= 0.97.
 """
 
 from __future__ import annotations

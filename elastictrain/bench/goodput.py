@@ -30,9 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from elastictrain.bench.core import BenchContext, Goal, Metric, Result, threads_per_worker
-from elastictrain.bench.jobs import ElasticJob, logical_hosts
+from elastictrain.bench.jobs import ElasticJob
 from elastictrain.bench.procs import BenchError
 from elastictrain.events import Event, Metrics, Reset, Start, of_kind
+from elastictrain.launcher.hosts import local_logical_hosts
 
 NAME = "goodput"
 GOAL = Goal(">=", 0.85)
@@ -89,7 +90,7 @@ def run(ctx: BenchContext) -> Result:
     from elastictrain.report import summarize
 
     window, every = plan(ctx.quick)
-    hosts = logical_hosts()
+    hosts = local_logical_hosts()
     if len(hosts) < 3:
         raise BenchError(f"needs 3 logical hosts, this machine has {hosts}")
     rng = random.Random(SEED)

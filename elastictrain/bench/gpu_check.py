@@ -57,12 +57,13 @@ def check_nccl(_work: Path) -> str:
 
 
 def check_fp16_resume(work: Path) -> str:
-    from elastictrain.bench.jobs import ElasticJob, logical_hosts
+    from elastictrain.bench.jobs import ElasticJob
     from elastictrain.checkpoint.format import load_latest
     from elastictrain.checkpoint.storage import LocalStorage
+    from elastictrain.launcher.hosts import local_logical_hosts
 
     cfg = _job_config(work / "run", precision={"mode": "fp16"}, training={"optimizer": "adamw"})
-    hosts = logical_hosts()[:1]
+    hosts = local_logical_hosts()[:1]
     first = ElasticJob(work / "a", cfg, hosts, min_np=1, max_np=1)
     try:
         first.start()
@@ -90,10 +91,11 @@ def check_fp16_resume(work: Path) -> str:
 
 
 def check_shared_gpu_kill(work: Path) -> str:
-    from elastictrain.bench.jobs import ElasticJob, logical_hosts
+    from elastictrain.bench.jobs import ElasticJob
+    from elastictrain.launcher.hosts import local_logical_hosts
 
     cfg = _job_config(work / "run", elastic={"base_world_size": 2}, data={"num_samples": 32 * 2 * 80})
-    job = ElasticJob(work / "job", cfg, logical_hosts()[:2], min_np=1, max_np=2, cooldown=(5, 10))
+    job = ElasticJob(work / "job", cfg, local_logical_hosts()[:2], min_np=1, max_np=2, cooldown=(5, 10))
     try:
         job.start()
         job.wait_step(10, timeout=180)

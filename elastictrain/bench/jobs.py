@@ -1,7 +1,8 @@
 """Run a real ``horovodrun`` job on logical local hosts, and act on it (kill a worker, change the hosts).
 
 horovodrun runs ``localhost``, ``127.0.0.1``, this machine's hostname and its primary address locally,
-but treats them as distinct hosts, so killing the workers of one host does not blacklist the rest.
+but treats them as distinct hosts, so killing the workers of one host does not blacklist the rest
+(:func:`logical_hosts` is ``launch``'s :func:`~elastictrain.launcher.hosts.local_logical_hosts`).
 Membership is controlled through a hosts file that a tiny discovery script prints. The integration
 tests use the same harness (``tests/harness/elastic_job.py``).
 """
@@ -12,9 +13,7 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,36 +23,12 @@ from typing import IO, Any, overload
 import psutil
 import yaml
 
+from discovery.fileio import write_atomic
+from elastictrain import envnames
 from elastictrain.bench.procs import BIN_DIR, BenchError, kill_tree, wait_until
 from elastictrain.events import E, Event, of_kind, read_events
-
-
-def logical_hosts() -> list[str]:
-    """Names this machine answers to that horovodrun treats as separate local hosts (2 to 4 of them)."""
-    names = ["localhost", "127.0.0.1"]
-    hostname = socket.gethostname()
-    for candidate in (hostname, _primary_address()):
-        if candidate and candidate not in names and _is_local(candidate):
-            names.append(candidate)
-    return names
-
-
-def _primary_address() -> str | None:
-    try:
-        out = subprocess.run(["hostname", "-I"], capture_output=True, text=True, timeout=5).stdout.split()
-        return next((a for a in out if "." in a), None)
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def _is_local(name: str) -> bool:
-    from horovod.runner.util.network import get_local_host_addresses
-
-    try:
-        addr = socket.gethostbyname(name)
-    except OSError:
-        return False
-    return addr in get_local_host_addresses() or addr.startswith("127.")
+from elastictrain.launcher.commands import runner_command, train_command
+from elastictrain.launcher.processes import runs_train
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -67,15 +42,10 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-HOROVODRUN = [sys.executable, "-m", "elastictrain.hvdrun"]
-"""horovodrun as ``elastictrain launch`` starts it (:mod:`elastictrain.hvdrun`: a cheap discovery executor)."""
+HOROVODRUN = runner_command()
+"""horovodrun as ``elastictrain launch`` starts it (:mod:`elastictrain.launcher.hvdrun`: a cheap discovery executor)."""
 STOCK_HOROVODRUN = [str(BIN_DIR / "horovodrun")]
 """Horovod's own horovodrun, for the stock-Horovod contenders of the benchmarks."""
-
-
-def train_command(cfg_path: Path) -> list[str]:
-    """The worker command a user runs under horovodrun: ``elastictrain train --config X``."""
-    return [sys.executable, "-m", "elastictrain.cli", "train", "--config", str(cfg_path)]
 
 
 @dataclass
@@ -114,9 +84,8 @@ class ElasticJob:
 
     def set_hosts(self, hosts: list[str]) -> None:
         """Replace the hosts that discovery lists (atomically); horovodrun notices within about a second."""
-        tmp = self.workdir / "hosts.txt.tmp"
-        tmp.write_text("".join(f"{h}:1\n" for h in hosts))
-        os.replace(tmp, self.workdir / "hosts.txt")
+        # not durable: a scratch file read by the discovery script of a benchmark job that a crash ends anyway
+        write_atomic(self.workdir / "hosts.txt", "".join(f"{h}:1\n" for h in hosts), durable=False)
         self.hosts = list(hosts)
 
     def start(self) -> ElasticJob:
@@ -131,7 +100,7 @@ class ElasticJob:
             **os.environ,
             "PATH": f"{BIN_DIR}:{os.environ.get('PATH', '')}",
             "OMP_NUM_THREADS": str(self.threads),
-            "ELASTICTRAIN_LOG_FORMAT": "json",
+            envnames.LOG_FORMAT: "json",
             "PYTHONUNBUFFERED": "1",
             **self.extra_env,
         }
@@ -206,7 +175,10 @@ class ElasticJob:
             for p in psutil.Process(proc.pid).children(recursive=True):
                 try:
                     cmd = p.cmdline()
-                    if "HOROVOD_RANK" in p.environ() and len(cmd) > 2 and cmd[1] == "-m":
+                    # horovodrun's own shell and middleman run ``sh -c`` / ``python -c``; a worker is
+                    # ``elastictrain train`` or a ``python -m`` worker of the benchmarks' baselines.
+                    worker = runs_train(cmd) or (len(cmd) > 2 and cmd[1] == "-m")
+                    if "HOROVOD_RANK" in p.environ() and worker:
                         found[p.pid] = p
                 except (psutil.NoSuchProcess, psutil.AccessDenied):
                     continue

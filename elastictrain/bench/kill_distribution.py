@@ -15,7 +15,6 @@ kill and the summary; ``elastictrain bench --only kill_distribution`` runs it wi
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import random
 import signal
@@ -29,9 +28,11 @@ from typing import Any
 import psutil
 
 from elastictrain.bench.core import BenchContext, Goal, Metric, Result, summary
-from elastictrain.bench.jobs import ElasticJob, logical_hosts
+from elastictrain.bench.jobs import ElasticJob
 from elastictrain.bench.procs import BenchError, wait_until
+from elastictrain.cliutil import OneLineParser
 from elastictrain.events import Reset, Start
+from elastictrain.launcher.hosts import local_logical_hosts
 
 NAME = "kill_distribution"
 GOAL_P95 = Goal("<=", 2.0)
@@ -112,7 +113,7 @@ def kill_once(job: ElasticJob, kind: str, rng: random.Random) -> dict[str, Any]:
 
 
 def measure(workdir: Path, kills: int, seed: int, log: Callable[[str], None]) -> list[dict[str, Any]]:
-    hosts = logical_hosts()
+    hosts = local_logical_hosts()
     if len(hosts) < WORKERS:
         raise BenchError(f"needs {WORKERS} logical hosts, this machine has {hosts}")
     rng = random.Random(seed)
@@ -156,7 +157,7 @@ def run(ctx: BenchContext) -> Result:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m elastictrain.bench.kill_distribution", description=__doc__)
+    p = OneLineParser(prog="python -m elastictrain.bench.kill_distribution", description=__doc__)
     p.add_argument("--kills", type=int, default=32, help="number of faults (default 32)")
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--workdir", help="keep the job's files here (default: a temp dir, removed)")

@@ -1,10 +1,9 @@
-"""Process helpers for the benchmarks: free loopback ports, polling with a deadline, killing a tree by pid."""
+"""Process helpers for the benchmarks: polling with a deadline, killing a tree by pid, CPU time of a tree."""
 
 from __future__ import annotations
 
 import contextlib
 import signal
-import socket
 import sys
 import threading
 import time
@@ -12,21 +11,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from elastictrain.errors import ToolError
+
 T = TypeVar("T")
 
 BIN_DIR = Path(sys.executable).parent
 """Where ``horovodrun`` and ``elastictrain`` live: next to this Python (the virtual environment)."""
 
 
-class BenchError(RuntimeError):
+class BenchError(ToolError, RuntimeError):
     """A benchmark could not run as planned (a job ended early, an event never came). One line for the user."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free now on ``host`` (the caller binds it soon after)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def wait_until(predicate: Callable[[], T], timeout: float, interval: float = 0.05, what: str = "condition") -> T:

@@ -1,6 +1,6 @@
 """``recovery``: from a fault to the first completed step at the new size, elastictrain vs stock Horovod elastic.
 
-Each trial is one job on 3 logical hosts (min 1, max 3 workers), run twice side by side: the
+Each trial is one job on 3 logical hosts (min 1, max 3 workers), run by each contender side by side: the
 ``elastictrain train`` worker, and the stock Horovod elastic loop (``hvd.elastic.TorchState`` +
 ``ElasticSampler``, same model and config, :mod:`elastictrain.bench.baseline_worker`). Both use
 horovodrun's Gloo timeout of 30 s (its default) and ``elastictrain launch``'s blacklist cooldown.
@@ -11,8 +11,12 @@ horovodrun's Gloo timeout of 30 s (its default) and ``elastictrain launch``'s bl
 2. Drain: 10 steps later the rank-1 worker's host leaves the discovery list (a graceful removal, as an
    agent does on a spot notice). Timed from the list change to the first completed step at 1 worker.
 
-Reported: median / p95 seconds and steps rolled back per failure. Goals: SIGKILL median <= 5 s;
-drain median <= 2 s with 0 steps lost.
+elastictrain runs twice, once per ``elastic.rollback`` mode (``commit``: back to the last commit, every 10
+steps; ``none``: no rollback), so the three contenders run side by side in one run.
+
+Reported: median / p95 seconds and steps rolled back per failure. Goals: SIGKILL median <= 5 s and drain
+median <= 2 s (for the default rollback mode); drain with 0 steps lost; with ``rollback: none`` 0 steps
+rolled back per SIGKILL.
 """
 
 from __future__ import annotations
@@ -25,8 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from elastictrain.bench.core import BenchContext, Goal, Metric, Result, alternate, summary, threads_per_worker
-from elastictrain.bench.jobs import HOROVODRUN, STOCK_HOROVODRUN, ElasticJob, logical_hosts, train_command
+from elastictrain.bench.jobs import HOROVODRUN, STOCK_HOROVODRUN, ElasticJob
+from elastictrain.config import ElasticConfig
 from elastictrain.events import Reset
+from elastictrain.launcher.commands import train_command
+from elastictrain.launcher.hosts import local_logical_hosts
 
 NAME = "recovery"
 GOAL_KILL = Goal("<=", 5.0)
@@ -35,16 +42,21 @@ GOAL_DRAIN_LOST = Goal("<=", 0.0)
 GLOO_TIMEOUT_SECONDS = 30  # horovodrun's default
 COOLDOWN = (5, 60)  # elastictrain launch's default --blacklist-cooldown-range
 KILL_AFTER_STEP = 15
+DEFAULT_ROLLBACK = ElasticConfig().rollback
 
 
-def job_config(run_dir: Path) -> dict[str, Any]:
-    """The default small-CNN job, one long epoch (no epoch end inside a trial)."""
+GOAL_KILL_LOST_NONE = Goal("<=", 0.0)
+ROLLBACK_MODES = ("commit", "none")
+
+
+def job_config(run_dir: Path, rollback: str = DEFAULT_ROLLBACK) -> dict[str, Any]:
+    """The default small-CNN job, one long epoch (no epoch end inside a trial), in rollback mode ``rollback``."""
     return {
         "job": "bench-recovery",
         "run_dir": str(run_dir),
         "device": "cpu",
         "data": {"kind": "synthetic", "num_samples": 200_000},
-        "elastic": {"min_np": 1, "max_np": 3},
+        "elastic": {"min_np": 1, "max_np": 3, "rollback": rollback},
     }
 
 
@@ -80,11 +92,12 @@ def trial(
     hosts: list[str],
     rng: random.Random,
     log: Callable[[str], None],
+    rollback: str = DEFAULT_ROLLBACK,
 ) -> dict[str, Any]:
     """One job: SIGKILL 3 -> 2, then drain 2 -> 1. Returns seconds and lost steps of each."""
     job = ElasticJob(
         workdir,
-        job_config(workdir / "run"),
+        job_config(workdir / "run", rollback),
         hosts[:3],
         min_np=1,
         max_np=3,
@@ -116,22 +129,30 @@ def trial(
 
 
 def run(ctx: BenchContext) -> Result:
-    hosts = logical_hosts()
+    hosts = local_logical_hosts()
     if len(hosts) < 3:
         raise RuntimeError(f"needs 3 logical hosts, this machine has {hosts}")
     trials = 1 if ctx.quick else 3
     rng = random.Random(9)
     delays = [random.Random(rng.random()) for _ in range(trials)]  # the same delay for both contenders
 
-    def contender(command: Callable[[Path], list[str]], name: str) -> Callable[[int], dict[str, Any]]:
+    def contender(command: Callable[[Path], list[str]], name: str, rollback: str) -> Callable[[int], dict[str, Any]]:
         return lambda r: trial(
-            ctx.scratch(name), command, hosts, random.Random(delays[r].random()), lambda m: ctx.progress(f"{name}: {m}")
+            ctx.scratch(name),
+            command,
+            hosts,
+            random.Random(delays[r].random()),
+            lambda m: ctx.progress(f"{name}: {m}"),
+            rollback,
         )
 
     runs = alternate(
         [
-            ("elastictrain", contender(train_command, "elastictrain")),
-            ("stock_horovod", contender(stock_command, "stock")),
+            *[
+                (f"elastictrain_{mode}", contender(train_command, f"elastictrain_{mode}", mode))
+                for mode in ROLLBACK_MODES
+            ],
+            ("stock_horovod", contender(stock_command, "stock", DEFAULT_ROLLBACK)),
         ],
         trials,
         ctx.progress,
@@ -141,8 +162,14 @@ def run(ctx: BenchContext) -> Result:
         for kind in ("sigkill", "drain"):
             stats[f"{name} {kind}"] = summary([r[kind]["seconds"] for r in rs], "s")
             stats[f"{name} {kind}"]["lost_steps"] = [r[kind]["lost_steps"] for r in rs]
-    et_kill, et_drain = stats["elastictrain sigkill"], stats["elastictrain drain"]
-    drain_lost = max(x or 0 for x in et_drain["lost_steps"])
+    default = f"elastictrain_{DEFAULT_ROLLBACK}"
+    et_kill, et_drain = stats[f"{default} sigkill"], stats[f"{default} drain"]
+    drain_lost = max(x or 0 for mode in ROLLBACK_MODES for x in stats[f"elastictrain_{mode} drain"]["lost_steps"])
+
+    def median_lost(mode: str) -> float:
+        lost = sorted(x or 0 for x in stats[f"elastictrain_{mode} sigkill"]["lost_steps"])
+        return float(lost[len(lost) // 2])
+
     return Result(
         NAME,
         metrics=[
@@ -151,7 +178,13 @@ def run(ctx: BenchContext) -> Result:
                 et_kill["median"],
                 "s",
                 GOAL_KILL,
-                note=f"p95 {et_kill['p95']:.2f} s; stock {stats['stock_horovod sigkill']['median']:.1f} s",
+                note=f"rollback {DEFAULT_ROLLBACK} (default); p95 {et_kill['p95']:.2f} s; "
+                + "; ".join(
+                    f"rollback {m} {stats[f'elastictrain_{m} sigkill']['median']:.2f} s"
+                    for m in ROLLBACK_MODES
+                    if m != DEFAULT_ROLLBACK
+                )
+                + f"; stock {stats['stock_horovod sigkill']['median']:.1f} s",
             ),
             Metric(
                 "drain → first step at new size, median",
@@ -162,10 +195,17 @@ def run(ctx: BenchContext) -> Result:
             ),
             Metric("steps rolled back per drain (max)", float(drain_lost), "steps", GOAL_DRAIN_LOST),
             Metric(
-                "steps rolled back per SIGKILL, median",
-                float(sorted(x or 0 for x in et_kill["lost_steps"])[len(et_kill["lost_steps"]) // 2]),
+                "steps rolled back per SIGKILL, median, rollback commit",
+                median_lost("commit"),
                 "steps",
                 note="commit every 10 steps",
+            ),
+            Metric(
+                "steps rolled back per SIGKILL, median, rollback none",
+                median_lost("none"),
+                "steps",
+                GOAL_KILL_LOST_NONE,
+                note=f"max {max(x or 0 for x in stats['elastictrain_none sigkill']['lost_steps'])}",
             ),
         ],
         contenders={k: v for k, v in stats.items()},

@@ -21,9 +21,10 @@ from typing import Any
 import yaml
 
 from elastictrain.bench.core import threads_per_worker
-from elastictrain.bench.jobs import ElasticJob, logical_hosts
+from elastictrain.bench.jobs import ElasticJob
 from elastictrain.bench.procs import BIN_DIR, BenchError, TreeCpuMonitor, kill_tree
 from elastictrain.events import EVENTS_FILE, Checkpoint, Commit, Event, Metrics, of_kind, read_events
+from elastictrain.launcher.hosts import local_logical_hosts
 
 WARMUP_STEPS = 20
 """Steps excluded from throughput: process start, first allocations, MLflow run creation."""
@@ -89,7 +90,7 @@ def run_elastictrain(
 ) -> dict[str, Any]:
     """One ``elastictrain train`` job on ``world_size`` logical hosts; returns throughput and commit events.
     ``overrides`` are merged into :func:`throughput_config` (section by section)."""
-    hosts = logical_hosts()[:world_size]
+    hosts = local_logical_hosts()[:world_size]
     if len(hosts) < world_size:
         raise BenchError(f"this machine has {len(hosts)} logical hosts, {world_size} needed")
     cfg = merge_config(throughput_config(workdir / "run", max_steps=max_steps, world_size=world_size), overrides)
@@ -128,7 +129,7 @@ def run_plain_horovod(
     workdir: Path, *, world_size: int, max_steps: int, timeout: float = 300, overrides: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """The plain non-elastic Horovod loop with ``horovodrun -np world_size`` on the same config."""
-    hosts = logical_hosts()[:world_size]
+    hosts = local_logical_hosts()[:world_size]
     workdir.mkdir(parents=True, exist_ok=True)
     cfg_path = workdir / "job.yaml"
     cfg = merge_config(throughput_config(workdir / "run", max_steps=max_steps, world_size=world_size), overrides)

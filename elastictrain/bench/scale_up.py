@@ -24,10 +24,13 @@ from typing import Any
 
 import yaml
 
+from elastictrain import envnames
 from elastictrain.bench.core import BenchContext, Goal, Metric, Result, alternate, summary, threads_per_worker
-from elastictrain.bench.jobs import ElasticJob, logical_hosts, train_command
+from elastictrain.bench.jobs import ElasticJob
 from elastictrain.bench.procs import kill_tree
 from elastictrain.events import Reset
+from elastictrain.launcher.commands import ZYGOTE_CLIENT, train_command, zygote_command
+from elastictrain.launcher.hosts import local_logical_hosts
 from elastictrain.zygote import DIR_ENV, READY_LINE
 
 NAME = "scale_up"
@@ -49,7 +52,7 @@ def job_config(run_dir: Path, job: str) -> dict[str, Any]:
 
 
 def hot_command(cfg_path: Path) -> list[str]:
-    return [sys.executable, "-m", "elastictrain.zygote", "client", "--", *train_command(cfg_path)]
+    return [sys.executable, *ZYGOTE_CLIENT, *train_command(cfg_path)]
 
 
 def start_zygotes(cfg_path: Path, job: str, hosts: list[str], sockets: Path) -> list[subprocess.Popen[str]]:
@@ -57,8 +60,8 @@ def start_zygotes(cfg_path: Path, job: str, hosts: list[str], sockets: Path) -> 
     env = {**os.environ, DIR_ENV: str(sockets)}
     procs = []
     for host in hosts:
-        cmd = [sys.executable, "-m", "elastictrain.cli", "zygote", "serve", "--config", str(cfg_path)]
-        procs.append(subprocess.Popen([*cmd, "--job", job, "--host", host], stdout=subprocess.PIPE, text=True, env=env))
+        cmd = zygote_command(str(cfg_path), (), job=job, host=host)
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env))
     for p in procs:
         assert p.stdout is not None
         line = p.stdout.readline()  # blocks until the zygote is warm, or it exits (an empty line)
@@ -84,7 +87,7 @@ def trial(workdir: Path, hot: bool, hosts: list[str], log: Callable[[str], None]
         max_np=3,
         threads=threads_per_worker(3),
         command=hot_command if hot else train_command,
-        extra_env={"ELASTICTRAIN_JOB": job_name, DIR_ENV: str(sockets)},
+        extra_env={envnames.JOB: job_name, DIR_ENV: str(sockets)},
     )
     try:
         job.start()
@@ -109,7 +112,7 @@ def trial(workdir: Path, hot: bool, hosts: list[str], log: Callable[[str], None]
 
 
 def run(ctx: BenchContext) -> Result:
-    hosts = logical_hosts()
+    hosts = local_logical_hosts()
     if len(hosts) < 3:
         raise RuntimeError(f"needs 3 logical hosts, this machine has {hosts}")
     trials = 2 if ctx.quick else 5

@@ -40,6 +40,7 @@ import torch
 from elastictrain.checkpoint.format import WriteResult, write_checkpoint
 from elastictrain.checkpoint.snapshot import SharedPool, Snapshot, materialize
 from elastictrain.checkpoint.storage import CheckpointStorage
+from elastictrain.errors import CheckpointError
 from elastictrain.lifeline import set_parent_death_signal
 
 _FORKSERVER_PRELOAD = ["torch", "elastictrain.checkpoint.async_writer"]
@@ -58,15 +59,15 @@ class WriteJob:
     keep_last: int | None = None
 
 
-class WriterDied(RuntimeError):
+class WriterDied(CheckpointError, RuntimeError):
     """The writer process exited (killed, out of memory) before answering."""
 
 
-class WriteFailed(RuntimeError):
+class WriteFailed(CheckpointError, RuntimeError):
     """The writer reported an exception; the message carries its type, text and traceback."""
 
 
-class TrainerGone(RuntimeError):
+class TrainerGone(CheckpointError, RuntimeError):
     """The trainer that started this writer is gone: the writer must neither move ``latest`` nor prune."""
 
 

@@ -12,7 +12,7 @@ Measured side by side, alternating which goes first in each repeat, on the same 
   convolution on ``train_threads`` threads) with no write running, and while the writer process is
   serialising, hashing, writing and fsyncing.
 
-Goals from issue 5: stall at most 5% of the synchronous save (``stall_ratio <= 0.05``), and step
+Goals: stall at most 5% of the synchronous save (``stall_ratio <= 0.05``), and step
 time during a write at most 10% above steady state (``step_time_rise <= 0.10``).
 """
 
@@ -192,7 +192,7 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from discovery.logconf import configure_logging
+    from elastictrain.logconf import configure_logging
 
     configure_logging()  # log lines go to stderr, the JSON result alone to stdout
     args = sys.argv[1:] if argv is None else argv

@@ -30,7 +30,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from discovery.logconf import get_logger
 from elastictrain.checkpoint.async_writer import (
     InlineWriter,
     ProcessWriter,
@@ -40,6 +39,7 @@ from elastictrain.checkpoint.async_writer import (
 )
 from elastictrain.checkpoint.snapshot import SnapshotBuffers
 from elastictrain.checkpoint.storage import CheckpointStorage
+from elastictrain.logconf import get_logger
 
 
 def _log() -> Any:

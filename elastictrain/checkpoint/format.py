@@ -40,7 +40,6 @@ from typing import Any, BinaryIO
 
 import torch
 
-from discovery.logconf import get_logger
 from elastictrain.checkpoint.storage import (
     LATEST,
     TEMP_MARKER,
@@ -48,6 +47,8 @@ from elastictrain.checkpoint.storage import (
     checkpoint_name,
     parse_step,
 )
+from elastictrain.errors import CheckpointError
+from elastictrain.logconf import get_logger
 
 
 def _log() -> Any:
@@ -62,7 +63,7 @@ _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _HASH_CHUNK = 8 << 20
 
 
-class CheckpointDamaged(Exception):
+class CheckpointDamaged(CheckpointError):
     """A checkpoint folder is incomplete or does not match its manifest (the message says how)."""
 
 

@@ -29,17 +29,20 @@ import contextlib
 import fcntl
 import os
 import re
-import secrets
 import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from discovery import fileio
+from discovery.fileio import atomic_file, fsync_dir
+from elastictrain.errors import CheckpointError
+
 LATEST = "latest"
 """Key of the pointer file naming the newest complete, verified checkpoint folder."""
 
-TEMP_MARKER = ".tmp-"
+TEMP_MARKER = fileio.TEMP_MARKER
 """Temporary files carry this in their name; anything with it is garbage once no save is running."""
 
 LATEST_LOCK = "latest.lock"
@@ -61,7 +64,7 @@ def parse_step(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-class LatestIsNewer(RuntimeError):
+class LatestIsNewer(CheckpointError, RuntimeError):
     """``set_latest`` refused to move ``latest`` back: it already names a newer step (another writer got further)."""
 
 
@@ -147,14 +150,6 @@ class CheckpointStorage(ABC):
         return name or None
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _makedirs_durable(path: Path) -> None:
     """Create ``path`` and missing parents, fsyncing each new entry's parent so the folders survive a crash."""
     missing: list[Path] = []
@@ -165,7 +160,7 @@ def _makedirs_durable(path: Path) -> None:
     for d in reversed(missing):
         with contextlib.suppress(FileExistsError):
             d.mkdir()
-        _fsync_dir(d.parent)
+        fsync_dir(d.parent)
 
 
 class LocalStorage(CheckpointStorage):
@@ -208,20 +203,8 @@ class LocalStorage(CheckpointStorage):
     def open_write(self, path: str) -> Iterator[BinaryIO]:
         final = self._path(path)
         _makedirs_durable(final.parent)
-        tmp = final.with_name(f".{final.name}{TEMP_MARKER}{os.getpid()}-{secrets.token_hex(4)}")
-        f = open(tmp, "xb")  # noqa: SIM115 - closed below on every path
-        try:
+        with atomic_file(final, tag=str(os.getpid())) as f:  # the writer's pid: chaos aims at it
             yield f
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
-            os.replace(tmp, final)
-            _fsync_dir(final.parent)
-        except BaseException:
-            f.close()
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
-            raise
 
     @contextlib.contextmanager
     def latest_lock(self) -> Iterator[None]:

@@ -29,6 +29,7 @@ import yaml
 from chaos import netns
 from chaos.procs import environ
 from chaos.scenarios import SCENARIOS, Result, run_scenario
+from elastictrain.events import EVENTS_FILE, Event, Reset, Start, read_events
 from tests.fixtures.procs import REPO, VENV_BIN
 
 LONG = os.environ.get("ELASTICTRAIN_CHAOS_LONG") == "1"
@@ -107,17 +108,15 @@ def test_multi_node_tier_with_namespaces_sshd_and_partitions(chaos_root: Path) -
         # The workers ran on the nodes, started over ssh: every host in the job's events is a node address.
         job = yaml.safe_load((result.run_dir / "job.yaml").read_text())["job"]
         assert result.summary, result.table
-        hosts = {h for e in _events(result.run_dir) for h in e.get("hosts") or ()}
+        hosts = {h for e in _events(result.run_dir) if isinstance(e, Start | Reset) for h in e.hosts or ()}
         assert len(hosts) == 3 and all(h.startswith("169.254.") for h in hosts), hosts
         assert not [p.pid for p in psutil.process_iter() if environ(p).get("ELASTICTRAIN_JOB") == job]
     print(f"recovery seconds: {recovery}")
     assert tier_traces() <= before, f"left by the tier: {sorted(tier_traces() - before)}"
 
 
-def _events(run_dir: Path) -> list[dict[str, object]]:
-    from chaos.faults import read_chaos
-
-    return read_chaos(run_dir / "events.jsonl")
+def _events(run_dir: Path) -> list[Event]:
+    return read_events(run_dir / EVENTS_FILE)
 
 
 @pytest.mark.timeout(120)

@@ -1,6 +1,7 @@
 """Run a real ``elastictrain train`` job under real ``horovodrun`` on logical local hosts, and act on it.
 
-The harness itself (:class:`ElasticJob`, :func:`logical_hosts`) lives in ``elastictrain/bench/jobs.py``,
+The harness itself (:class:`ElasticJob`) lives in ``elastictrain/bench/jobs.py`` (hosts come from
+:func:`elastictrain.launcher.hosts.local_logical_hosts`),
 shared with ``elastictrain bench``; this module adds the small test job config and the
 exactly-once check on its ledger.
 """
@@ -10,10 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from elastictrain.bench.jobs import ElasticJob, logical_hosts, read_jsonl
+from elastictrain.bench.jobs import ElasticJob, read_jsonl
 from elastictrain.ledger import committed_samples
 
-__all__ = ["ElasticJob", "assert_exactly_once", "job_config", "logical_hosts", "read_jsonl"]
+__all__ = ["ElasticJob", "assert_exactly_once", "job_config", "read_jsonl"]
 
 
 def job_config(run_dir: Path, **overrides: Any) -> dict[str, Any]:

@@ -15,10 +15,11 @@ import pytest
 
 from chaos import faults
 from chaos import invariants as inv
-from chaos.scenarios import Run, ScenarioError, mlflow_run_ids, reference_loss
+from chaos.run import Run, ScenarioError
+from chaos.scenarios import mlflow_run_ids, reference_loss
 from elastictrain.audit import audit_samples
-from elastictrain.bench.jobs import logical_hosts
 from elastictrain.events import EpochEnd, Reset, of_kind
+from elastictrain.launcher.hosts import local_logical_hosts
 from elastictrain.ledger import committed_samples
 from tests.fixtures.procs import REPO, VENV_BIN
 
@@ -28,7 +29,7 @@ EXAMPLE = REPO / "examples" / "char_lm"
 EPOCHS = 2
 TASK_ARGS = {"seq_len": 32, "d_model": 64, "layers": 2, "heads": 2, "dropout": 0.0, "max_bytes": 200_000}
 needs = pytest.mark.skipif(
-    len(logical_hosts()) < 3 or not (VENV_BIN / "horovodrun").exists(),
+    len(local_logical_hosts()) < 3 or not (VENV_BIN / "horovodrun").exists(),
     reason="needs horovodrun and 3 logical local hosts",
 )
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,10 +28,30 @@ TTL = 3
 
 
 def start_agent(procs: ProcessGroup, etcd: EtcdServer, host: str, *extra: str, log: Path) -> subprocess.Popen:
+    """An agent whose every decision (each heartbeat too) is a JSON line in ``log``: see :func:`decisions`."""
     args = [ELASTICTRAIN, "agent", "--etcd", etcd.endpoint, "--job", JOB, "--host", host, "--slots", "1",
             "--ttl", str(TTL), "--heartbeat", "0.5", "--request-timeout", "0.5", *extra]  # fmt: skip
+    env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}",
+           "ELASTICTRAIN_LOG_LEVEL": "debug", "ELASTICTRAIN_LOG_FORMAT": "json"}  # fmt: skip
     with log.open("ab") as f:
-        return procs.start(args, stdout=subprocess.DEVNULL, stderr=f)
+        return procs.start(args, stdout=subprocess.DEVNULL, stderr=f, env=env)
+
+
+def decisions(log: Path, containing: str) -> list[str]:
+    """The agent's logged decisions (its cycle's sentences) that contain ``containing``, oldest first."""
+    out = []
+    for line in log.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            event = json.loads(line).get("event", "")
+            if isinstance(event, str) and containing in event:
+                out.append(event)
+    return out
+
+
+def seconds_unreachable(log: Path) -> int:
+    """The longest etcd outage the agent has reported so far (``etcd unreachable for Ns``), in seconds."""
+    found = [re.search(r"etcd unreachable for (\d+)s", e) for e in decisions(log, "etcd unreachable for")]
+    return max((int(m.group(1)) for m in found if m), default=0)
 
 
 def discover(etcd_endpoint: str, cache: Path, **env: str) -> subprocess.CompletedProcess[str]:
@@ -87,21 +110,25 @@ def test_sigterm_drains_at_once_and_the_host_is_gone_after_grace(
 def test_agent_registers_again_after_etcd_restarts(
     etcd_server: EtcdServer, procs: ProcessGroup, tmp_path: Path
 ) -> None:
-    start_agent(procs, etcd_server, "node-a", log=tmp_path / "agent.log")
+    log = tmp_path / "agent.log"
+    start_agent(procs, etcd_server, "node-a", log=log)
     wait_until(lambda: states(etcd_server) == {"node-a": "ready"}, 15, what="node-a registered")
     first_lease = lease_of(etcd_server, "node-a")
 
     etcd_server.stop()  # same data dir: etcd keeps the lease and the agent resumes its heartbeats
-    time.sleep(TTL)  # an outage as long as the TTL
+    wait_until(lambda: seconds_unreachable(log) >= TTL, 30, what="the agent cut off from etcd for a whole TTL")
     etcd_server.start()
     wait_until(lambda: states(etcd_server) == {"node-a": "ready"}, 10, what="node-a listed after the restart")
 
     etcd_server.stop()  # an empty data dir: the lease is gone and the agent must register again
     etcd_server.start(wipe=True)
     wait_until(lambda: states(etcd_server) == {"node-a": "ready"}, 10, what="node-a registered on a fresh etcd")
-    assert lease_of(etcd_server, "node-a") != first_lease
-    time.sleep(TTL + 0.5)  # the new registration is kept alive past one TTL
-    assert states(etcd_server) == {"node-a": "ready"}
+    second_lease = lease_of(etcd_server, "node-a")
+    assert second_lease not in (first_lease, None)
+    # the new lease is kept alive past one TTL: heartbeats on it, TTL + 0.5 s worth of them at 0.5 s each
+    refreshed = f"lease {second_lease:x} refreshed"
+    wait_until(lambda: len(decisions(log, refreshed)) >= 2 * TTL + 1, 30, what="heartbeats over a whole TTL")
+    assert states(etcd_server) == {"node-a": "ready"} and lease_of(etcd_server, "node-a") == second_lease
 
 
 def test_discover_serves_the_cache_during_an_outage_then_fails(etcd_server: EtcdServer, tmp_path: Path) -> None:
@@ -148,10 +175,12 @@ def test_garbage_value_is_skipped_with_a_warning(etcd_server: EtcdServer, tmp_pa
 def test_operator_drains_undrains_and_removes_a_host(
     etcd_server: EtcdServer, procs: ProcessGroup, tmp_path: Path
 ) -> None:
-    agent = start_agent(procs, etcd_server, "node-a", log=tmp_path / "agent.log")
+    log = tmp_path / "agent.log"
+    agent = start_agent(procs, etcd_server, "node-a", log=log)
     wait_until(lambda: states(etcd_server) == {"node-a": "ready"}, 15, what="node-a registered")
     assert hosts(etcd_server, "drain", "node-a").stdout == "node-a: ready -> draining\n"
-    time.sleep(1.5)  # a few heartbeats: the agent keeps the operator's state
+    # a few heartbeats that saw the operator's state, and the agent kept it
+    wait_until(lambda: len(decisions(log, "refreshed; host draining")) >= 3, 30, what="heartbeats on the drained host")
     assert states(etcd_server) == {"node-a": "draining"}
     assert hosts(etcd_server, "undrain", "node-a").stdout == "node-a: draining -> ready\n"
     missing = hosts(etcd_server, "drain", "node-x")
@@ -233,8 +262,6 @@ def test_hostile_values_in_etcd_are_skipped_and_never_reach_the_terminal(
 
 
 def test_a_poisoned_cache_is_not_served_when_etcd_is_down(etcd_server: EtcdServer, tmp_path: Path) -> None:
-    import json
-
     cache = tmp_path / "cache.json"
     with EtcdRegistry(etcd_server.endpoint, JOB) as registry:
         registry.register(HostRecord(host="node-a", slots=1, addr="127.0.0.1"), registry.grant_lease(60))

@@ -14,11 +14,12 @@ import torch
 
 from elastictrain.checkpoint import LocalStorage, load_latest
 from elastictrain.events import Done, Metrics, Reset
-from tests.harness.elastic_job import ElasticJob, assert_exactly_once, job_config, logical_hosts
+from elastictrain.launcher.hosts import local_logical_hosts
+from tests.harness.elastic_job import ElasticJob, assert_exactly_once, job_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
-HOSTS = logical_hosts()
+HOSTS = local_logical_hosts()
 needs3 = pytest.mark.skipif(len(HOSTS) < 3, reason=f"needs 3 logical local hosts, found {HOSTS}")
 
 
@@ -78,7 +79,7 @@ def test_graceful_removal_3_to_2_loses_no_step(jobs, tmp_path):
 
 @needs3
 def test_worker_killed_mid_epoch_rolls_back_and_keeps_every_sample_exactly_once(jobs, tmp_path):
-    job = run_job(jobs, tmp_path, "kill", HOSTS[:3])
+    job = run_job(jobs, tmp_path, "kill", HOSTS[:3], elastic__rollback="commit")
     job.wait_step(10)
     host, _ = job.kill_worker(rank=2, sig=signal.SIGKILL)
     job.set_hosts([h for h in HOSTS[:3] if h != host])  # the machine is gone, as a cloud would report
@@ -110,6 +111,36 @@ def test_global_policy_parameters_match_a_fault_free_run(jobs, tmp_path):
     rel = float((a - b).norm() / a.norm())
     assert rel < 1e-4, f"relative L2 difference {rel:.3e}"
     assert_exactly_once(faulty, 2400, 1)
+
+
+@needs3
+def test_worker_killed_with_rollback_none_loses_no_step_and_matches_a_fault_free_run(jobs, tmp_path):
+    """``elastic.rollback: none``: a SIGKILLed worker costs the partial step only. Commits every 10 steps, so
+    a rollback to the last commit would show as lost steps in the ``reset`` event."""
+    cfg = {
+        "elastic__rollback": "none",
+        "elastic__commit_every_steps": 10,
+        "elastic__policy": "global",
+        "elastic__global_batch_size": 48,
+        "elastic__micro_batch_size": 16,
+        "training__epochs": 1,
+        "data__num_samples": 2400,
+        "data__image_size": 32,
+    }
+    clean = run_job(jobs, tmp_path, "clean", HOSTS[:2], **cfg)
+    assert clean.wait() == 0, clean.tail()
+    faulty = run_job(jobs, tmp_path, "faulty", HOSTS[:3], **cfg)
+    faulty.wait_step(14)  # between two commits
+    host, _ = faulty.kill_worker(rank=2, sig=signal.SIGKILL)
+    faulty.set_hosts([h for h in HOSTS[:3] if h != host])
+    assert faulty.wait() == 0, faulty.tail()
+    resets = faulty.events("reset")
+    assert any(r["reason"] == "worker_failed" and r["new_size"] == 2 for r in resets), resets
+    assert [r["lost_steps"] for r in resets] == [0] * len(resets), resets
+    assert_exactly_once(faulty, 2400, 1)
+    a, b = final_params(clean), final_params(faulty)
+    rel = float((a - b).norm() / a.norm())
+    assert rel < 1e-4, f"relative L2 difference {rel:.3e}"
 
 
 def test_bf16_autocast_fp16_compression_and_accumulation_train_exactly_once(jobs, tmp_path):

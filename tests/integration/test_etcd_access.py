@@ -19,8 +19,9 @@ import pytest
 from discovery.endpoints import EtcdAccess
 from discovery.record import HostRecord
 from discovery.registry import EtcdRegistry, RegistryError, RegistryUnavailable
-from elastictrain import launch
-from elastictrain.bench.etcd import ETCD_BIN, EtcdServer
+from elastictrain.launcher import main as launch_main
+from elastictrain.launcher.errors import LaunchError
+from elastictrain.launcher.etcd import ETCD_BIN, EtcdServer
 from tests.fixtures.procs import REPO, VENV_BIN, ProcessGroup, wait_until
 from tests.fixtures.tls import Pki, make_pki
 
@@ -130,7 +131,7 @@ def test_agent_registers_discover_lists_and_no_secret_leaks_over_tls_and_auth(
         capture_output=True, text=True, timeout=30, check=False,
     )  # fmt: skip
     assert hosts.returncode == 0 and hosts.stdout.split()[6:9] == ["node-a", "2", "ready"], hosts.stderr
-    launch.check_etcd(etcd.endpoint, JOB, "/elastictrain", access=acc)  # launch --etcd's start-up check passes
+    launch_main.check_etcd(etcd.endpoint, JOB, "/elastictrain", access=acc)  # launch --etcd's start-up check passes
 
     # A client without a certificate is refused by the TLS handshake: the registry, discover.sh, launch.
     with (
@@ -143,8 +144,8 @@ def test_agent_registers_discover_lists_and_no_secret_leaks_over_tls_and_auth(
     no_cert = {k: v for k, v in acc.env().items() if k not in ("ELASTICTRAIN_ETCD_CERT", "ELASTICTRAIN_ETCD_KEY")}
     refused = discover(etcd, tmp_path / "other-cache.json", no_cert)
     assert refused.returncode == 1 and refused.stdout == "" and "etcd unreachable" in refused.stderr
-    with pytest.raises(launch.LaunchError, match="unreachable"):
-        launch.check_etcd(etcd.endpoint, JOB, "/elastictrain", access=access(pki, password_file, cert=False))
+    with pytest.raises(LaunchError, match="unreachable"):
+        launch_main.check_etcd(etcd.endpoint, JOB, "/elastictrain", access=access(pki, password_file, cert=False))
 
     # A wrong password is refused, and so is a certificate alone (its name is no etcd user).
     wrong = tmp_path / "wrong-password"

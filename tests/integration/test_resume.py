@@ -8,12 +8,14 @@ import pytest
 
 from elastictrain.checkpoint import LocalStorage, load_latest
 from elastictrain.events import Commit, Done, Start, Stopped, TrackingClosed, of_kind, read_events
+from elastictrain.launcher.hosts import local_logical_hosts
+from elastictrain.ledger import committed_samples
 from tests.fixtures.procs import kill_tree, wait_until
-from tests.harness.elastic_job import ElasticJob, assert_exactly_once, job_config, logical_hosts
+from tests.harness.elastic_job import ElasticJob, assert_exactly_once, job_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
-HOSTS = logical_hosts()
+HOSTS = local_logical_hosts()
 
 
 @pytest.fixture
@@ -70,8 +72,17 @@ def test_full_job_killed_mid_epoch_resumes_at_the_checkpoint_in_the_same_mlflow_
     assert done and isinstance(done[-1].final_loss, float)
 
 
-def test_sigterm_to_the_workers_checkpoints_the_last_commit_before_they_exit(jobs, tmp_path):
-    cfg = job_config(tmp_path / "run", training__epochs=3, checkpoint__every_steps=1000, checkpoint__every_epochs=None)
+@pytest.mark.parametrize("rollback", ["commit", "none"])
+def test_sigterm_to_the_workers_checkpoints_the_last_commit_before_they_exit(jobs, tmp_path, rollback):
+    """``commit``: the last in-memory commit. ``none``: the live state is the commit, so the last completed step,
+    with its samples in the ledger."""
+    cfg = job_config(
+        tmp_path / "run",
+        training__epochs=3,
+        checkpoint__every_steps=1000,
+        checkpoint__every_epochs=None,
+        elastic__rollback=rollback,
+    )
     job = ElasticJob(tmp_path / "t", cfg, HOSTS[:2])
     jobs.append(job.start())
     job.wait_step(7)
@@ -82,7 +93,10 @@ def test_sigterm_to_the_workers_checkpoints_the_last_commit_before_they_exit(job
     assert stopped and stopped[-1].checkpointed is True, job.tail()
     last_commit = max(e.step for e in job.events(Commit))
     ckpt = load_latest(LocalStorage.for_run_dir(job.run_dir))
-    assert ckpt is not None and ckpt.step == last_commit
+    assert ckpt is not None
+    assert ckpt.step == (last_commit if rollback == "commit" else stopped[-1]["step"]), (ckpt.step, last_commit)
+    ledger = committed_samples(job.run_dir / "ledger")
+    assert sum(len(ids) for ids in ledger.values()) == ckpt.state["counters"]["samples"]
 
 
 def test_tracking_server_stopped_mid_training_costs_points_not_the_job(jobs, tmp_path, mlflow_server):

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from elastictrain.events import EVENTS_FILE, Done, E, EpochEnd, Event, Failure, Reset, Start, of_kind, read_events
 from elastictrain.ledger import committed_samples, ledger_files
@@ -78,27 +79,29 @@ def test_a_completed_run_dir_started_again_trains_nothing_and_exits_0(tmp_path):
     assert "run already complete" in again.stdout + again.stderr
 
 
-@pytest.fixture(scope="module")
-def shrink_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
-    """One real run, shared: 3 workers; a host change at step 3 leaves 2; a worker dies in step 5, leaving 1."""
-    run = tmp_path_factory.mktemp("shrink") / "run"
+@pytest.fixture(scope="module", params=[("commit", 1), ("none", 0)], ids=["commit", "none"])
+def shrink_run(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess, int]:
+    """One real run per rollback mode, shared: 3 workers; a host change at step 3 leaves 2; a worker dies in step 5,
+    leaving 1. Commits every 3 steps: rollback ``commit`` redoes step 4 (1 step lost), ``none`` nothing."""
+    rollback, lost = request.param
+    run = tmp_path_factory.mktemp(f"shrink-{rollback}") / "run"
     script = [
         {"kind": "initial", "size": 3},
         {"kind": "notice", "step": 3, "size": 2},
         {"kind": "failure", "step": 5, "size": 1},
     ]
-    return run, run_worker(config(run), script)
+    return run, run_worker(config(run, elastic__rollback=rollback), script), lost
 
 
 def test_failures_are_logged_and_a_shrink_after_a_reset_names_the_size_it_left(shrink_run):
-    run, proc = shrink_run
+    run, proc, lost = shrink_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(events(run, Start)) == 1
     failures = events(run, Failure)
     assert [f.reason for f in failures] == ["hosts_changed", "worker_failed"], failures
     assert "scripted: a peer died" in (failures[1].error or "")
     resets = [(r.old_size, r.new_size, r.reason, r.lost_steps) for r in events(run, Reset)]
-    assert resets == [(3, 2, "hosts_changed", 0), (2, 1, "worker_failed", 1)], resets
+    assert resets == [(3, 2, "hosts_changed", 0), (2, 1, "worker_failed", lost)], resets
     for failure, reset in zip(failures, events(run, Reset), strict=True):  # each failure before its reset
         assert failure.ts <= reset.ts
     per_epoch = committed_samples(run / "ledger")
@@ -106,7 +109,7 @@ def test_failures_are_logged_and_a_shrink_after_a_reset_names_the_size_it_left(s
 
 
 def test_elastictrain_audit_passes_on_a_real_run_and_fails_once_a_ledger_entry_is_duplicated(shrink_run, tmp_path):
-    run, proc = shrink_run
+    run, proc, _ = shrink_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
@@ -132,6 +135,28 @@ def test_elastictrain_audit_passes_on_a_real_run_and_fails_once_a_ledger_entry_i
     dup = len(twice["ids"])
     assert f"seen {480 + dup}  duplicates {dup} (e.g. {min(twice['ids'])}" in bad.stdout, bad.stdout
     assert "verdict  FAIL" in bad.stdout and bad.stderr == ""
+
+
+def test_a_failed_gradient_allreduce_with_rollback_none_costs_only_that_step(tmp_path):
+    """The allreduce of step 8 fails after every backward pass enqueued its part (commits every 3 steps): the
+    step's pending allreduces and gradients are dropped, nothing is rolled back, and the run ends with the
+    parameters of a run without the failure."""
+    from elastictrain.checkpoint import LocalStorage, load_latest
+
+    params = {}
+    for name, script in (("clean", []), ("failed", [{"kind": "allreduce_failure", "step": 8}])):
+        run = tmp_path / name
+        proc = run_worker(config(run, elastic__rollback="none", training__grad_accumulation=2), script)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        loaded = load_latest(LocalStorage.for_run_dir(run))
+        assert loaded is not None
+        params[name] = torch.cat([t.flatten().double() for t in loaded.state["model"].values()])
+    failures, resets = events(run, Failure), events(run, Reset)
+    assert [(f.reason, f.step) for f in failures] == [("worker_failed", 7)], failures
+    assert "gradient allreduce" in (failures[0].error or "")
+    assert [(r.reason, r.step, r.lost_steps) for r in resets] == [("worker_failed", 8, 0)], resets
+    assert sorted(committed_samples(run / "ledger")[0]) == list(range(NUM_SAMPLES))
+    assert torch.equal(params["clean"], params["failed"])
 
 
 def test_rank0_moving_away_and_back_writes_no_second_start(tmp_path):
@@ -187,6 +212,6 @@ def test_launching_a_completed_run_dir_says_so_and_exits_0_without_starting_anyt
     assert not (run / "etcd").exists() and not (run / "launch.json").exists()
     # more epochs is not complete: the same check says so
     from elastictrain.config import config_from_dict
-    from elastictrain.launch import run_complete
+    from elastictrain.launcher.main import run_complete
 
     assert run_complete(config_from_dict({**cfg, "training": {**cfg["training"], "epochs": 2}})) is None

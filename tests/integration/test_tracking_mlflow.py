@@ -59,7 +59,7 @@ def assert_one_run_without_duplicate_points(uri: str, job: str, run_id: str, ste
 def run_resumed_job(cfg_data: dict, uri: str) -> str:
     """Attempt 1 logs steps 1..10, rolls back to step 5 and re-logs 6..12, and is killed; attempt 2
     resumes from a checkpoint at step 8 (steps 9..20 again); both log the config as params."""
-    cfg = config_from_dict(cfg_data, env={})
+    cfg = config_from_dict(cfg_data)
     first = make_tracker(cfg, rank=0)
     assert isinstance(first, MlflowTracker) and first.tracking_uri == uri
     first.log_params(cfg.flat())
@@ -146,7 +146,7 @@ def test_a_new_rank0_backfills_from_the_run_log_what_a_killed_rank0_never_sent_t
     from elastictrain.events import Checkpoint, EventLog, Metrics
 
     run_dir = tmp_path / "run"
-    cfg = config_from_dict({"job": "backfill-job", "run_dir": str(run_dir)}, env={})
+    cfg = config_from_dict({"job": "backfill-job", "run_dir": str(run_dir)})
     killed = make_tracker(cfg, rank=0)
     assert isinstance(killed, MlflowTracker)
     log_steps(killed, range(1, 11))

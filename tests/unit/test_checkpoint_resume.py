@@ -12,7 +12,7 @@ BASE = {"job": "resume", "data": {"num_samples": 256}, "training": {"seed": 3, "
 
 
 def _cfg(tmp_path, *overrides: str):
-    return config_from_dict({**BASE, "run_dir": str(tmp_path / "run")}, overrides, env={})
+    return config_from_dict({**BASE, "run_dir": str(tmp_path / "run")}, overrides)
 
 
 def _checkpoint_at_step_5(tmp_path) -> None:
@@ -60,11 +60,10 @@ def test_safe_changes_such_as_the_learning_rate_and_the_epochs_resume(tmp_path):
 
 
 def test_the_config_fingerprint_ignores_runtime_endpoints_but_not_the_training(tmp_path):
-    a = _cfg(tmp_path, "discovery.etcd=http://127.0.0.1:41234")
+    a = _cfg(tmp_path, "discovery.prefix=/a")
     b = config_from_dict(
         {**BASE, "run_dir": str(tmp_path / "elsewhere")},
-        ["discovery.etcd=http://127.0.0.1:50111", "tracking.tracking_uri=http://127.0.0.1:5000"],
-        env={},
+        ["discovery.prefix=/b", "tracking.tracking_uri=http://127.0.0.1:5000"],
     )
     assert a.digest() == b.digest()
     assert a.digest() != _cfg(tmp_path, "training.seed=4").digest()

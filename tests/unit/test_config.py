@@ -16,9 +16,9 @@ BASE = {"job": "j", "run_dir": "/tmp/r"}
 
 
 def test_shipped_configs_parse_with_the_recipe_values():
-    demo = load_config(REPO / "configs/demo.yaml", env={})
+    demo = load_config(REPO / "configs/demo.yaml")
     assert demo.device == "cpu" and demo.task_args["model"] == "small_cnn"
-    r50 = load_config(REPO / "configs/resnet50_imagenet.yaml", env={})
+    r50 = load_config(REPO / "configs/resnet50_imagenet.yaml")
     assert r50.task_args["model"] == "resnet50" and r50.training.epochs == 90
     assert r50.data.batch_size == 128 and r50.training.momentum == 0.9
     assert r50.training.weight_decay == 1e-4 and r50.training.grad_clip_norm == 5.0
@@ -38,36 +38,46 @@ def test_set_overrides_any_field_with_yaml_typed_values():
             "training.schedule.kind=multistep",
             "data.path=null",
             "run_dir=/shared/x",
+            "elastic.rollback=none",
         ],
-        env={},
     )
     assert cfg.training.base_lr == 0.05
+    assert cfg.elastic.rollback == "none"  # the word, not YAML's null
     assert cfg.training.schedule.milestones == (2, 4)
     assert cfg.run_dir == "/shared/x"
 
 
 def test_ints_are_accepted_where_floats_are_expected():
-    cfg = config_from_dict({**BASE, "training": {"base_lr": 1}}, env={})
+    cfg = config_from_dict({**BASE, "training": {"base_lr": 1}})
     assert isinstance(cfg.training.base_lr, float)
 
 
-def test_etcd_endpoints_come_from_the_environment_unless_configured():
-    cfg = config_from_dict(BASE, env={"ELASTICTRAIN_ETCD": "http://127.0.0.1:2379,http://127.0.0.2:2379"})
-    assert cfg.discovery.etcd == ("http://127.0.0.1:2379", "http://127.0.0.2:2379")
-    cfg = config_from_dict({**BASE, "discovery": {"etcd": ["http://e:1"]}}, env={"ELASTICTRAIN_ETCD": "http://x:2"})
-    assert cfg.discovery.etcd == ("http://e:1",)
+@pytest.mark.parametrize(
+    ("key", "message"),
+    [
+        ("discovery.etcd", "discovery.etcd: unknown key"),
+        ("discovery.cache_staleness_seconds", "discovery.cache_staleness_seconds: unknown key"),
+        ("discovery.ttl_second", "discovery.ttl_second: unknown key (did you mean 'discovery.ttl_seconds'?)"),
+    ],
+)
+def test_keys_that_nothing_reads_are_not_config(key: str, message: str) -> None:
+    """etcd endpoints come from ``launch --etcd`` / ``ELASTICTRAIN_ETCD`` and the cache staleness from
+    ``ELASTICTRAIN_DISCOVER_STALENESS``: a config key for either would be read by nothing."""
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(BASE, [f"{key}=1"])
+    assert str(err.value).startswith(message)
 
 
 def test_resolved_config_round_trips_through_yaml_and_has_a_stable_digest():
-    cfg = load_config(REPO / "configs/demo.yaml", env={})
-    again = config_from_dict(yaml.safe_load(cfg.to_yaml()), env={})
+    cfg = load_config(REPO / "configs/demo.yaml")
+    again = config_from_dict(yaml.safe_load(cfg.to_yaml()))
     assert again == cfg and again.digest() == cfg.digest()
-    assert config_from_dict(BASE, ["training.seed=1"], env={}).digest() != config_from_dict(BASE, env={}).digest()
+    assert config_from_dict(BASE, ["training.seed=1"]).digest() != config_from_dict(BASE).digest()
     assert cfg.flat()["training.schedule.kind"] == "cosine"
 
 
 def test_config_is_frozen():
-    cfg = config_from_dict(BASE, env={})
+    cfg = config_from_dict(BASE)
     with pytest.raises(AttributeError):
         cfg.job = "other"  # type: ignore[misc]
 
@@ -114,11 +124,13 @@ def test_config_is_frozen():
         (BASE, ["job.x=1"], "--set job.x: job is not a section"),
         (BASE, ["training.nope=1"], "training.nope: unknown key"),
         (BASE, ["checkpoint.keep_last=0"], "checkpoint.keep_last: must be >= 1"),
+        (BASE, ["elastic.rollback=nonee"], "elastic.rollback: must be one of 'commit', 'none', got 'nonee'"),
+        ({**BASE, "elastic": {"rollback": None}}, [], "elastic.rollback: must be one of 'commit', 'none', got None"),
     ],
 )
 def test_bad_config_is_one_line_naming_the_key(data, overrides, message):
     with pytest.raises(ConfigError) as err:
-        config_from_dict(data, overrides, env={})
+        config_from_dict(data, overrides)
     text = str(err.value)
     assert message in text
     assert "\n" not in text
@@ -175,7 +187,7 @@ def test_cli_prints_the_resolved_config(tmp_path):
     assert proc.returncode == 0, proc.stderr
     shown = yaml.safe_load(proc.stdout)
     assert shown["training"]["base_lr"] == 0.02 and shown["job"] == "demo"
-    assert isinstance(config_from_dict(shown, env={}), JobConfig)
+    assert isinstance(config_from_dict(shown), JobConfig)
 
 
 def test_cli_misuse_exits_2():
@@ -189,7 +201,6 @@ def test_image_task_keys_of_older_configs_move_into_task_args():
     cfg = config_from_dict(
         {**BASE, "model": {"name": "resnet18"}, "data": {"kind": "synthetic", "num_samples": 64, "batch_size": 8}},
         ["data.image_size=24", "training.label_smoothing=0.1"],
-        env={},
     )
     assert cfg.task == "elastictrain.tasks.image:build"
     assert cfg.task_args == {"model": "resnet18", "data": "synthetic", "num_samples": 64, "image_size": 24,
@@ -199,10 +210,10 @@ def test_image_task_keys_of_older_configs_move_into_task_args():
 
 def test_an_override_of_an_image_key_wins_over_the_files_task_args():
     data = {**BASE, "task_args": {"num_samples": 64}}
-    assert config_from_dict(data, ["data.num_samples=32"], env={}).task_args == {"num_samples": 32}
+    assert config_from_dict(data, ["data.num_samples=32"]).task_args == {"num_samples": 32}
 
 
 def test_task_args_are_free_form_and_appear_in_the_flat_params():
-    cfg = config_from_dict({**BASE, "task": "mypkg.lm:build", "task_args": {"seq_len": 128, "vocab": [1, 2]}}, env={})
+    cfg = config_from_dict({**BASE, "task": "mypkg.lm:build", "task_args": {"seq_len": 128, "vocab": [1, 2]}})
     assert cfg.task_args == {"seq_len": 128, "vocab": [1, 2]}
     assert cfg.flat()["task_args.seq_len"] == "128" and cfg.flat()["task"] == "mypkg.lm:build"

@@ -90,6 +90,48 @@ def test_stock_torch_state_leaves_the_scheduler_and_scaler_where_the_failed_step
     assert after["scale"] != committed["scale"], "stock: the GradScaler is not rolled back"
 
 
+def lrs_of_steps(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, n: int) -> list[float]:
+    """Take ``n`` steps (optimizer, then scheduler); the LR each step used."""
+    used = []
+    for _ in range(n):
+        used.append(optimizer.param_groups[0]["lr"])
+        optimizer.zero_grad()
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+        scheduler.step()
+    return used
+
+
+@pytest.mark.parametrize("state_class", [ElasticState, TorchState])
+def test_steps_replayed_after_a_rollback_get_the_lrs_of_a_run_without_failure_where_stock_torch_state_does_not(
+    state_class,
+):
+    """The port's schedule shape (LambdaLR, stepped per batch): commit after 2 steps, 3 steps fail, restore, replay.
+
+    With ``ElasticState`` the replayed steps use the LRs the failed ones used. Stock ``TorchState`` restores the
+    optimizer's param groups but keeps the scheduler by reference, so the scheduler stays 3 steps ahead and
+    from the second replayed step on the LR is the advanced one.
+    """
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+    state = state_class(model, optimizer, scheduler=scheduler)
+    lrs_of_steps(model, optimizer, scheduler, 2)
+    state.save()
+    failed = lrs_of_steps(model, optimizer, scheduler, 3)
+    assert failed == [0.1 * 0.5**2, 0.1 * 0.5**3, 0.1 * 0.5**4]
+    state.restore()
+    rolled_back = scheduler.last_epoch, scheduler.get_last_lr()
+    replayed = lrs_of_steps(model, optimizer, scheduler, 3)
+    if state_class is ElasticState:
+        assert rolled_back == (2, [0.1 * 0.5**2])
+        assert replayed == failed
+    else:
+        assert rolled_back == (5, [0.1 * 0.5**5]), "stock: the scheduler keeps the advanced LR"
+        assert replayed == [0.1 * 0.5**2, 0.1 * 0.5**6, 0.1 * 0.5**7]
+
+
 def test_a_state_name_of_its_own_is_refused_with_one_line():
     with pytest.raises(ValueError, match="commits is a name of the state itself"):
         ElasticState(nn.Linear(1, 1), None, commits=3)
@@ -216,3 +258,30 @@ def test_a_graceful_removal_without_sync_still_covers_the_rest_of_the_epoch_once
     seen = [i for it in iters for _ in range(2 * batch) for i in [next(it)]]  # two steps at size 3
     seen += [i for it in iters[:2] for i in it]  # the two survivors finish their stale shares
     assert sorted(set(seen)) != list(range(n)), "stock Horovod loses the removed rank's samples"
+
+
+class _Watchdog:
+    def idle(self) -> None:
+        pass
+
+    snapshot_ring = step_started = stop = idle
+
+
+@pytest.mark.parametrize("run_dir", [False, True])
+def test_the_temp_failure_marker_folder_is_removed_when_training_returns(monkeypatch, tmp_path, run_dir):
+    monkeypatch.setattr(dropin.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_PORT", "4242")
+    if run_dir:
+        monkeypatch.setenv("ELASTICTRAIN_RUN_DIR", str(tmp_path / "run"))
+    else:
+        monkeypatch.delenv("ELASTICTRAIN_RUN_DIR", raising=False)
+    monkeypatch.setattr(dropin.hvd.elastic, "run", lambda func: func)
+    monkeypatch.setattr(dropin, "arm_watchdog", lambda *a, **k: _Watchdog())
+    folder = dropin._marker_path().parent
+    folder.mkdir(parents=True)
+
+    class State:
+        watchdog = None
+
+    assert dropin.elastic_run(lambda state: 7)(State()) == 7
+    assert folder.exists() == run_dir

@@ -8,7 +8,6 @@ import pytest
 
 from discovery import discover, hosts_cli
 from discovery.endpoints import Endpoint, EtcdAccess, parse_endpoints, read_password
-from elastictrain.config import ConfigError, config_from_dict
 
 SECRET = "s3cr3t-Pa55"
 
@@ -129,17 +128,6 @@ def test_discover_reads_tls_and_user_from_the_environment(tmp_path: Path) -> Non
     assert code == 2 and "ELASTICTRAIN_ETCD_CERT and ELASTICTRAIN_ETCD_KEY go together" in err[0]
 
 
-def test_config_uses_the_same_parser() -> None:
-    base = {"job": "j", "run_dir": "/tmp/x"}
-    cfg = config_from_dict({**base, "discovery": {"etcd": ["https://[fd00::1]:2379"]}}, env={})
-    assert cfg.discovery.etcd == ("https://[fd00::1]:2379",)
-    with pytest.raises(ConfigError, match="credentials do not belong") as err:
-        config_from_dict({**base, "discovery": {"etcd": [f"https://u:{SECRET}@e:1"]}}, env={})
-    assert SECRET not in str(err.value)
-    with pytest.raises(ConfigError, match=r"discovery\.etcd: invalid etcd endpoint"):
-        config_from_dict({**base, "discovery": {"etcd": ["http://x:1/path"]}}, env={})
-
-
 @pytest.mark.parametrize(
     ("extra", "match"),
     [
@@ -154,3 +142,25 @@ def test_hosts_cli_refuses_bad_access_with_one_line(
         hosts_cli.main([*extra, "--job", "j", "list"])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.count("\n") == 1 and match in err and SECRET not in err
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["https://etcd-0:2379,https://etcd-1:2379", "http://[::1]:2379", "ftp://etcd:2379", "https://a:1,http://b:1"],
+)
+def test_the_registry_and_discover_accept_and_refuse_the_same_endpoints(tmp_path: Path, spec: str) -> None:
+    """One rule: https is accepted everywhere (the system's CAs unless --cacert / ELASTICTRAIN_ETCD_CACERT),
+    and what one client refuses the other refuses with the same reason."""
+    from discovery.registry import EtcdRegistry
+
+    try:
+        with EtcdRegistry(spec, "job1") as registry:  # parses and checks; connects only on first use
+            registry_view: object = registry.endpoints
+    except ValueError as e:
+        registry_view = str(e)
+    try:
+        discover_view: object = discover.DiscoverConfig.from_env(discover_env(tmp_path, spec)).endpoints
+    except discover.ConfigError as e:
+        discover_view = str(e).removeprefix("ELASTICTRAIN_ETCD: ")
+    assert registry_view == discover_view
+    assert isinstance(registry_view, list) == spec.startswith(("https://etcd", "http://["))

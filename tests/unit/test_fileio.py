@@ -28,7 +28,7 @@ def test_temp_names_are_unpredictable_and_beside_the_target(tmp_path: Path) -> N
 def test_an_existing_temp_name_is_never_written_through(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     victim = tmp_path / "victim"
     victim.write_text("precious")
-    monkeypatch.setattr(fileio, "temp_path", lambda path: str(tmp_path / ".guessed"))
+    monkeypatch.setattr(fileio, "temp_path", lambda path, tag="": str(tmp_path / ".guessed"))
     (tmp_path / ".guessed").symlink_to(victim)
     with pytest.raises(FileExistsError):
         fileio.write_atomic(tmp_path / "x.json", b"new")
@@ -42,6 +42,40 @@ def test_a_failed_write_leaves_the_old_content_and_no_temp_file(tmp_path: Path) 
         f.write(b"half")
         raise RuntimeError("crash mid-write")
     assert target.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["x.json"]
+
+
+def test_writes_are_durable_unless_told_otherwise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    synced: list[str] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    fileio.write_atomic(tmp_path / "a.json", "{}")
+    with fileio.atomic_path(tmp_path / "b.db") as name:
+        Path(name).write_bytes(b"db")
+    # each: the temp file before the rename, then the folder after it
+    assert [Path(p).name.split(fileio.TEMP_MARKER)[0] for p in synced[0::2]] == [".a.json", ".b.db"]
+    assert synced[1::2] == [str(tmp_path), str(tmp_path)]
+    synced.clear()
+    fileio.write_atomic(tmp_path / "c.json", "{}", durable=False)
+    assert synced == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.db", "c.json"]
+
+
+def test_a_writer_by_name_that_fails_leaves_the_old_file_and_no_temp(tmp_path: Path) -> None:
+    target = tmp_path / "store.db"
+    target.write_text("old")
+    with pytest.raises(RuntimeError), fileio.atomic_path(target) as name:
+        Path(name).write_text("half a schema")
+        raise RuntimeError("killed mid-create")
+    with pytest.raises(FileNotFoundError), fileio.atomic_path(target):
+        pass  # the writer wrote nothing
+    assert target.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["store.db"]
+
+
+def test_a_tag_names_the_writer_in_the_temp_name(tmp_path: Path) -> None:
+    from chaos.faults import writer_pid
+
+    name = Path(fileio.temp_path(tmp_path / "state.pt", tag="4242"))
+    assert name.name.startswith(".state.pt.tmp-4242-") and writer_pid(name) == 4242
 
 
 def test_the_discovery_cache_is_not_written_through_a_planted_link(
@@ -69,13 +103,14 @@ def test_the_failure_marker_is_not_written_through_a_planted_link(tmp_path: Path
 
 def test_the_launch_state_file_is_not_written_through_a_planted_link(tmp_path: Path) -> None:
     from elastictrain.config import config_from_dict
-    from elastictrain.launch import Launcher, LaunchOptions
+    from elastictrain.launcher.options import LaunchOptions
+    from elastictrain.launcher.supervisor import Launcher
 
     victim = tmp_path / "victim"
     victim.write_text("precious")
     run_dir = tmp_path / "run"
     plant_links(run_dir, [".launch.json.tmp"], victim)
-    cfg = config_from_dict({"job": "j", "run_dir": str(run_dir)}, env={})
+    cfg = config_from_dict({"job": "j", "run_dir": str(run_dir)})
     launcher = Launcher(LaunchOptions(config=tmp_path / "c.yaml", etcd="http://127.0.0.1:1"), cfg, horovodrun=["x"])
     launcher._write_state()
     assert victim.read_text() == "precious" and json.loads((run_dir / "launch.json").read_text())["job"] == "j"

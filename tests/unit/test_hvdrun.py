@@ -1,5 +1,5 @@
-"""The discovery executor of ``elastictrain.hvdrun``: Horovod's contract (stdout, a failure on a non-zero exit),
-without a Python interpreter per call, and nothing left behind by a script that hangs."""
+"""The discovery executor of ``elastictrain.launcher.hvdrun``: Horovod's contract (stdout, a failure on a
+non-zero exit), without a Python interpreter per call, and nothing left behind by a script that hangs."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from elastictrain.bench.procs import wait_until
-from elastictrain.hvdrun import run_discovery_script
+from elastictrain.launcher.hvdrun import run_discovery_script
 
 
 def test_stdout_is_returned_and_stderr_is_not_mixed_in(tmp_path: Path) -> None:
@@ -50,7 +50,7 @@ def test_horovods_discovery_class_uses_it_after_install(tmp_path: Path) -> None:
     pytest.importorskip("horovod.runner.elastic.discovery")
     from horovod.runner.elastic.discovery import HostDiscoveryScript
 
-    from elastictrain import hvdrun
+    from elastictrain.launcher import hvdrun
 
     script = tmp_path / "discover.sh"
     # Records its parent (the ``sh -c`` around it, or this process) and that one's parent.
@@ -73,7 +73,7 @@ def test_horovods_discovery_class_uses_it_after_install(tmp_path: Path) -> None:
 def test_a_slot_whose_worker_died_is_started_again_when_its_host_is_assigned_again() -> None:
     """Horovod's own driver, fixed hosts, fake rendezvous: the repair is what makes the dead slot pending."""
     pytest.importorskip("horovod.runner.elastic.driver")
-    from elastictrain import hvdrun
+    from elastictrain.launcher import hvdrun
 
     hvdrun.install()
     workers = _Workers()
@@ -138,7 +138,7 @@ def _driver(hosts: dict[str, int], workers: _Workers, cls: Any = None) -> Any:
 
 def test_a_late_exit_of_an_older_process_does_not_mark_the_live_process_of_its_slot_dead() -> None:
     pytest.importorskip("horovod.runner.elastic.driver")
-    from elastictrain import hvdrun
+    from elastictrain.launcher import hvdrun
 
     hvdrun.install()
     workers = _Workers()
@@ -164,7 +164,7 @@ def test_two_workers_that_exit_at_once_are_both_started_again() -> None:
 
     from horovod.runner.elastic.driver import ElasticDriver
 
-    from elastictrain import hvdrun
+    from elastictrain.launcher import hvdrun
 
     hvdrun.install()
     barrier = threading.Barrier(2, timeout=2)
@@ -194,7 +194,7 @@ def test_two_workers_that_exit_at_once_are_both_started_again() -> None:
 
 def test_another_horovod_version_fails_with_one_line(monkeypatch, capsys) -> None:
     horovod = pytest.importorskip("horovod")
-    from elastictrain import hvdrun
+    from elastictrain.launcher import hvdrun
 
     monkeypatch.setattr(horovod, "__version__", "0.29.0")
     monkeypatch.setattr(sys, "argv", ["hvdrun", "--version"])

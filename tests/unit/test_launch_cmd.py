@@ -15,24 +15,22 @@ from types import SimpleNamespace
 import pytest
 
 from discovery.record import DRAINING, READY
-from elastictrain import launch
-from elastictrain.launch import (
+from elastictrain.launcher import decisions, etcd, hosts, options, rundir
+from elastictrain.launcher import main as launch_main
+from elastictrain.launcher.commands import format_command, horovodrun_command, launch_env, runner_command
+from elastictrain.launcher.decisions import (
     EXIT_COMPLETED,
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_RELAUNCH_LIMIT,
     EXIT_STOPPED,
     HostWatch,
-    LaunchError,
-    LaunchOptions,
     Outcome,
     decide_after_exit,
-    format_command,
-    horovodrun_command,
-    launch_env,
-    runner_command,
     training_completed,
 )
+from elastictrain.launcher.errors import LaunchError
+from elastictrain.launcher.options import LaunchOptions
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "configs" / "demo.yaml"
@@ -46,7 +44,7 @@ def flag(cmd: list[str], name: str, n: int = 1) -> list[str]:
 def test_embedded_command_has_discovery_bounds_local_interface_and_the_worker_after_extra_flags() -> None:
     opts = LaunchOptions(config=DEMO, overrides=("training.epochs=1",), min_np=2, max_np=3, extra=("--verbose",))
     cmd = horovodrun_command(opts, runner_command("/venv/bin/python"), python="/venv/bin/python")
-    assert cmd[:3] == ["/venv/bin/python", "-m", "elastictrain.hvdrun"]
+    assert cmd[:3] == ["/venv/bin/python", "-m", "elastictrain.launcher.hvdrun"]
     assert flag(cmd, "-np") == ["2"]
     assert flag(cmd, "--min-np") == ["2"]
     assert flag(cmd, "--max-np") == ["3"]
@@ -109,7 +107,7 @@ def test_printed_command_can_be_pasted_into_a_shell() -> None:
 )
 def test_bad_flags_are_one_clear_error(argv: list[str], message: str) -> None:
     with pytest.raises(LaunchError, match=None) as e:
-        launch.parse(["--config", str(DEMO), *argv])
+        options.parse(["--config", str(DEMO), *argv])
     assert message in str(e.value)
     assert "\n" not in str(e.value)
 
@@ -130,7 +128,7 @@ def test_bad_launch_input_exits_2_with_one_line_and_no_traceback(
     argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     try:
-        code = launch.main(["--config", str(DEMO), "--set", f"run_dir={tmp_path / 'run'}", *argv])
+        code = launch_main.main(["--config", str(DEMO), "--set", f"run_dir={tmp_path / 'run'}", *argv])
     except SystemExit as e:  # argparse's own one-line errors
         code = e.code
     err = capsys.readouterr().err
@@ -140,22 +138,22 @@ def test_bad_launch_input_exits_2_with_one_line_and_no_traceback(
 
 
 def test_a_host_that_is_not_this_machine_is_refused_in_the_embedded_mode(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(launch, "resolve", lambda name: "10.9.9.9" if name == "far" else "127.0.0.1")
+    monkeypatch.setattr(hosts, "resolve", lambda name: "10.9.9.9" if name == "far" else "127.0.0.1")
     with pytest.raises(LaunchError, match="'far' does not resolve to this machine"):
-        launch.parse(["--config", str(DEMO), "--hosts", "localhost,far"])
+        options.parse(["--config", str(DEMO), "--hosts", "localhost,far"])
 
 
 def test_more_min_np_than_local_logical_hosts_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(launch, "local_logical_hosts", lambda: ["localhost", "127.0.0.1"])
+    monkeypatch.setattr(options, "local_logical_hosts", lambda: ["localhost", "127.0.0.1"])
     with pytest.raises(LaunchError, match="needs 3 logical hosts but this machine has 2"):
-        launch.parse(["--config", str(DEMO), "--min-np", "3"])
+        options.parse(["--config", str(DEMO), "--min-np", "3"])
 
 
 def test_defaults_come_from_the_config_and_flags_after_double_dash_pass_through(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(launch, "local_logical_hosts", lambda: ["localhost", "127.0.0.1", "h", "10.0.0.1"])
-    opts, cfg = launch.parse(["--config", str(DEMO), "--job", "other", "--", "--verbose", "--start-timeout", "60"])
+    monkeypatch.setattr(options, "local_logical_hosts", lambda: ["localhost", "127.0.0.1", "h", "10.0.0.1"])
+    opts, cfg = options.parse(["--config", str(DEMO), "--job", "other", "--", "--verbose", "--start-timeout", "60"])
     assert (opts.min_np, opts.max_np) == (cfg.elastic.min_np, cfg.elastic.max_np) == (2, 3)
     assert cfg.job == "other" and "job=other" in opts.overrides
     assert opts.hosts == ("localhost", "127.0.0.1", "h"), "agents for at most max_np logical hosts"
@@ -163,8 +161,8 @@ def test_defaults_come_from_the_config_and_flags_after_double_dash_pass_through(
 
 
 def test_min_np_above_the_configs_max_np_raises_the_default_max(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(launch, "local_logical_hosts", lambda: ["a", "b", "c", "d"])
-    opts, _ = launch.parse(["--config", str(DEMO), "--min-np", "4"])
+    monkeypatch.setattr(options, "local_logical_hosts", lambda: ["a", "b", "c", "d"])
+    opts, _ = options.parse(["--config", str(DEMO), "--min-np", "4"])
     assert (opts.min_np, opts.max_np) == (4, 4)
 
 
@@ -172,20 +170,20 @@ def test_missing_config_is_a_config_error(tmp_path: Path) -> None:
     from elastictrain.config import ConfigError
 
     with pytest.raises(ConfigError, match="config file not found"):
-        launch.parse(["--config", str(tmp_path / "nope.yaml")])
+        options.parse(["--config", str(tmp_path / "nope.yaml")])
 
 
 def test_local_logical_hosts_resolve_to_this_machine() -> None:
-    hosts = launch.local_logical_hosts()
-    assert hosts[:2] == ["localhost", "127.0.0.1"]
-    local = launch.local_addresses()
-    assert all(launch.resolve(h) in local for h in hosts)
-    if launch.resolve(socket.gethostname()) in local:
-        assert socket.gethostname() in hosts
+    names = hosts.local_logical_hosts()
+    assert names[:2] == ["localhost", "127.0.0.1"]
+    local = hosts.local_addresses()
+    assert all(hosts.resolve(h) in local for h in names)
+    if hosts.resolve(socket.gethostname()) in local:
+        assert socket.gethostname() in names
 
 
 # ------------------------------------------------------------------------------------------ decisions
-def decide(**kw: object) -> launch.Decision:
+def decide(**kw: object) -> decisions.Decision:
     args: dict = dict(
         returncode=1, completed=False, hosts_lost=[], min_ready_slots=2, min_np=2, relaunches=0, max_relaunches=5
     )
@@ -269,14 +267,17 @@ def test_k8s_manifests_parse_and_hold_the_agent_daemonset_launcher_job_and_etcd(
     assert ("DaemonSet", "elastictrain-agent") in kinds
     assert ("Job", "elastictrain-resnet50") in kinds
     assert ("StatefulSet", "etcd") in kinds and ("Service", "etcd") in kinds
-    assert {d["apiVersion"] for d in docs} <= {"v1", "apps/v1", "batch/v1"}
-    assert all(d["metadata"].get("namespace") == "elastictrain" for d in docs if d["kind"] != "Namespace")
+    assert {d["apiVersion"] for d in docs} <= {
+        "v1", "apps/v1", "batch/v1", "policy/v1", "networking.k8s.io/v1", "rbac.authorization.k8s.io/v1"
+    }  # fmt: skip
+    cluster_scoped = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
+    assert all(d["metadata"].get("namespace") == "elastictrain" for d in docs if d["kind"] not in cluster_scoped)
     import yaml
 
     from elastictrain.config import config_from_dict
 
     (job_config,) = [d["data"]["job.yaml"] for d in docs if d["kind"] == "ConfigMap"]
-    cfg = config_from_dict(yaml.safe_load(job_config), env={})
+    cfg = config_from_dict(yaml.safe_load(job_config))
     assert cfg.job == "resnet50" and cfg.device == "cuda"
 
 
@@ -298,7 +299,7 @@ def test_k8s_command_lines_name_real_subcommands_with_flags_their_parsers_accept
             elif args[0] == "launch":
                 rest = args[1:]
                 own = rest[: rest.index("--")] if "--" in rest else rest
-                ns = launch.build_parser().parse_args(own)
+                ns = options.build_parser().parse_args(own)
                 assert ns.etcd and ns.hosts is None, "on a cluster the launcher uses its etcd and starts no agents"
                 assert ns.config.startswith("/etc/elastictrain/")
     assert seen == {"agent", "launch"}
@@ -315,35 +316,44 @@ def test_a_horovodrun_that_kept_no_worker_alive_is_relaunched_not_called_a_crash
         max_relaunches=5,
         stalled="no worker alive for 200s while 3 slots were ready",
     )
-    assert d.outcome == launch.Outcome.RELAUNCH and "no worker alive" in str(d)
+    assert d.outcome == decisions.Outcome.RELAUNCH and "no worker alive" in str(d)
     crash = decide_after_exit(
         returncode=1, completed=False, hosts_lost=[], min_ready_slots=3, min_np=2, relaunches=0, max_relaunches=5
     )
-    assert crash.exit_code == launch.EXIT_FAILED
+    assert crash.exit_code == decisions.EXIT_FAILED
 
 
-def test_stall_deadline_covers_gloo_timeout_cooldown_and_startup():
-    opts = launch.LaunchOptions(config=Path("c.yaml"), min_np=2, max_np=3)
-    assert opts.stall_seconds == opts.gloo_timeout_seconds + opts.blacklist_cooldown[1] + 60
+@pytest.mark.parametrize(("gloo", "cooldown"), [(60, (5, 60)), (15, (1, 2)), (600, (30, 900))])
+def test_the_stall_deadline_outlasts_every_legitimate_pause_without_workers(
+    gloo: int, cooldown: tuple[int, int]
+) -> None:
+    """Workers may all be gone while survivors wait out a Gloo timeout, a host sits out its longest blacklist
+    cooldown and new workers start: a stall declared before all of that would relaunch a healthy job."""
+    opts = options.LaunchOptions(config=Path("c.yaml"), min_np=2, max_np=3, gloo_timeout_seconds=gloo,
+                                blacklist_cooldown=cooldown)  # fmt: skip
+    slower = options.LaunchOptions(config=Path("c.yaml"), min_np=2, max_np=3, gloo_timeout_seconds=gloo * 2,
+                                  blacklist_cooldown=(cooldown[0], cooldown[1] * 2))  # fmt: skip
+    assert opts.stall_seconds >= gloo + cooldown[1] + 30, "no time left for a worker to start"
+    assert slower.stall_seconds >= opts.stall_seconds + gloo + cooldown[1]
 
 
 def test_one_launcher_per_run_dir_and_the_refusal_names_the_holder(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    first = launch.RunDirLock.acquire(run_dir)
+    first = rundir.RunDirLock.acquire(run_dir)
     try:
         before = sorted(p.name for p in run_dir.iterdir())
         with pytest.raises(LaunchError) as e:
-            launch.RunDirLock.acquire(run_dir)  # another open file: flock excludes it as it would another process
+            rundir.RunDirLock.acquire(run_dir)  # another open file: flock excludes it as it would another process
         assert f"is driven by a live launcher (pid {os.getpid()} on {socket.gethostname()})" in str(e.value)
         assert "\n" not in str(e.value)
-        assert sorted(p.name for p in run_dir.iterdir()) == before == [launch.LOCK_FILE]
+        assert sorted(p.name for p in run_dir.iterdir()) == before == [rundir.LOCK_FILE]
     finally:
         first.release()
-    launch.RunDirLock.acquire(run_dir).release()  # free again once the holder is gone
+    rundir.RunDirLock.acquire(run_dir).release()  # free again once the holder is gone
 
 
 def test_the_lock_file_is_not_inherited_by_children(tmp_path: Path) -> None:
-    lock = launch.RunDirLock.acquire(tmp_path)
+    lock = rundir.RunDirLock.acquire(tmp_path)
     try:
         assert not os.get_inheritable(lock.fd)
         assert fcntl.fcntl(lock.fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
@@ -353,12 +363,25 @@ def test_the_lock_file_is_not_inherited_by_children(tmp_path: Path) -> None:
 
 def test_a_data_dir_whose_database_is_locked_belongs_to_a_live_etcd(tmp_path: Path) -> None:
     data_dir = tmp_path / "etcd"
-    assert not launch.etcd_data_dir_in_use(data_dir), "no data dir: nothing to protect"
+    assert not etcd.etcd_data_dir_in_use(data_dir), "no data dir: nothing to protect"
     db = data_dir / "member" / "snap" / "db"
     db.parent.mkdir(parents=True)
     db.write_bytes(b"")
-    assert not launch.etcd_data_dir_in_use(data_dir), "a dead etcd's data dir may be wiped"
+    assert not etcd.etcd_data_dir_in_use(data_dir), "a dead etcd's data dir may be wiped"
     with db.open("rb") as held:  # what a running etcd (bbolt) holds on its database
         fcntl.flock(held.fileno(), fcntl.LOCK_EX)
-        assert launch.etcd_data_dir_in_use(data_dir)
+        assert etcd.etcd_data_dir_in_use(data_dir)
     assert db.exists()
+
+
+def test_every_launch_flag_defaults_to_the_options_dataclass_field() -> None:
+    import dataclasses
+
+    ns = options.build_parser().parse_args(["--config", "c.yaml"])
+    fields = {f.name: f.default for f in dataclasses.fields(LaunchOptions)}
+    # --min-np/--max-np/--hosts default from the job's config and the machine, not from the dataclass.
+    shared = set(vars(ns)) & set(fields) - {"config", "overrides", "min_np", "max_np", "hosts"}
+    assert {"gloo_timeout_seconds", "reset_limit", "wait_hosts_seconds", "stop_timeout_seconds"} <= shared
+    for name in shared:
+        default = fields[name]
+        assert getattr(ns, name) == (list(default) if isinstance(default, tuple) else default), name

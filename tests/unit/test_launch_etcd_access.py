@@ -6,8 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain import launch
-from elastictrain.launch import LaunchError, format_command, horovodrun_command, launch_env
+from elastictrain.launcher import main as launch_main
+from elastictrain.launcher import options
+from elastictrain.launcher.commands import format_command, horovodrun_command, launch_env
+from elastictrain.launcher.errors import LaunchError
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "configs" / "demo.yaml"
@@ -26,7 +28,7 @@ def tls_files(tmp_path: Path) -> dict[str, str]:
 def test_tls_and_user_reach_discover_as_paths_and_the_printed_command_holds_no_password(
     tls_files: dict[str, str], tmp_path: Path
 ) -> None:
-    opts, cfg = launch.parse(["--config", str(DEMO), "--etcd", "https://etcd-0:2379,https://etcd-1:2379",
+    opts, cfg = options.parse(["--config", str(DEMO), "--etcd", "https://etcd-0:2379,https://etcd-1:2379",
                               "--cacert", tls_files["ca.pem"], "--cert", tls_files["client.pem"],
                               "--key", tls_files["client-key.pem"], "--user", "trainer",
                               "--password-file", tls_files["password"]])  # fmt: skip
@@ -47,7 +49,7 @@ def test_settings_come_from_the_environment_like_the_flags(
     monkeypatch.setenv("ELASTICTRAIN_ETCD_CACERT", tls_files["ca.pem"])
     monkeypatch.setenv("ELASTICTRAIN_ETCD_USER", "trainer")
     monkeypatch.setenv("ELASTICTRAIN_ETCD_PASSWORD_FILE", tls_files["password"])
-    opts, _ = launch.parse(["--config", str(DEMO), "--etcd", "https://etcd-0:2379"])
+    opts, _ = options.parse(["--config", str(DEMO), "--etcd", "https://etcd-0:2379"])
     assert opts.etcd_access is not None
     assert (opts.etcd_access.cacert, opts.etcd_access.user) == (tls_files["ca.pem"], "trainer")
 
@@ -66,9 +68,9 @@ def test_bad_access_flags_are_one_line_without_the_secret(
 ) -> None:
     argv = [tls_files[a[1:-1]] if a.startswith("{") else a for a in argv]
     with pytest.raises(LaunchError) as e:
-        launch.parse(["--config", str(DEMO), *argv])
+        options.parse(["--config", str(DEMO), *argv])
     assert message in str(e.value) and "\n" not in str(e.value) and SECRET not in str(e.value)
-    assert launch.main(["--config", str(DEMO), *argv]) == 2
+    assert launch_main.main(["--config", str(DEMO), *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err and SECRET not in err
 
@@ -77,6 +79,6 @@ def test_the_embedded_mode_ignores_inherited_etcd_settings(
     tls_files: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("ELASTICTRAIN_ETCD_CACERT", tls_files["ca.pem"])
-    monkeypatch.setattr(launch, "local_logical_hosts", lambda: ["localhost", "127.0.0.1"])
-    opts, _ = launch.parse(["--config", str(DEMO)])
+    monkeypatch.setattr(options, "local_logical_hosts", lambda: ["localhost", "127.0.0.1"])
+    opts, _ = options.parse(["--config", str(DEMO)])
     assert opts.embedded and opts.etcd_access is None

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from chaos import invariants as inv
-from chaos import netns
+from chaos import netns, scenarios
+from chaos.run import Run, ScenarioError
 from chaos.scenarios import SCENARIOS, base_config
 from elastictrain.config import DiscoveryConfig
 from elastictrain.events import Event, parse_event
-from elastictrain.launch import agent_command, ssh_runs_train
+from elastictrain.launcher.commands import agent_command
+from elastictrain.launcher.processes import ssh_runs_train
 
 
 def names(nodes: int = 3, octet: int = 77) -> netns.TierNames:
@@ -132,8 +136,19 @@ def test_the_launcher_counts_horovodruns_ssh_to_a_worker_as_a_live_worker() -> N
     assert not ssh_runs_train([])
 
 
-def test_partitions_must_be_followed_by_a_reset_that_drops_the_node() -> None:
-    assert set(inv.EXPECTED_REASONS["partition-host"]) == {"hosts_removed", "worker_failed"}
+@pytest.mark.parametrize("reason", ["hosts_removed", "worker_failed"])
+def test_a_partition_is_matched_with_the_reset_that_drops_the_node_not_a_grow_back(reason: str) -> None:
+    """A cut node leaves discovery (hosts_removed) or its peers fail first (worker_failed); a grow-back of an
+    earlier fault that lands in the same window is not the partition's recovery."""
+    cut = [{"ts": 10, "action": "partition-host", "host": "169.254.77.11", "seconds": 15}]
+    events = [
+        ev(11, "reset", reason="hosts_added", recovery_seconds=0.5),
+        ev(14, "reset", reason=reason, recovery_seconds=3.0, lost_steps=2),
+    ]
+    [rec] = inv.recoveries(cut, events)
+    assert (rec.reset_reason, rec.recovery_seconds, rec.seconds_to_reset, rec.lost_steps) == (reason, 3.0, 4.0, 2)
+    [grow_back_only] = inv.recoveries(cut, events[:1])
+    assert grow_back_only.reset_reason == "hosts_added", "with nothing better, the first reset after the fault"
 
 
 def ev(ts: float, event: str, **fields: object) -> Event:
@@ -156,11 +171,16 @@ def test_a_node_counts_as_rejoined_only_in_a_reset_after_it_came_back() -> None:
     assert not inv.check_rejoined([], []).ok, "no node came back: the scenario did not do its job"
 
 
-def test_the_multi_node_scenarios_run_on_three_nodes_with_min_np_2_and_outside_the_local_lists() -> None:
-    for name in ("node-killed", "node-partitioned"):
-        s = SCENARIOS[name]
-        assert s.nodes == 3 and not s.ci
-        cfg = s.cfg(False)
-        assert cfg["elastic"]["min_np"] == 2 and cfg["elastic"]["max_np"] == 3
-        assert cfg["discovery"]["ttl_seconds"] == base_config()["discovery"]["ttl_seconds"] == 3
-    assert all(s.nodes == 0 for s in SCENARIOS.values() if s.ci)
+@pytest.mark.parametrize("name", [n for n, s in SCENARIOS.items() if s.nodes])
+def test_a_multi_node_scenario_survives_one_lost_node_and_refuses_the_local_tier(name: str, tmp_path: Path) -> None:
+    s = SCENARIOS[name]
+    elastic = s.cfg(False)["elastic"]
+    # a node killed or cut off leaves nodes - 1 workers: still at least min_np, and below max_np so it can grow back
+    assert elastic["min_np"] <= s.nodes - 1 < elastic["max_np"] <= s.nodes
+    with pytest.raises(ScenarioError, match="needs the multi-node tier"):
+        s.inject(Run(tmp_path, {"job": "j", **base_config()}), False)
+
+
+def test_the_scenarios_that_ci_runs_need_no_multi_node_tier() -> None:
+    ci = [s for s in SCENARIOS.values() if s.ci]
+    assert ci and all(scenarios._tier_unavailable(s) is None for s in ci)

@@ -106,7 +106,8 @@ class _FakeHvd(types.SimpleNamespace):
         self.root_layout = root_layout
 
     def allgather_object(self, obj, name=None):
-        return [(10, 0), obj]  # rank 0 is ahead (step, epoch): it is the root, this process (rank 1) receives
+        # rank 0 is ahead (step, epoch, step reached): it is the root, this process (rank 1) receives
+        return [(10, 0, 10), obj]
 
     def broadcast_object(self, obj, root_rank=0, name=None):
         return self.root_layout if name == "sync.opt_layout" else obj

@@ -236,11 +236,11 @@ def test_launch_json_as_the_launcher_writes_it_round_trips_to_live_then_no_live_
     run_dir = make_run_dir(tmp_path, checkpoint=False)
     script = (
         "import sys, types\n"
-        "from elastictrain.launch import Launcher\n"
+        "from elastictrain.launcher.supervisor import Launcher\n"
         "la = Launcher.__new__(Launcher)\n"
         "ns = types.SimpleNamespace\n"
         "la.__dict__.update(launch_id='x', cfg=ns(job='j'), etcd_endpoint='http://127.0.0.1:1',\n"
-        "    opts=ns(embedded=True, hosts=['localhost']), etcd_proc=None, agents={}, hvd_proc=None, attempt=0,\n"
+        "    opts=ns(embedded=True, hosts=['localhost']), etcd=None, agents={}, hvd_proc=None, attempt=0,\n"
         "    run_dir=__import__('pathlib').Path(sys.argv[1]))\n"
         "la._write_state()\n"
         "print('written', flush=True)\n"

@@ -96,14 +96,14 @@ def test_a_task_that_cannot_be_found_is_one_line(spec, message):
     ],
 )  # fmt: skip
 def test_a_task_that_cannot_be_built_is_one_line(task, args, message):
-    cfg = config_from_dict({**BASE, "task": task, "task_args": args}, env={})
+    cfg = config_from_dict({**BASE, "task": task, "task_args": args})
     with pytest.raises(ConfigError) as err:
         validate_task(cfg)
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
 def test_validation_builds_on_the_meta_device_so_a_large_model_costs_nothing():
-    cfg = config_from_dict({**BASE, "task_args": {"model": "resnet50", "num_classes": 1000}}, env={})
+    cfg = config_from_dict({**BASE, "task_args": {"model": "resnet50", "num_classes": 1000}})
     t0 = time.monotonic()
     task = validate_task(cfg)
     assert time.monotonic() - t0 < 10
@@ -111,12 +111,12 @@ def test_validation_builds_on_the_meta_device_so_a_large_model_costs_nothing():
 
 
 def test_validation_falls_back_to_the_cpu_when_the_task_needs_real_tensors():
-    cfg = config_from_dict({**BASE, "task": "tests.unit.test_task:needs_real_tensors"}, env={})
+    cfg = config_from_dict({**BASE, "task": "tests.unit.test_task:needs_real_tensors"})
     assert validate_task(cfg).model.weight.device.type == "cpu"
 
 
 def test_build_seeds_torch_with_the_jobs_seed_so_every_worker_starts_from_the_same_weights():
-    cfg = config_from_dict({**BASE, "task": "tests.unit.test_task:good_task", "training": {"seed": 5}}, env={})
+    cfg = config_from_dict({**BASE, "task": "tests.unit.test_task:good_task", "training": {"seed": 5}})
     a, b = build_task(cfg), build_task(cfg)
     assert torch.equal(a.model.weight, b.model.weight) and check_dataset_size(a) == 8
 

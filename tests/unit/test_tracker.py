@@ -362,9 +362,9 @@ def test_non_numbers_are_skipped_with_a_warning(store: FakeStore, tmp_path: Path
 
 
 def test_null_tracker_and_factory(tmp_path: Path) -> None:
-    cfg = config_from_dict({"job": "j", "run_dir": str(tmp_path)}, env={})
+    cfg = config_from_dict({"job": "j", "run_dir": str(tmp_path)})
     assert isinstance(make_tracker(cfg, rank=1), NullTracker)
-    off = config_from_dict({"job": "j", "run_dir": str(tmp_path), "tracking": {"mlflow": False}}, env={})
+    off = config_from_dict({"job": "j", "run_dir": str(tmp_path), "tracking": {"mlflow": False}})
     null = make_tracker(off, rank=0)
     assert isinstance(null, NullTracker)
     null.log_params({"a": 1})

@@ -18,7 +18,9 @@ import psutil
 import pytest
 
 from elastictrain import zygote
-from elastictrain.launch import LaunchOptions, runs_train, worker_command
+from elastictrain.launcher.commands import worker_command
+from elastictrain.launcher.options import LaunchOptions
+from elastictrain.launcher.processes import runs_train
 from tests.fixtures.procs import REPO, ProcessGroup, wait_until
 
 SERVER = """

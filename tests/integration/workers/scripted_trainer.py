@@ -7,6 +7,9 @@ sizes and ranks (``hvd.size``/``hvd.rank`` as the worker module sees them; every
 for real on one process) and raises what Horovod raises when a peer dies or hosts change:
 
 * ``{"kind": "failure", "step": S, "size": N, "rank": R}``: ``HorovodInternalError`` inside step S.
+* ``{"kind": "allreduce_failure", "step": S}``: ``HorovodInternalError`` from the gradient allreduce of step S
+  (``optimizer.synchronize()``, after every backward pass has enqueued its allreduce). With it in the script,
+  the optimizer registers its gradient hooks as under horovodrun (Horovod skips them at size 1).
 * ``{"kind": "notice", "step": S, "size": N, "rank": R}``: ``HostsUpdatedInterrupt`` at the commit of step S.
 * ``{"kind": "notice_at_epoch_end", "epoch": E, "size": N}``: the same, at the commit that ends epoch E - 1
   (the sampler already stands at epoch E).
@@ -18,6 +21,7 @@ Exit code: the worker's.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -51,13 +55,29 @@ def main(config_json: str, script_json: str) -> int:
 
     class Scripted(elastic.ElasticTrainer):
         def __init__(self, cfg: Any) -> None:
-            super().__init__(cfg)
+            hooks = any(item["kind"] == "allreduce_failure" for item in pending)
+            if hooks:  # DistributedOptimizer registers its hooks at size 1 only for an elastic job
+                os.environ["HOROVOD_ELASTIC"] = "1"
+            try:
+                super().__init__(cfg)
+            finally:
+                if hooks:
+                    del os.environ["HOROVOD_ELASTIC"]  # hvd.init() at a reset must not look for a rendezvous
+            assert not hooks or self.optimizer._requires_update, "no gradient hooks registered"
             trainer, state = self, self.state
             real_check = state._check_host_updates
 
             def train_step(*args: Any, **kwargs: Any) -> Any:
                 if fire("failure", step=trainer.counters.step + 1):
                     raise HorovodInternalError("scripted: a peer died")
+                if fire("allreduce_failure", step=trainer.counters.step + 1):
+                    optimizer = args[1]
+
+                    def failed_synchronize() -> None:
+                        del optimizer.synchronize  # the class's again, for the steps after this one
+                        raise HorovodInternalError("scripted: a peer died in the gradient allreduce")
+
+                    optimizer.synchronize = failed_synchronize
                 return real_train_step(*args, **kwargs)
 
             def check_host_updates() -> None:

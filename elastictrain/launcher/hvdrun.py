@@ -1,10 +1,10 @@
-"""``python -m elastictrain.hvdrun ARGS``: ``horovodrun ARGS`` with a host discovery that costs a fork, not a Python.
+"""``python -m elastictrain.launcher.hvdrun ARGS``: ``horovodrun ARGS`` with a host discovery that costs a fork,
+not a Python.
 
 Horovod 0.28.1's elastic driver runs ``--host-discovery-script`` every second through
 ``safe_shell_exec.execute``, which starts a *spawned* multiprocessing middleman: a fresh Python
-interpreter that re-imports the ``horovodrun`` script, every second, for the whole job. Measured on a
-2-core machine: the driver then uses 13 % of a core against 1 % for a static ``horovodrun -np 2``, which
-took 6-8 % off the throughput of two workers that share those cores.
+interpreter that re-imports the ``horovodrun`` script, every second, for the whole job (what that costs:
+docs/decisions.md).
 
 This entry point is horovodrun itself (same flags, same driver, same rendezvous) with two repairs:
 
@@ -17,10 +17,10 @@ This entry point is horovodrun itself (same flags, same driver, same rendezvous)
    the worker in that slot is still alive. A host whose worker died and that is discovered again before
    the next assignment (its blacklist cooldown ran out, as happens when the job fell below ``--min-np``
    and waited for hosts) therefore gets a rank but no process: the survivors wait in the rendezvous until
-   the Gloo timeout, abort, and horovodrun then waits forever with no worker (seen in the chaos scenario
-   ``below-min-np`` and a soak). :func:`install` makes the driver forget slots whose worker has exited
-   before it computes the next assignment, so they are started again. An exit counts for its own process
-   only: the late exit of a slot's older process does not mark the slot's live one dead.
+   the Gloo timeout, abort, and horovodrun then waits forever with no worker. :func:`install` makes the
+   driver forget slots whose worker has exited before it computes the next assignment, so they are
+   started again. An exit counts for its own process only: the late exit of a slot's older process does
+   not mark the slot's live one dead.
 
 Both repairs replace private methods of Horovod 0.28.1's runner; on any other Horovod version this entry
 point exits 2 with one line.
@@ -38,6 +38,8 @@ import subprocess
 import sys
 import threading
 from typing import Any
+
+from elastictrain.errors import ElastictrainError
 
 DISCOVERY_TIMEOUT_SECONDS = 30.0
 """A discovery script that hangs this long is killed (with everything it started) and counts as failed."""
@@ -72,7 +74,7 @@ HOROVOD_VERSION = "0.28.1"
 """The only Horovod whose elastic driver :func:`install` knows: it replaces private methods of that release."""
 
 
-class UnsupportedHorovod(RuntimeError):
+class UnsupportedHorovod(ElastictrainError, RuntimeError):
     """The installed Horovod is not :data:`HOROVOD_VERSION`; the repairs would patch names that may differ."""
 
 
@@ -116,7 +118,7 @@ def install() -> None:
     found = getattr(horovod, "__version__", "unknown")
     if found != HOROVOD_VERSION:
         raise UnsupportedHorovod(
-            f"elastictrain.hvdrun needs Horovod {HOROVOD_VERSION} (it repairs that release's elastic driver); "
+            f"elastictrain.launcher.hvdrun needs Horovod {HOROVOD_VERSION} (it repairs that release's elastic driver); "
             f"found Horovod {found}"
         )
     from horovod.runner.elastic import discovery

@@ -13,6 +13,8 @@ from typing import Any
 
 import structlog
 
+from elastictrain import envnames
+
 _configured = False
 
 
@@ -24,8 +26,8 @@ def configure_logging(level: str | None = None, *, json: bool | None = None, **c
     """
     global _configured
     if not _configured:
-        level_name = (level or os.environ.get("ELASTICTRAIN_LOG_LEVEL", "info")).upper()
-        fmt = os.environ.get("ELASTICTRAIN_LOG_FORMAT")
+        level_name = (level or os.environ.get(envnames.LOG_LEVEL, "info")).upper()
+        fmt = os.environ.get(envnames.LOG_FORMAT)
         use_json = (
             (fmt == "json") if fmt in ("json", "console") else (json if json is not None else not sys.stderr.isatty())
         )

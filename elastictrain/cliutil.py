@@ -1,0 +1,23 @@
+"""The argument parser every elastictrain command uses: misuse is one line on stderr and exit code 2.
+
+Import-light by contract (argparse only), so that ``discovery`` (which must never import torch) and
+``chaos`` use it as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import NoReturn
+
+EXIT_USAGE = 2
+"""Exit code for command-line misuse and bad input."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports misuse as ``PROG: error: MESSAGE`` (one line, no usage block) and exits 2.
+
+    Pass it on to subcommands with ``add_subparsers(parser_class=OneLineParser)``.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")

@@ -1,0 +1,122 @@
+"""``elastictrain launch``'s entry point: parse, check what can be checked before anything starts, then supervise.
+
+:func:`main` exits 2 with one line for bad flags, a bad config or task, a missing horovodrun or etcd, an
+unreachable ``--etcd`` and a run_dir that another launcher drives; nothing is started then. A run_dir
+whose latest verified checkpoint already holds the whole training exits 0 without starting anything.
+Otherwise it takes the run_dir lock and hands over to :class:`~elastictrain.launcher.supervisor.Launcher`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from discovery.endpoints import EtcdAccess
+from discovery.registry import EtcdRegistry, RegistryError, RegistryUnavailable
+from elastictrain.cliutil import EXIT_USAGE
+from elastictrain.config import ConfigError, JobConfig
+from elastictrain.config_cli import report_config_error
+from elastictrain.launcher.commands import REPO, config_validate_command, find_horovodrun, runner_command
+from elastictrain.launcher.errors import LaunchError
+from elastictrain.launcher.options import PROG, LaunchOptions, parse
+from elastictrain.launcher.rundir import RunDirLock
+from elastictrain.launcher.supervisor import Launcher
+
+TASK_CHECK_TIMEOUT_SECONDS = 300.0
+
+
+def check_etcd(
+    endpoints: str, job: str, prefix: str, timeout_seconds: float = 3.0, access: EtcdAccess | None = None
+) -> None:
+    """Raise :class:`LaunchError` unless the cluster's etcd answers a range request."""
+    registry = EtcdRegistry(endpoints, job, prefix, timeout_seconds=timeout_seconds, access=access)
+    try:
+        registry.list_hosts()
+    except RegistryError as e:
+        how = "unreachable" if isinstance(e, RegistryUnavailable) else "refused the job's hosts range"
+        raise LaunchError(f"--etcd {endpoints}: {how} ({str(e).splitlines()[0] if str(e) else 'no answer'})") from None
+    finally:
+        with contextlib.suppress(Exception):
+            registry.close()
+
+
+def run_complete(cfg: JobConfig) -> str | None:
+    """One line saying that the run_dir's latest checkpoint already holds the whole training, else None.
+
+    The workers would resume from that checkpoint and train nothing; a damaged one (the workers fall back
+    to an older one) or a longer training (more epochs, a higher ``max_steps``) is not complete.
+    """
+    if not (cfg.checkpoint.enabled and cfg.checkpoint.resume):
+        return None
+    from elastictrain.policy import training_complete
+    from elastictrain.status import latest_checkpoint
+
+    ck = latest_checkpoint(cfg.run_path, time.time())
+    if not ck or ck.get("error") or not isinstance(ck.get("step"), int) or not isinstance(ck.get("epoch"), int):
+        return None
+    if not training_complete(cfg.training, ck["epoch"], ck["step"]):
+        return None
+    from elastictrain.checkpoint import CheckpointDamaged, LocalStorage, verify_checkpoint
+
+    try:
+        verify_checkpoint(LocalStorage.for_run_dir(cfg.run_path), str(ck["name"]))
+    except (CheckpointDamaged, OSError, ValueError):
+        return None
+    t = cfg.training
+    target = f"epoch {ck['epoch']} of {t.epochs}" + (f", step {ck['step']} of {t.max_steps}" if t.max_steps else "")
+    return f"run complete: {cfg.run_path} already holds the whole training ({target}); nothing to train"
+
+
+def check_task(opts: LaunchOptions, python: str = sys.executable) -> None:
+    """Raise :class:`ConfigError` unless the config's task imports and builds (``elastictrain config validate``:
+    on the meta device, in a child process, so the launcher imports neither torch nor the user's code)."""
+    cmd = config_validate_command(opts.config, opts.overrides, python)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    try:
+        done = subprocess.run(
+            cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env, timeout=TASK_CHECK_TIMEOUT_SECONDS
+        )
+    except subprocess.TimeoutExpired:
+        limit = TASK_CHECK_TIMEOUT_SECONDS
+        raise ConfigError(f"task: checking the task of {opts.config} took over {limit:g}s") from None
+    if done.returncode != 0:
+        lines = [ln for ln in done.stderr.strip().splitlines() if ln.strip()]
+        last = lines[-1] if lines else f"the task check exited {done.returncode}"
+        raise ConfigError(last.removeprefix("elastictrain: config error: "))
+
+
+def main(argv: list[str]) -> int:
+    try:
+        opts, cfg = parse(argv)
+        if (complete := run_complete(cfg)) is not None:
+            print(f"{PROG}: {complete}", flush=True)
+            return 0
+        if find_horovodrun() is None:
+            raise LaunchError("horovodrun not found next to this Python or on PATH (run `make setup`)")
+        check_task(opts)
+        if opts.etcd is not None:
+            check_etcd(opts.etcd, cfg.job, cfg.discovery.prefix, access=opts.etcd_access)
+    except ConfigError as e:
+        report_config_error(e, PROG)
+        return EXIT_USAGE
+    except LaunchError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        lock = RunDirLock.acquire(cfg.run_path.resolve())
+    except LaunchError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        launcher = Launcher(opts, cfg, horovodrun=runner_command())
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, launcher.on_signal)
+        code = launcher.run()
+        print(f"{PROG}: exit {code}", flush=True)
+        return code
+    finally:
+        lock.release()
