@@ -46,7 +46,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import elastictrain
 from elastictrain.cliutil import OneLineParser
-from elastictrain.events import EventLog
+from elastictrain.events import Done, EventLog, Metrics
 from elastictrain.ledger import SampleLedger
 
 
@@ -158,13 +158,16 @@ class RunLog:
         all_ids = hvd.allgather(ids, name="horovod_port.sample_ids")
         if self.ledger is not None and self.events is not None:
             self.ledger.record(step, epoch, all_ids.tolist())
-            self.events.emit("metrics", step=step, epoch=epoch, world_size=hvd.size(), loss=loss, lr=lr,
-                             samples_per_sec=len(all_ids) / seconds, step_seconds=seconds, steps=1)  # fmt: skip
+            rate = len(all_ids) / seconds
+            self.events.emit(
+                Metrics(step=step, epoch=epoch, world_size=hvd.size(), loss=loss, lr=lr, samples_per_sec=rate,
+                        step_seconds=seconds, steps=1)
+            )  # fmt: skip
 
-    def done(self, step: int, epoch: int, loss: float, wall_seconds: float) -> None:
+    def done(self, step: int, epoch: int, loss: float) -> None:
         if self.events is not None:
-            self.events.emit("done", step=step, epoch=epoch, world_size=hvd.size(), final_loss=loss,
-                             val_accuracy=None, wall_seconds=wall_seconds, checkpointed=None)  # fmt: skip
+            self.events.emit(Done(step=step, epoch=epoch, world_size=hvd.size(), final_loss=loss,
+                                  val_accuracy=None, checkpointed=None))  # fmt: skip
 
     def close(self) -> None:
         if self.ledger is not None:
@@ -226,14 +229,13 @@ log(f"Model: small CNN, {args.image_size}x{args.image_size} synthetic images, {a
 log(f"Batch size: {args.batch_size}")
 log(f"Number of {'GPU' if args.cuda else 'CPU'}s: {hvd.size()}")
 
-t0 = time.time()
 state = elastictrain.ElasticState(
     model, optimizer, scheduler=scheduler, sampler=sampler, epoch=0, batch=0, step=0, loss=0.0, samples_per_sec=[]
 )
 state.register_reset_callbacks([on_state_reset])
 try:
     run_benchmark(state)
-    run_log.done(state.step, state.epoch, state.loss, time.time() - t0)
+    run_log.done(state.step, state.epoch, state.loss)
 finally:
     run_log.close()
 

@@ -134,9 +134,9 @@ def test_worker_killed_with_rollback_none_loses_no_step_and_matches_a_fault_free
     host, _ = faulty.kill_worker(rank=2, sig=signal.SIGKILL)
     faulty.set_hosts([h for h in HOSTS[:3] if h != host])
     assert faulty.wait() == 0, faulty.tail()
-    resets = faulty.events("reset")
-    assert any(r["reason"] == "worker_failed" and r["new_size"] == 2 for r in resets), resets
-    assert [r["lost_steps"] for r in resets] == [0] * len(resets), resets
+    resets = faulty.events(Reset)
+    assert any(r.reason == "worker_failed" and r.new_size == 2 for r in resets), resets
+    assert [r.lost_steps for r in resets] == [0] * len(resets), resets
     assert_exactly_once(faulty, 2400, 1)
     a, b = final_params(clean), final_params(faulty)
     rel = float((a - b).norm() / a.norm())

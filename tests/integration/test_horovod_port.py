@@ -169,9 +169,9 @@ def test_ported_script_survives_a_sigkill_in_seconds_with_every_sample_once_and_
     assert inv.passed(checks), inv.format_table("ported Horovod script under a SIGKILL", checks) + "\n" + tail()
 
     wrong_lr = [
-        (e["step"], e["world_size"], e["lr"])
+        (e.step, e.world_size, e.lr)
         for e in steps
-        if e["lr"] != pytest.approx(expected_lr(e["step"], e["world_size"]), rel=1e-6)
+        if e.lr != pytest.approx(expected_lr(e.step, e.world_size), rel=1e-6)
     ]
     assert not wrong_lr, f"steps whose LR is not the schedule's (step, world size, lr): {wrong_lr[:5]}"
 

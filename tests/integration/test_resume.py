@@ -94,7 +94,7 @@ def test_sigterm_to_the_workers_checkpoints_the_last_commit_before_they_exit(job
     last_commit = max(e.step for e in job.events(Commit))
     ckpt = load_latest(LocalStorage.for_run_dir(job.run_dir))
     assert ckpt is not None
-    assert ckpt.step == (last_commit if rollback == "commit" else stopped[-1]["step"]), (ckpt.step, last_commit)
+    assert ckpt.step == (last_commit if rollback == "commit" else stopped[-1].step), (ckpt.step, last_commit)
     ledger = committed_samples(job.run_dir / "ledger")
     assert sum(len(ids) for ids in ledger.values()) == ckpt.state["counters"]["samples"]
 
