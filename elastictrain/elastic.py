@@ -13,6 +13,10 @@ Life of a worker::
                                  rollback ``none``: keep the rest (whole steps only); re-init, sync, continue
         on HostsUpdatedInterrupt: (state already committed) re-init, sync, continue
     exit 0 only when training is complete; 143 after SIGTERM (rank 0 checkpoints the last commit first)
+
+Size: the engine (device, task, rank-0 services, the reset bookkeeping, the loop, validation, commits) is
+still one class; splitting it into parts with their collaborators passed in is issue 14 section 3, not
+done yet.
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ goes through it:
   and the chaos checks ask of a log.
 
 Import-light on purpose (no torch): the launcher and ``status`` import it.
+
+Size: one dataclass per event kind, the writer and the reader: the whole run-log contract in one place, which
+is the point (``docs/events.md`` is generated from it).
 """
 
 from __future__ import annotations

@@ -22,6 +22,9 @@ Two invariants hold here, not in the worker:
   queued. The points come from the events by :func:`event_metrics`, the same values the worker logs.
 
 ``import mlflow`` (seconds of CPU) happens in the sender thread, so building a tracker costs nothing.
+
+Size: the tracker's queue, its sender thread and the MLflow calls (open, batch, backfill, close) share one
+lifecycle and one thread; they stay together so that no second thread touches MLflow.
 """
 
 from __future__ import annotations
