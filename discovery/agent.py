@@ -576,45 +576,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def start_zygote(cmd: list[str], timeout: float, signals: Signals, log: Any) -> subprocess.Popen[str] | None:
-    """Start the warm worker process and wait until it says it is ready, it exits, a signal arrives, or
-    ``timeout``; a zygote that never gets ready costs only the hot join (workers start cold)."""
-    import selectors
+def start_zygote(cmd: list[str], timeout: float, signals: Signals, log: Any) -> subprocess.Popen[bytes] | None:
+    """Start the warm worker process (in its own session: the agent's terminal signals are not its workers')
+    and wait until it says it is ready, it exits, a signal arrives, or ``timeout``; a zygote that never gets
+    ready costs only the hot join (workers start cold)."""
+    import threading
 
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1)
-    assert proc.stdout is not None
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, start_new_session=True)
+    ready, ended = threading.Event(), threading.Event()
+
+    def pump() -> None:  # reads every line for the process's life, so it never blocks on a full pipe
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith(b"zygote ready"):
+                ready.set()
+        ended.set()
+
+    threading.Thread(target=pump, name="zygote-stdout", daemon=True).start()
     deadline, seen = time.monotonic() + timeout, signals.count
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while signals.count == seen and (left := deadline - time.monotonic()) > 0:
-            if not sel.select(min(left, 0.2)):
-                continue
-            line = proc.stdout.readline()
-            if line.startswith("zygote ready"):
-                log.info("warm worker process ready", pid=proc.pid)
-                _drain_lines(proc)
-                return proc
-            if not line:  # it exited
-                log.warning("warm worker process exited before it was ready; workers start cold", code=proc.wait())
-                return None
+    while signals.count == seen and time.monotonic() < deadline and not ended.is_set():
+        if ready.wait(0.2):
+            log.info("warm worker process ready", pid=proc.pid)
+            return proc
+    if ended.is_set() and not ready.is_set():
+        log.warning("warm worker process exited before it was ready; workers start cold", code=proc.wait())
+        return None
     log.warning("warm worker process not ready; workers start cold until it is", pid=proc.pid)
-    _drain_lines(proc)
     return proc
 
 
-def _drain_lines(proc: subprocess.Popen[str]) -> None:
-    """Keep reading the zygote's stdout in the background so that it never blocks on a full pipe."""
-    import threading
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for _line in proc.stdout:
-            pass
-
-    threading.Thread(target=pump, name="zygote-stdout", daemon=True).start()
-
-
-def stop_zygote(proc: subprocess.Popen[str], grace: float) -> None:
+def stop_zygote(proc: subprocess.Popen[bytes], grace: float) -> None:
     """SIGTERM (it stops taking requests and exits when its workers have), then SIGKILL after ``grace``."""
     proc.terminate()
     try:

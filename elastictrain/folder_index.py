@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 CACHE_ENV = envnames.CACHE
 RACY_SECONDS = 2.0
+_MEMO: dict[str, FolderIndex] = {}
+"""Indexes this process has built or read, by real path (still checked against the folders' mtimes)."""
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")  # torchvision's
 
 
@@ -106,9 +108,10 @@ def _walk(root: str, top: str, dirs: dict[str, int]) -> list[tuple[str, list[str
 
 
 def _safe_rel(path: Any) -> bool:
-    if not isinstance(path, str) or not path or os.path.isabs(path) or "\x00" in path:
+    """A relative path that stays below the root (a plain string test: an index holds a million of them)."""
+    if not isinstance(path, str) or not path or path[0] == "/" or "\x00" in path:
         return False
-    return ".." not in Path(path).parts
+    return ".." not in path or ".." not in path.split("/")
 
 
 def _parse(root: str, raw: Any) -> FolderIndex | None:
@@ -163,10 +166,14 @@ def store(index: FolderIndex) -> None:
 def folder_index(root: str | os.PathLike[str]) -> FolderIndex:
     """The index of ``root``: from the cache when the folder is unchanged, else scanned and cached."""
     real = os.path.realpath(root)
+    index = _MEMO.get(real)
+    if index is not None and _unchanged(index):
+        return index  # e.g. indexed by the warm zygote this worker was forked from
     index = load_cached(real)
     if index is None:
         started_ns = time.time_ns()
         index = scan(real)
         if max(index.dirs.values()) < started_ns - int(RACY_SECONDS * 1e9):
             store(index)
+    _MEMO[real] = index
     return index

@@ -36,6 +36,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import struct
 import sys
 from pathlib import Path
@@ -57,6 +58,18 @@ class ProtocolError(ElastictrainError):
 
 def socket_dir() -> Path:
     return Path(os.environ.get(DIR_ENV) or f"/tmp/elastictrain-zygote-{os.getuid()}")
+
+
+def check_folder(folder: Path) -> None:
+    """``folder`` must be a real directory (not a link) owned by us with mode 0700: anyone else who could
+    place the socket could read every client's environment and streams, or answer for the zygote."""
+    st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"{folder} must be a directory owned by uid {os.getuid()} with mode 0700")
+
+
+def peer_uid(sock: socket.socket) -> int:
+    return int(struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1])
 
 
 def socket_path(job: str, host: str) -> Path:
@@ -173,8 +186,11 @@ class _Relay:
 def _request(path: Path, args: list[str], relay: _Relay) -> socket.socket | None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
+        check_folder(path.parent)
         sock.settimeout(CONNECT_TIMEOUT_SECONDS)
         sock.connect(str(path))
+        if peer_uid(sock) != os.getuid():
+            raise PermissionError("the zygote socket is served by another user")
         send_message(sock, {"args": args, "env": dict(os.environ), "cwd": os.getcwd()}, [0, 1, 2])
         reply, _ = recv_message(sock)
     except (OSError, ProtocolError):
@@ -239,13 +255,20 @@ def warm(config: str, overrides: list[str]) -> None:
 
 
 def listen(path: Path) -> socket.socket:
+    """Bind the socket at ``path``; a live zygote already serving there is an error, a stale socket is replaced."""
     folder = path.parent
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = folder.stat()
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise PermissionError(f"{folder} must be owned by uid {os.getuid()} with mode 0700")
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()
+    check_folder(folder)
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()  # nobody listens: a stale socket of a zygote that died
+    else:
+        raise FileExistsError(f"a zygote already serves {path}")
+    finally:
+        probe.close()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o177)
     try:
@@ -263,6 +286,8 @@ class Zygote:
         import selectors
 
         self.listener, self.path = listener, path
+        self.inode = os.stat(path).st_ino
+        self.parent = os.getppid()
         self.children: dict[int, socket.socket] = {}
         self.stopping = False
         self.sel = selectors.DefaultSelector()
@@ -279,16 +304,26 @@ class Zygote:
     def _stop(self, *_: Any) -> None:
         self.stopping = True
 
+    def unlink(self) -> None:
+        """Remove our socket, not one a newer zygote bound at the same path since."""
+        with contextlib.suppress(OSError):
+            if os.stat(self.path).st_ino == self.inode:
+                self.path.unlink()
+
     def serve(self) -> int:
         while not (self.stopping and not self.children):
+            if os.getppid() != self.parent:
+                self.stopping = True  # the agent died: take no more requests, let the running workers finish
             if self.stopping and self.listener.fileno() >= 0:
                 self.sel.unregister(self.listener)
                 self.listener.close()
-                with contextlib.suppress(FileNotFoundError):
-                    self.path.unlink()
+                self.unlink()
             for key, _ in self.sel.select(timeout=1.0):
                 if key.data == "accept":
-                    self._accept()
+                    try:
+                        self._accept()
+                    except Exception as e:  # one bad request must not take the running workers down with us
+                        _say(f"zygote: request refused: {type(e).__name__}: {str(e)[:200]}")
                 elif key.data == "wake":
                     with contextlib.suppress(BlockingIOError):
                         os.read(self.wake_r, 4096)
@@ -301,28 +336,31 @@ class Zygote:
         conn, _ = self.listener.accept()
         conn.settimeout(CONNECT_TIMEOUT_SECONDS)
         fds: list[int] = []
+        pid = None
         try:
-            uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+            uid = peer_uid(conn)
             if uid != os.getuid():
                 raise ProtocolError(f"peer uid {uid} is not ours")
             msg, fds = recv_message(conn, max_fds=3)
             request = _valid_request(msg, fds)
             if thread_count() != 1:
-                send_message(conn, {"error": f"zygote has {thread_count()} threads; a fork would not be safe"})
-                raise ProtocolError("threads")
+                raise ProtocolError(f"zygote has {thread_count()} threads; a fork would not be safe")
             pid = self._fork(conn, request, fds)
+            self.children[pid] = conn  # from here on, its client's end is its end
             send_message(conn, {"pid": pid})
-            print(f"zygote forked worker pid {pid}", flush=True)
-        except (OSError, ProtocolError) as e:
-            with contextlib.suppress(OSError):
-                send_message(conn, {"error": str(e)})
+            conn.settimeout(None)
+            self.sel.register(conn, self.EVENT_READ, pid)
+        except Exception as e:
+            if pid is not None:  # the client is gone (it started the worker cold): this one must not run too
+                _kill_worker(pid)
+                self.children.pop(pid, None)
+            with contextlib.suppress(Exception):
+                send_message(conn, {"error": str(e)[:500]})
             conn.close()
             return
         finally:
             _close_all(fds)
-        conn.settimeout(None)
-        self.children[pid] = conn
-        self.sel.register(conn, self.EVENT_READ, pid)
+        _say(f"zygote forked worker pid {pid}")
 
     def _fork(self, conn: socket.socket, request: dict[str, Any], fds: list[int]) -> int:
         sys.stdout.flush()
@@ -334,9 +372,11 @@ class Zygote:
         code = 1
         try:  # the worker: nothing in here may return into the serving loop
             _die_with(parent)
+            os.setsid()  # its own process group: killed as a group, untouched by the agent's terminal
             signal.set_wakeup_fd(-1)
-            for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
+            for sig in (signal.SIGCHLD, signal.SIGTERM):
                 signal.signal(sig, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             self.sel.close()
             for other in (self.listener, conn, *self.children.values()):
                 other.close()
@@ -348,6 +388,9 @@ class Zygote:
             os.chdir(request["cwd"])
             os.environ.clear()
             os.environ.update(request["env"])
+            if os.environ.get("PYTHONUNBUFFERED"):
+                sys.stdout.reconfigure(write_through=True)  # type: ignore[union-attr]
+                sys.stderr.reconfigure(write_through=True)  # type: ignore[union-attr]
             sys.argv = ["elastictrain", "train", *request["args"]]
             from elastictrain import worker
 
@@ -372,10 +415,9 @@ class Zygote:
         if conn is None:
             return
         with contextlib.suppress(OSError):
-            if conn.recv(1, socket.MSG_PEEK):
-                return  # a client sends nothing after its request; ignore stray bytes until it closes
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+            if conn.recv(4096):
+                return  # a client sends nothing after its request: stray bytes are dropped until it closes
+        _kill_worker(pid)
         self.sel.unregister(conn)
 
     def _reap(self) -> None:
@@ -394,6 +436,20 @@ class Zygote:
             with contextlib.suppress(KeyError, ValueError):
                 self.sel.unregister(conn)
             conn.close()
+
+
+def _kill_worker(pid: int) -> None:
+    """SIGKILL a forked worker and its process group (its loader workers, its checkpoint writer); the pid first,
+    in case it has not made its own group yet."""
+    for kill in (os.kill, os.killpg):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            kill(pid, signal.SIGKILL)
+
+
+def _say(line: str) -> None:
+    """A line on stdout for the agent's log; a closed stdout (the agent died) must not fail a request."""
+    with contextlib.suppress(OSError, ValueError):
+        print(line, flush=True)
 
 
 def _valid_request(msg: dict[str, Any] | None, fds: list[int]) -> dict[str, Any]:
@@ -434,21 +490,19 @@ def serve_main(argv: list[str]) -> int:
     args: argparse.Namespace = p.parse_args(argv)
     path = socket_path(args.job, args.host)
     try:
+        warm(args.config, args.overrides)  # before listening: nobody queues a request a busy zygote cannot answer
         listener = listen(path)
-        warm(args.config, args.overrides)
     except ConfigError as e:
         return report_config_error(e, "elastictrain zygote")
     except (OSError, ImportError) as e:
         print(f"elastictrain zygote: error: {e}", file=sys.stderr)
         return 1
     zygote = Zygote(listener, path)
-    print(f"{READY_LINE} {path} pid {os.getpid()}", flush=True)
+    _say(f"{READY_LINE} {path} pid {os.getpid()}")
     try:
         return zygote.serve()
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            if zygote.listener.fileno() >= 0:
-                path.unlink()
+        zygote.unlink()
 
 
 def main(argv: list[str]) -> int:

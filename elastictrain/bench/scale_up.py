@@ -62,11 +62,19 @@ def start_zygotes(cfg_path: Path, job: str, hosts: list[str], sockets: Path) -> 
     for host in hosts:
         cmd = zygote_command(str(cfg_path), (), job=job, host=host)
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env))
-    for p in procs:
-        assert p.stdout is not None
-        line = p.stdout.readline()  # blocks until the zygote is warm, or it exits (an empty line)
-        if not line.startswith(READY_LINE):
-            raise RuntimeError(f"zygote pid {p.pid} did not get ready (exit {p.poll()})")
+    try:
+        for p in procs:
+            assert p.stdout is not None
+            for line in p.stdout:  # until the zygote is warm, or it exits (the loop ends)
+                if line.startswith(READY_LINE):
+                    break
+            else:
+                raise RuntimeError(f"zygote pid {p.pid} did not get ready (exit {p.poll()})")
+    except BaseException:
+        for p in procs:
+            kill_tree(p.pid)
+            p.wait()
+        raise
     return procs
 
 
@@ -78,7 +86,7 @@ def trial(workdir: Path, hot: bool, hosts: list[str], log: Callable[[str], None]
     cfg_path = workdir / "job.yaml"
     cfg_path.write_text(yaml.safe_dump(config))
     sockets = Path(tempfile.mkdtemp(prefix="et-zy-", dir="/tmp"))  # AF_UNIX paths are short
-    zygotes = start_zygotes(cfg_path, job_name, hosts[:3], sockets) if hot else []
+    zygotes: list[subprocess.Popen[str]] = []
     job = ElasticJob(
         workdir,
         config,
@@ -90,6 +98,8 @@ def trial(workdir: Path, hot: bool, hosts: list[str], log: Callable[[str], None]
         extra_env={envnames.JOB: job_name, DIR_ENV: str(sockets)},
     )
     try:
+        if hot:
+            zygotes = start_zygotes(cfg_path, job_name, hosts[:3], sockets)
         job.start()
         job.wait_step(SCALE_AFTER_STEP, timeout=240)
         t_listed = time.time()

@@ -19,6 +19,7 @@ from elastictrain.data import SeededImageFolder, image_transforms
 @pytest.fixture(autouse=True)
 def cache(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv(fi.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(fi, "_MEMO", {})  # each test starts in a fresh process, as far as the index knows
     return tmp_path / "cache" / "folder-index"
 
 
@@ -69,6 +70,7 @@ def test_index_is_what_torchvision_imagefolder_finds(folder):
 
 def test_second_use_reads_the_cache_without_scanning(folder, cache, monkeypatch):
     first = fi.folder_index(folder)
+    monkeypatch.setattr(fi, "_MEMO", {})  # another process
     assert len(list(cache.iterdir())) == 1
     calls = scans(monkeypatch)
     assert fi.folder_index(folder) == first
@@ -117,6 +119,7 @@ def test_a_damaged_or_hostile_cache_file_is_ignored_and_replaced(folder, cache, 
     good = fi.folder_index(folder)
     (path,) = cache.iterdir()
     path.write_bytes(damage(json.loads(path.read_bytes())))
+    monkeypatch.setattr(fi, "_MEMO", {})  # another process reads the damaged file
     calls = scans(monkeypatch)
     assert fi.folder_index(folder) == good
     assert len(calls) == 1
@@ -143,3 +146,13 @@ def test_a_class_without_images_is_a_config_error(tmp_path):
     (root / "empty").mkdir()
     with pytest.raises(ConfigError, match=r"not a usable ImageFolder .*empty"):
         len(SeededImageFolder(str(root), image_transforms(8, train=False, augment=False), seed=1, key="task_args.path"))
+
+
+def test_a_process_reuses_its_own_index_while_the_folder_is_unchanged(folder, cache, monkeypatch):
+    first = fi.folder_index(folder)  # as the warm zygote does before it forks workers
+    for path in cache.iterdir():
+        path.unlink()
+    calls = scans(monkeypatch)
+    assert fi.folder_index(folder) is first and calls == []
+    png(folder / "b" / "late.png")
+    assert len(fi.folder_index(folder).samples) == len(first.samples) + 1 and len(calls) == 1

@@ -220,3 +220,68 @@ def test_a_warm_zygote_has_one_thread_and_no_mlflow(procs, sockdir):
     assert "libtorch" in maps and "horovod" in maps  # warm: torch and Horovod are loaded
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
+
+
+def test_a_worker_forked_for_a_client_that_already_left_does_not_stay(server, sockdir):
+    """A client that gave up (and started its worker cold) must not leave a warm twin running."""
+    path = zygote.socket_path("job1", "h1")
+    for _ in range(3):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(str(path))
+            null = os.open(os.devnull, os.O_RDWR)  # streams that stay writable: the worker itself would live on
+            zygote.send_message(s, {"args": ["wait"], "env": dict(os.environ), "cwd": "/"}, [null, null, null])
+            os.close(null)
+    wait_until(lambda: not [c for c in worker_children(server) if c.status() != psutil.STATUS_ZOMBIE], 30,
+               what="no worker left for the clients that left")  # fmt: skip
+    assert server.poll() is None, "the zygote survives bad clients"
+
+
+def test_the_client_never_talks_to_a_socket_in_a_folder_others_could_write(procs, sockdir):
+    sockdir.mkdir(mode=0o777)
+    os.chmod(sockdir, 0o777)
+    impostor = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    impostor.bind(str(zygote.socket_path("job1", "h1")))
+    impostor.listen(1)
+    try:
+        c = client(procs, "5")
+        out, _ = c.communicate(timeout=60)
+        assert (c.returncode, out.strip()) == (0, "cold train 5")
+    finally:
+        impostor.close()
+
+
+def test_a_second_zygote_on_a_live_socket_is_refused_and_a_stale_socket_is_replaced(server, sockdir):
+    path = zygote.socket_path("job1", "h1")
+    with pytest.raises(FileExistsError):
+        zygote.listen(path)
+    stale = sockdir.parent / "stale.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(stale))
+    s.close()  # a socket file nobody listens on, as a SIGKILLed zygote leaves
+    zygote.listen(stale).close()
+
+
+def test_the_agent_sees_the_ready_line_behind_other_output(tmp_path):
+    from discovery.agent import Signals, start_zygote
+
+    class Log:
+        def __init__(self) -> None:
+            self.lines: list[str] = []
+
+        def info(self, msg: str, **_: object) -> None:
+            self.lines.append(msg)
+
+        warning = info
+
+    script = (
+        "import sys, time; print('a task printed this'); print('zygote ready x'); sys.stdout.flush(); time.sleep(60)"
+    )
+    log = Log()
+    proc = start_zygote([sys.executable, "-c", script], 120, Signals(), log)
+    try:
+        assert proc is not None and log.lines == ["warm worker process ready"]
+        assert os.getsid(proc.pid) == proc.pid, "the zygote runs in its own session"
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait()
