@@ -23,6 +23,17 @@ HOSTS = local_logical_hosts()
 needs3 = pytest.mark.skipif(len(HOSTS) < 3, reason=f"needs 3 logical local hosts, found {HOSTS}")
 
 
+GLOBAL_POLICY = {
+    "elastic__policy": "global",
+    "elastic__global_batch_size": 48,
+    "elastic__micro_batch_size": 16,
+    "training__epochs": 1,
+    "data__num_samples": 2400,
+    "data__image_size": 32,
+}
+"""The ``global`` policy job whose final parameters are compared with a fault-free run's."""
+
+
 @pytest.fixture
 def jobs():
     started: list[ElasticJob] = []
@@ -92,14 +103,7 @@ def test_worker_killed_mid_epoch_rolls_back_and_keeps_every_sample_exactly_once(
 
 @needs3
 def test_global_policy_parameters_match_a_fault_free_run(jobs, tmp_path):
-    cfg = {
-        "elastic__policy": "global",
-        "elastic__global_batch_size": 48,
-        "elastic__micro_batch_size": 16,
-        "training__epochs": 1,
-        "data__num_samples": 2400,
-        "data__image_size": 32,
-    }
+    cfg = GLOBAL_POLICY
     clean = run_job(jobs, tmp_path, "clean", HOSTS[:2], **cfg)
     assert clean.wait() == 0, clean.tail()
     faulty = run_job(jobs, tmp_path, "faulty", HOSTS[:3], **cfg)  # 3 workers, then 2: a different split
@@ -117,16 +121,7 @@ def test_global_policy_parameters_match_a_fault_free_run(jobs, tmp_path):
 def test_worker_killed_with_rollback_none_loses_no_step_and_matches_a_fault_free_run(jobs, tmp_path):
     """``elastic.rollback: none``: a SIGKILLed worker costs the partial step only. Commits every 10 steps, so
     a rollback to the last commit would show as lost steps in the ``reset`` event."""
-    cfg = {
-        "elastic__rollback": "none",
-        "elastic__commit_every_steps": 10,
-        "elastic__policy": "global",
-        "elastic__global_batch_size": 48,
-        "elastic__micro_batch_size": 16,
-        "training__epochs": 1,
-        "data__num_samples": 2400,
-        "data__image_size": 32,
-    }
+    cfg = {**GLOBAL_POLICY, "elastic__rollback": "none", "elastic__commit_every_steps": 10}
     clean = run_job(jobs, tmp_path, "clean", HOSTS[:2], **cfg)
     assert clean.wait() == 0, clean.tail()
     faulty = run_job(jobs, tmp_path, "faulty", HOSTS[:3], **cfg)
