@@ -16,7 +16,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -217,31 +217,38 @@ def kill_during_checkpoint(
     Records whether the temp file was still there just after the kill (``mid_write``): the save was
     interrupted, not merely followed.
     """
+    for temp, pid, worker, run_dir in _checkpoint_writes(job, "kill-during-checkpoint", timeout, poll_seconds):
+        writer = None
+        with contextlib.suppress(psutil.Error):
+            writer = psutil.Process(pid)
+        procs = [*([writer] if writer is not None and writer.pid != worker.pid else []), *tree(worker.proc)]
+        _signal(procs, signal.SIGKILL)
+        mid_write = temp.exists()
+        return log.log(
+            "kill-during-checkpoint",
+            job=job.job,
+            temp_file=str(temp.relative_to(run_dir)),
+            writer_pid=pid,
+            mid_write=mid_write,
+            **worker.describe(),
+        )
+    raise AssertionError("not reached: _checkpoint_writes raises when it gives up")
+
+
+def _checkpoint_writes(
+    job: JobRef, name: str, timeout: float, poll_seconds: float
+) -> Iterator[tuple[Path, int, Worker, Path]]:
+    """Checkpoint writes in flight, as ``(temp file, writer pid, the worker above it, run dir)``, polled every
+    ``poll_seconds``; :class:`JobNotFound` when none was seen within ``timeout``."""
     if job.run_dir is None:
-        raise JobNotFound("kill-during-checkpoint needs --run-dir")
+        raise JobNotFound(f"{name} needs --run-dir")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for temp in checkpoint_temp_files(job.run_dir):
             pid = writer_pid(temp)
-            if pid is None:
-                continue
-            worker = job.worker_of(pid)
-            if worker is None:
-                continue
-            writer = None
-            with contextlib.suppress(psutil.Error):
-                writer = psutil.Process(pid)
-            procs = [*([writer] if writer is not None and writer.pid != worker.pid else []), *tree(worker.proc)]
-            _signal(procs, signal.SIGKILL)
-            mid_write = temp.exists()
-            return log.log(
-                "kill-during-checkpoint",
-                job=job.job,
-                temp_file=str(temp.relative_to(job.run_dir)),
-                writer_pid=pid,
-                mid_write=mid_write,
-                **worker.describe(),
-            )
+            worker = job.worker_of(pid) if pid is not None else None
+            if pid is not None and worker is not None:
+                yield temp, pid, worker, job.run_dir
         time.sleep(poll_seconds)
     raise JobNotFound(f"no checkpoint write of job {job.job!r} seen within {timeout:g}s")
 
@@ -255,34 +262,27 @@ def kill_rank0_spare_writer(
     caller decides when to SIGCONT it (:func:`resume_process`). Records ``writer_pid`` and ``latest`` as it
     was at the kill.
     """
-    if job.run_dir is None:
-        raise JobNotFound("kill-rank0-spare-writer needs --run-dir")
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for temp in checkpoint_temp_files(job.run_dir):
-            pid = writer_pid(temp)
-            worker = job.worker_of(pid) if pid is not None else None
-            if pid is None or worker is None or pid == worker.pid:
-                continue
-            try:
-                writer = psutil.Process(pid)
-            except psutil.Error:
-                continue
-            _signal([writer], signal.SIGSTOP)
-            _signal([worker.proc], signal.SIGKILL)
-            latest = None
-            with contextlib.suppress(OSError, UnicodeDecodeError):
-                latest = (job.run_dir / "checkpoints" / "latest").read_text().strip()
-            return log.log(
-                "kill-rank0-spare-writer",
-                job=job.job,
-                temp_file=str(temp.relative_to(job.run_dir)),
-                writer_pid=pid,
-                latest=latest,
-                **worker.describe(),
-            )
-        time.sleep(poll_seconds)
-    raise JobNotFound(f"no checkpoint write of job {job.job!r} seen within {timeout:g}s")
+    for temp, pid, worker, run_dir in _checkpoint_writes(job, "kill-rank0-spare-writer", timeout, poll_seconds):
+        if pid == worker.pid:
+            continue
+        try:
+            writer = psutil.Process(pid)
+        except psutil.Error:
+            continue
+        _signal([writer], signal.SIGSTOP)
+        _signal([worker.proc], signal.SIGKILL)
+        latest = None
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+        return log.log(
+            "kill-rank0-spare-writer",
+            job=job.job,
+            temp_file=str(temp.relative_to(run_dir)),
+            writer_pid=pid,
+            latest=latest,
+            **worker.describe(),
+        )
+    raise AssertionError("not reached: _checkpoint_writes raises when it gives up")
 
 
 def kill_during_commit(
