@@ -23,7 +23,7 @@ What changes for the script, with the engine's parts doing the work:
   current world at every iteration, so a graceful removal (no sync, Horovod #3399) cannot lose or repeat
   samples.
 * **A SIGKILLed peer costs about a second**, not the Gloo timeout: :func:`elastic_run` arms the engine's
-  collective watchdog (:func:`elastictrain.elastic.arm_watchdog`). A "step" for the watchdog is the time
+  collective watchdog (:func:`elastictrain.engine.watch.arm_watchdog`). A "step" for the watchdog is the time
   between two optimizer steps, taken from an optimizer step hook.
 
 The failure marker the watchdog shares between workers lives in ``$ELASTICTRAIN_RUN_DIR/.elastic/`` when that
@@ -50,7 +50,10 @@ from horovod.torch.elastic.sampler import ElasticSampler as HorovodElasticSample
 from torch import nn
 
 from elastictrain import envnames
-from elastictrain.elastic import arm_watchdog, discard_pending_allreduces, sync_modules_and_optimizers
+from elastictrain.engine.collective import Collective, HorovodCollective
+from elastictrain.engine.horovod_private import discard_pending_allreduces
+from elastictrain.engine.sync import sync_modules_and_optimizers
+from elastictrain.engine.watch import arm_watchdog
 from elastictrain.sampler import ExactlyOncePlanner, SamplerState
 from elastictrain.state import (
     OptimizerSnapshot,
@@ -200,6 +203,8 @@ class ElasticState(State):
         for opt in self._optimizers.values():
             opt.register_step_pre_hook(self._optimizer_stepping)
             opt.register_step_post_hook(self._optimizer_stepped)
+        self._collective: Collective = HorovodCollective()
+        """The world the state syncs over (a one-process fake in unit tests)."""
         super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank)
         self.save()
 
@@ -255,16 +260,17 @@ class ElasticState(State):
 
     def sync(self) -> None:
         """Everyone takes the state of the rank with the most commits (ties: the lowest rank), then commits it."""
-        counts = hvd.allgather_object(self.commits)
+        collective = self._collective
+        counts = collective.allgather_object(self.commits, name="elastictrain.dropin.commits")
         root = max(range(len(counts)), key=lambda r: (counts[r], -r))
-        sync_modules_and_optimizers(root, self._modules, self._optimizers)
-        small = hvd.broadcast_object(
+        sync_modules_and_optimizers(collective, root, self._modules, self._optimizers)
+        small: dict[str, Any] = collective.broadcast_object(
             {
                 "stateful": {name: obj.state_dict() for name, obj in self._stateful.items()},
                 "values": {name: getattr(self, name) for name in self._values},
                 "commits": self.commits,
             },
-            root_rank=root,
+            root,
             name="elastictrain.dropin.small",
         )
         for name, obj in self._stateful.items():

@@ -376,3 +376,29 @@ class CollectiveWatchdog:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+class NullWatchdog:
+    """No watchdog: a worker in one process (:class:`~elastictrain.engine.collective.LocalCollective`) has no
+    ring to abort. Every call of :class:`CollectiveWatchdog`'s loop interface does nothing."""
+
+    aborts = 0
+
+    def step_started(self) -> None:
+        pass
+
+    def step_finished(self) -> None:
+        pass
+
+    def snapshot_ring(self) -> None:
+        pass
+
+    def idle(self) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        yield
+
+    def stop(self) -> None:
+        pass

@@ -18,7 +18,7 @@ def _cfg(tmp_path, *overrides: str):
 def _checkpoint_at_step_5(tmp_path) -> None:
     first = trainer(_cfg(tmp_path), step=5)
     assert first.checkpoint_last_commit() is True
-    first.checkpointer.close()
+    first.services.checkpointer.close()
     manifest = load_latest(LocalStorage.for_run_dir(tmp_path / "run")).manifest
     assert manifest["meta"]["resume_inputs"]["training.seed"] == 3
 
@@ -47,8 +47,8 @@ def test_a_resume_that_changes_the_permutation_inputs_is_refused_with_one_line_n
     for part in named:
         assert part in msg, msg
     assert second.counters.step == 0  # nothing was loaded
-    if second.checkpointer is not None:
-        second.checkpointer.close()
+    if second.services.checkpointer is not None:
+        second.services.checkpointer.close()
 
 
 def test_safe_changes_such_as_the_learning_rate_and_the_epochs_resume(tmp_path):
@@ -56,7 +56,7 @@ def test_safe_changes_such_as_the_learning_rate_and_the_epochs_resume(tmp_path):
     second = trainer(_cfg(tmp_path, "training.base_lr=0.01", "training.epochs=5", "data.batch_size=8"))
     second.resume_from_checkpoint()
     assert second.counters.step == 5 and second.resumed_from == 5
-    second.checkpointer.close()
+    second.services.checkpointer.close()
 
 
 def test_the_config_fingerprint_ignores_runtime_endpoints_but_not_the_training(tmp_path):

@@ -6,6 +6,7 @@ Stock Horovod's ``TorchState`` and ``ElasticSampler`` run beside ours where the 
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from typing import Any
 
 import horovod.torch.elastic.sampler as hvd_sampler_module
@@ -15,8 +16,9 @@ from horovod.torch.elastic import ElasticSampler as HorovodElasticSampler
 from horovod.torch.elastic import TorchState
 from torch import nn
 
-from elastictrain import dropin, elastic
+from elastictrain import dropin
 from elastictrain.dropin import ElasticSampler, ElasticState
+from elastictrain.engine.collective import LocalCollective
 
 
 def training_objects(seed: int = 0) -> dict[str, Any]:
@@ -145,35 +147,29 @@ def test_restore_undoes_optimizer_state_created_after_the_commit():
     assert objs["optimizer"].state.get(objs["model"].weight, {}) == {}
 
 
-class TwoRanks:
+class TwoRanks(LocalCollective):
     """This process is rank 0 of two; rank 1 holds one commit more."""
 
     def __init__(self) -> None:
+        super().__init__(rank=0, size=2)
         self.roots: set[int] = set()
 
-    def rank(self) -> int:
-        return 0
-
-    def allgather_object(self, obj: Any, name: str | None = None) -> list[Any]:
+    def allgather_object(self, obj: Any, name: str) -> list[Any]:
         return [obj, obj + 1]
 
-    def broadcast_object(self, obj: Any, root_rank: int, name: str | None = None) -> Any:
-        self.roots.add(root_rank)
+    def broadcast_object(self, obj: Any, root: int, name: str) -> Any:
+        self.roots.add(root)
         return obj
 
-    def broadcast_async_(self, tensor: torch.Tensor, root_rank: int, name: str | None = None) -> None:
-        self.roots.add(root_rank)
-
-    def synchronize(self, handle: Any) -> None:
-        pass
+    def broadcast_(self, tensors: Mapping[str, torch.Tensor], root: int) -> None:
+        self.roots.add(root)
 
 
-def test_sync_takes_the_state_of_the_rank_with_the_most_commits(monkeypatch):
+def test_sync_takes_the_state_of_the_rank_with_the_most_commits():
     fake = TwoRanks()
-    monkeypatch.setattr(dropin, "hvd", fake)
-    monkeypatch.setattr(elastic, "hvd", fake)
     objs = training_objects()
     state = ElasticState(objs["model"], objs["optimizer"], scheduler=objs["scheduler"], epoch=2)
+    state._collective = fake
     commits = state.commits
     state.sync()
     assert fake.roots == {1}, f"synced from ranks {sorted(fake.roots)}, not rank 1"

@@ -15,7 +15,7 @@ from elastictrain import errors
 
 REPO = Path(__file__).resolve().parents[2]
 
-NOT_ERRORS = {"elastictrain.elastic.StopRequested"}
+NOT_ERRORS = {"elastictrain.engine.elastic_state.StopRequested"}
 """Control flow, not a failure: a worker told to stop leaves through it."""
 
 PENDING: set[str] = set()

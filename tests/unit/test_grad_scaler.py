@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from elastictrain import dropin, elastic
 from elastictrain.dropin import ElasticState
+from elastictrain.engine.collective import LocalCollective
 from elastictrain.policy import ScaleRamp
 from elastictrain.sampler import SamplerState
 from elastictrain.state import CommittedState, Counters
@@ -118,34 +118,26 @@ def test_an_engine_worker_rolled_back_before_its_first_scale_steps_an_empty_shar
     assert_ready_on(scaler, next(model.parameters()).device)
 
 
-class RootIsRankOne:
+class RootIsRankOne(LocalCollective):
     """This process is rank 0 of two; rank 1 holds one commit more, so it is the root of the sync."""
 
-    def rank(self) -> int:
-        return 0
+    def __init__(self) -> None:
+        super().__init__(rank=0, size=2)
 
-    def allgather_object(self, obj: Any, name: str | None = None) -> list[Any]:
+    def allgather_object(self, obj: Any, name: str) -> list[Any]:
         return [obj, obj + 1]
 
-    def broadcast_object(self, obj: Any, root_rank: int, name: str | None = None) -> Any:
+    def broadcast_object(self, obj: Any, root: int, name: str) -> Any:
         if name == "elastictrain.dropin.small":
             obj = {**obj, "stateful": {**obj["stateful"], "scaler": trained_scaler_state()}}
         return obj
 
-    def broadcast_async_(self, tensor: torch.Tensor, root_rank: int, name: str | None = None) -> None:
-        pass
-
-    def synchronize(self, handle: Any) -> None:
-        pass
-
 
 @pytest.mark.parametrize("load", ["sync", "restore"])
-def test_a_drop_in_worker_steps_an_empty_share_after_a_sync_or_a_rollback(monkeypatch, load):
-    fake = RootIsRankOne()
-    monkeypatch.setattr(dropin, "hvd", fake)
-    monkeypatch.setattr(elastic, "hvd", fake)
+def test_a_drop_in_worker_steps_an_empty_share_after_a_sync_or_a_rollback(load):
     model, opt, scaler = fresh()
     state = ElasticState(model, opt.inner, scaler=scaler)
+    state._collective = RootIsRankOne()
     if load == "sync":
         state.sync()
         assert scaler.get_scale() == SCALE

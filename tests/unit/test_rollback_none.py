@@ -2,13 +2,15 @@
 
 The step runs through the real ``train_step`` with an optimizer whose gradient allreduce fails on demand
 (as Horovod's ``DistributedOptimizer.synchronize`` raises when a peer dies). Two ranks' syncs run in one
-process: the root's broadcasts are recorded, then replayed into the receiver, optionally failing midway.
+process, each over its own fake :class:`~elastictrain.engine.collective.Collective`: the root's broadcasts are
+recorded, then replayed into the receiver, optionally failing midway.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -16,7 +18,8 @@ import torch
 from horovod.common.exceptions import HorovodInternalError
 from torch import nn
 
-from elastictrain import elastic
+from elastictrain.engine.collective import LocalCollective
+from elastictrain.engine.elastic_state import ElasticTrainingState
 from elastictrain.policy import ScaleRamp
 from elastictrain.sampler import SamplerState, StepLog
 from elastictrain.state import CommittedState, Counters, LiveState, make_state
@@ -86,7 +89,7 @@ def engine_step(st: CommittedState, flaky: FlakyDistributedOptimizer, loss_fn: A
     st.scheduler.step()
 
 
-def fail_step(state: elastic.ElasticTrainingState, flaky: FlakyDistributedOptimizer, loss_fn: Any = None) -> None:
+def fail_step(state: ElasticTrainingState, flaky: FlakyDistributedOptimizer, loss_fn: Any = None) -> None:
     """A step whose collective fails, and the elastic loop's answer to it (``restore()`` in its except)."""
     flaky.fail = loss_fn is None
     try:
@@ -118,8 +121,8 @@ def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert a["small"] == b["small"]
 
 
-def training_state(st: CommittedState) -> elastic.ElasticTrainingState:
-    return elastic.ElasticTrainingState(st, seed=0, stop_requested=lambda: False)
+def training_state(st: CommittedState) -> ElasticTrainingState:
+    return ElasticTrainingState(st, seed=0, stop_requested=lambda: False, collective=LocalCollective())
 
 
 def loss_failing_on_second_micro_batch() -> Any:
@@ -189,45 +192,37 @@ def test_a_checkpoint_of_the_live_state_resumes_in_either_mode():
 
 
 # ------------------------------------------------------------------------------------- two ranks, one process
-class RootHorovod:
-    """Horovod as the sync's root (rank 1) sees it; records what it broadcasts, by name."""
+class RootCollective(LocalCollective):
+    """The world as the sync's root (rank 1) sees it; records what it broadcasts, by name."""
 
     def __init__(self, peer_position: tuple[int, ...]) -> None:
+        super().__init__(rank=1, size=2)
         self.peer_position = peer_position
         self.sent: dict[str, Any] = {}
 
-    def rank(self) -> int:
-        return 1
-
-    def allgather_object(self, obj: Any, name: str | None = None) -> list[Any]:
+    def allgather_object(self, obj: Any, name: str) -> list[Any]:
         return [self.peer_position, obj]
 
-    def broadcast_object(self, obj: Any, root_rank: int, name: str | None = None) -> Any:
-        assert root_rank == 1
-        self.sent[str(name)] = copy.deepcopy(obj)
+    def broadcast_object(self, obj: Any, root: int, name: str) -> Any:
+        assert root == 1
+        self.sent[name] = copy.deepcopy(obj)
         return obj
 
-    def broadcast_async_(self, tensor: torch.Tensor, root_rank: int, name: str | None = None) -> str:
-        assert root_rank == 1
-        self.sent[str(name)] = tensor.clone()
-        return str(name)
-
-    def synchronize(self, handle: Any) -> None:
-        pass
+    def broadcast_(self, tensors: Mapping[str, torch.Tensor], root: int) -> None:
+        assert root == 1
+        for name, tensor in tensors.items():
+            self.sent[name] = tensor.clone()
 
 
-class ReceiverHorovod:
-    """Horovod as rank 0 sees the same sync: the root's broadcasts arrive; the ``fail_after``-th one fails."""
+class ReceiverCollective(LocalCollective):
+    """The world as rank 0 sees the same sync: the root's broadcasts arrive; the ``fail_after``-th one fails."""
 
-    def __init__(self, root: RootHorovod, root_position: tuple[int, ...], fail_after: int | None = None) -> None:
+    def __init__(self, root: RootCollective, root_position: tuple[int, ...], fail_after: int | None = None) -> None:
+        super().__init__(rank=0, size=2)
         self.root, self.root_position, self.fail_after = root, root_position, fail_after
         self.received = 0
-        self.targets: dict[str, torch.Tensor] = {}
 
-    def rank(self) -> int:
-        return 0
-
-    def allgather_object(self, obj: Any, name: str | None = None) -> list[Any]:
+    def allgather_object(self, obj: Any, name: str) -> list[Any]:
         return [obj, self.root_position]
 
     def _arrive(self) -> None:
@@ -235,43 +230,28 @@ class ReceiverHorovod:
             raise HorovodInternalError("broadcast failed: the root died mid-sync")
         self.received += 1
 
-    def broadcast_object(self, obj: Any, root_rank: int, name: str | None = None) -> Any:
+    def broadcast_object(self, obj: Any, root: int, name: str) -> Any:
         self._arrive()
-        return copy.deepcopy(self.root.sent[str(name)])
+        return copy.deepcopy(self.root.sent[name])
 
-    def broadcast_async_(self, tensor: torch.Tensor, root_rank: int, name: str | None = None) -> str:
-        self.targets[str(name)] = tensor
-        return str(name)
-
-    def synchronize(self, handle: Any) -> None:
-        self._arrive()
-        self.targets[handle].copy_(self.root.sent[handle])
+    def broadcast_(self, tensors: Mapping[str, torch.Tensor], root: int) -> None:
+        for name, tensor in tensors.items():
+            self._arrive()
+            tensor.copy_(self.root.sent[name])
 
 
-class EchoHorovod:
+class EchoCollective(LocalCollective):
     """Rank 0 of two, the root of the sync (a tie goes to the lowest rank): the broadcasts change nothing."""
 
     def __init__(self, peer_position: tuple[int, ...]) -> None:
+        super().__init__(rank=0, size=2)
         self.peer_position = peer_position
 
-    def rank(self) -> int:
-        return 0
-
-    def allgather_object(self, obj: Any, name: str | None = None) -> list[Any]:
+    def allgather_object(self, obj: Any, name: str) -> list[Any]:
         return [obj, self.peer_position]
 
-    def broadcast_object(self, obj: Any, root_rank: int, name: str | None = None) -> Any:
-        assert root_rank == 0
-        return obj
 
-    def broadcast_async_(self, tensor: torch.Tensor, root_rank: int, name: str | None = None) -> None:
-        assert root_rank == 0
-
-    def synchronize(self, handle: Any) -> None:
-        pass
-
-
-def two_ranks(rollback: str) -> tuple[elastic.ElasticTrainingState, elastic.ElasticTrainingState]:
+def two_ranks(rollback: str) -> tuple[ElasticTrainingState, ElasticTrainingState]:
     """Rank 0 failed step 4 (its allreduce broke); rank 1 completed it (a ring can finish on some ranks)."""
     behind, ahead = build(rollback), build(rollback)
     states = training_state(behind), training_state(ahead)
@@ -287,48 +267,45 @@ def two_ranks(rollback: str) -> tuple[elastic.ElasticTrainingState, elastic.Elas
     return states
 
 
-def run_sync(
-    monkeypatch: pytest.MonkeyPatch, receiver: elastic.ElasticTrainingState, root: elastic.ElasticTrainingState, **kw
-) -> None:
+def run_sync(receiver: ElasticTrainingState, root: ElasticTrainingState, **kw: Any) -> None:
     """The root's half of the sync, then the receiver's, replayed from what the root sent."""
     positions = [position(receiver), position(root)]
-    sender = RootHorovod(positions[0])
-    monkeypatch.setattr(elastic, "hvd", sender)
+    root.collective = sender = RootCollective(positions[0])
     root.sync()
-    monkeypatch.setattr(elastic, "hvd", ReceiverHorovod(sender, positions[1], **kw))
+    receiver.collective = ReceiverCollective(sender, positions[1], **kw)
     receiver.sync()
 
 
-def position(state: elastic.ElasticTrainingState) -> tuple[int, int, int]:
+def position(state: ElasticTrainingState) -> tuple[int, int, int]:
     c = state.committed
     return c.counters.step, c.sampler.epoch, c.counters.step if state.reached_step is None else state.reached_step
 
 
-def test_the_sync_hands_the_step_a_survivor_completed_to_the_one_that_failed_it(monkeypatch):
+def test_the_sync_hands_the_step_a_survivor_completed_to_the_one_that_failed_it():
     behind, ahead = two_ranks("none")
     assert (behind.committed.counters.step, ahead.committed.counters.step) == (3, 4)
-    run_sync(monkeypatch, behind, ahead)
+    run_sync(behind, ahead)
     assert_same(snapshot(ahead.committed), snapshot(behind.committed))
     assert behind.committed.counters.step == 4
     assert behind.lost_steps == ahead.lost_steps == 0
     assert behind.reached_step is None
 
 
-def test_rollback_commit_counts_the_steps_the_furthest_survivor_loses(monkeypatch):
+def test_rollback_commit_counts_the_steps_the_furthest_survivor_loses():
     behind, ahead = two_ranks("commit")
     assert (behind.committed.counters.step, ahead.committed.counters.step) == (2, 2)  # both back at the commit
     assert (behind.reached_step, ahead.reached_step) == (3, 4)
-    monkeypatch.setattr(elastic, "hvd", EchoHorovod(position(ahead)))
+    behind.collective = EchoCollective(position(ahead))
     behind.sync()
     assert behind.lost_steps == 2  # rank 1 had completed step 4; the job goes on from step 2
 
 
 @pytest.mark.parametrize("fail_after", [1, 3, 6, 10])
-def test_a_sync_that_fails_midway_leaves_the_receiver_a_whole_step(monkeypatch, fail_after):
+def test_a_sync_that_fails_midway_leaves_the_receiver_a_whole_step(fail_after):
     behind, ahead = two_ranks("none")
     before = snapshot(behind.committed)
     with pytest.raises(HorovodInternalError):
-        run_sync(monkeypatch, behind, ahead, fail_after=fail_after)
+        run_sync(behind, ahead, fail_after=fail_after)
     assert_same(before, snapshot(behind.committed))
     # The elastic loop then restores and syncs again; the kept state is still step 3, not a mix.
     behind.restore()

@@ -8,13 +8,12 @@ parameter's device (a 0-dim parameter's too), AdamW's ``step`` on the CPU unless
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 from torch import nn
 
-from elastictrain import elastic
+from elastictrain.engine.collective import LocalCollective
+from elastictrain.engine.elastic_state import ElasticTrainingState
 from elastictrain.policy import ScaleRamp
 from elastictrain.sampler import SamplerState
 from elastictrain.state import CommittedState, Counters, optimizer_state_device
@@ -98,29 +97,23 @@ def test_the_step_follows_the_param_when_the_optimizer_is_capturable_or_fused():
     assert optimizer_state_device(plain, p, "exp_avg_sq") == SIMULATED_GPU
 
 
-class _FakeHvd(types.SimpleNamespace):
-    """Horovod as a worker that is not the root of a sync sees it: the root's answers, broadcasts recorded."""
+class _JoinerCollective(LocalCollective):
+    """The world as a worker that is not the root of a sync sees it: the root's answers, broadcasts recorded."""
 
     def __init__(self, root_layout) -> None:
-        super().__init__(broadcasts={})
+        super().__init__(rank=1, size=2)
+        self.broadcasts = {}
         self.root_layout = root_layout
 
-    def allgather_object(self, obj, name=None):
+    def allgather_object(self, obj, name):
         # rank 0 is ahead (step, epoch, step reached): it is the root, this process (rank 1) receives
         return [(10, 0, 10), obj]
 
-    def broadcast_object(self, obj, root_rank=0, name=None):
+    def broadcast_object(self, obj, root, name):
         return self.root_layout if name == "sync.opt_layout" else obj
 
-    def broadcast_async_(self, t, root, name=None):
-        self.broadcasts[name] = t.device
-        return name
-
-    def synchronize(self, handle):
-        return None
-
-    def rank(self):
-        return 1
+    def broadcast_(self, tensors, root):
+        self.broadcasts.update({name: t.device for name, t in tensors.items()})
 
 
 def test_a_joining_worker_creates_optimizer_state_on_the_devices_of_the_root(monkeypatch):
@@ -137,17 +130,15 @@ def test_a_joining_worker_creates_optimizer_state_on_the_devices_of_the_root(mon
         }
         for i, p in enumerate(params)
     }
-    fake = _FakeHvd(root_layout)
-    monkeypatch.setattr(elastic, "hvd", fake)
+    fake = _JoinerCollective(root_layout)
     joiner = _committed(SIMULATED_GPU, torch.optim.AdamW)
-    state = object.__new__(elastic.ElasticTrainingState)
-    state.committed, state.seed = joiner, 0
-    monkeypatch.setattr(state, "save", lambda: None, raising=False)
+    state = ElasticTrainingState(joiner, 0, lambda: False, fake)
+    monkeypatch.setattr(state, "save", lambda: None)
     state.sync()
     names = [n for n, _ in joiner.model.named_parameters()]
     scalar = names.index("temperature")
-    assert fake.broadcasts[f"sync.opt.{scalar}.exp_avg"] == SIMULATED_GPU  # a 0-dim param's buffer: on the GPU
-    assert fake.broadcasts[f"sync.opt.{scalar}.step"] == torch.device("cpu")
+    assert fake.broadcasts[f"opt.{scalar}.exp_avg"] == SIMULATED_GPU  # a 0-dim param's buffer: on the GPU
+    assert fake.broadcasts[f"opt.{scalar}.step"] == torch.device("cpu")
     for i in range(len(names)):
-        assert fake.broadcasts[f"sync.opt.{i}.step"] == torch.device("cpu")
-        assert fake.broadcasts[f"sync.opt.{i}.exp_avg_sq"] == SIMULATED_GPU
+        assert fake.broadcasts[f"opt.{i}.step"] == torch.device("cpu")
+        assert fake.broadcasts[f"opt.{i}.exp_avg_sq"] == SIMULATED_GPU

@@ -101,21 +101,18 @@ def test_a_scale_up_notice_pending_through_a_long_step_does_not_abort_the_ring(t
             s.close()
 
 
-def test_epoch_end_validation_is_not_a_step_but_its_collectives_are(tmp_path, monkeypatch):
-    """Minutes of local validation must not look like a stuck step; the allreduce and commit after it must."""
-    from types import SimpleNamespace
+def test_epoch_end_validation_is_not_a_step_but_its_collectives_are(tmp_path):
+    """Minutes of local validation must not look like a stuck step; the allgather and commit after it must."""
+    import dataclasses
 
-    from elastictrain import elastic
-    from elastictrain.events import NullEventLog
-    from elastictrain.sampler import SamplerState
-    from elastictrain.state import Counters
-    from elastictrain.step import Precision
-    from elastictrain.tracking import NullTracker
+    from elastictrain.engine.collective import LocalCollective
+    from elastictrain.engine.trainer import Trainer
+    from tests.fixtures.engine import small_job
 
     dog = CollectiveWatchdog(
         FailureMarker(tmp_path / "marker"), host_removed=lambda: False, excluded_ports=lambda: (set(), set())
     )
-    seen: dict[str, list] = {"eval": [], "allreduce": [], "commit": []}
+    seen: dict[str, list] = {"eval": [], "allgather": [], "commit": []}
 
     class Val(torch.utils.data.Dataset):
         def __len__(self) -> int:
@@ -123,39 +120,23 @@ def test_epoch_end_validation_is_not_a_step_but_its_collectives_are(tmp_path, mo
 
         def __getitem__(self, i: int):
             seen["eval"].append(dog._step_started)
-            return torch.zeros(2), 0
+            return torch.zeros(4), 0
 
-    def allgather_object(obj, **kw):
-        seen["allreduce"].append(dog._step_started)
-        return [obj]
+    class Recording(LocalCollective):
+        def allgather_object(self, obj, name):
+            seen["allgather"].append(dog._step_started)
+            return super().allgather_object(obj, name)
 
-    monkeypatch.setattr(elastic.hvd, "allgather_object", allgather_object)
-    cfg = SimpleNamespace(
-        data=SimpleNamespace(batch_size=2), checkpoint=SimpleNamespace(enabled=False, every_epochs=None)
-    )
-    trainer = SimpleNamespace(
-        cfg=cfg,
-        watchdog=dog,
-        val_set=Val(),
-        task=SimpleNamespace(
-            collate=None,
-            loss=lambda model, batch: torch.nn.functional.cross_entropy(model(batch[0]), batch[1], reduction="none"),
-            metrics=None,
-        ),
-        ctx=SimpleNamespace(size=1, rank=0),
-        model=torch.nn.Linear(2, 2),
-        precision=Precision(None, False),
-        events=NullEventLog(),
-        tracker=NullTracker(),
-        sampler=SamplerState(),
-        counters=Counters(),
-        _apply_lr=lambda: None,
-        _commit=lambda state, checkpoint: seen["commit"].append(dog._step_started),
-    )
-    trainer._end_epoch_inner = lambda state: elastic.ElasticTrainer._end_epoch_inner(trainer, state)
-    elastic.ElasticTrainer._end_epoch(trainer, None)
+        def broadcast(self, tensor, root, name):  # the commit's host-update check
+            seen["commit"].append(dog._step_started)
+            return super().broadcast(tensor, root, name)
+
+    trainer = Trainer.build(small_job(tmp_path / "run", checkpoint={"enabled": False}), Recording())
+    trainer.watchdog = dog
+    trainer.parts.task = dataclasses.replace(trainer.parts.task, val_data=Val())
+    trainer._end_epoch(trainer.state)
     assert seen["eval"] == [None, None, None], "local validation counted as a step"
-    assert seen["allreduce"][0] is not None and seen["commit"][0] is not None
+    assert seen["allgather"][0] is not None and seen["commit"][0] is not None
     assert dog._step_started is None  # idle again afterwards
 
 

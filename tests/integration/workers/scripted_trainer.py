@@ -1,10 +1,10 @@
-"""The real worker (``elastictrain.elastic.run``) under real single-rank Horovod, with scripted interruptions.
+"""The real worker (``elastictrain.elastic.compose``) under real single-rank Horovod, with scripted interruptions.
 
 Usage: python -m tests.integration.workers.scripted_trainer CONFIG_JSON SCRIPT_JSON
 
 No horovodrun: one process, ``hvd.init()`` of size 1. The script makes the worker believe in other world
-sizes and ranks (``hvd.size``/``hvd.rank`` as the worker module sees them; every collective still runs
-for real on one process) and raises what Horovod raises when a peer dies or hosts change:
+sizes and ranks (its collective reports them; every collective still runs for real on one process) and raises
+what Horovod raises when a peer dies or hosts change:
 
 * ``{"kind": "failure", "step": S, "size": N, "rank": R}``: ``HorovodInternalError`` inside step S.
 * ``{"kind": "allreduce_failure", "step": S}``: ``HorovodInternalError`` from the gradient allreduce of step S
@@ -25,11 +25,26 @@ import os
 import sys
 from typing import Any
 
-import horovod.torch as hvd
 from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
 from elastictrain import elastic
 from elastictrain.config import config_from_dict
+from elastictrain.engine import trainer as engine
+from elastictrain.engine.collective import HorovodCollective
+
+
+class ScriptedWorld(HorovodCollective):
+    """Real Horovod in one process that reports the script's world size and rank."""
+
+    def __init__(self, world: dict[str, int]) -> None:
+        super().__init__()
+        self.world = world
+
+    def rank(self) -> int:
+        return self.world["rank"]
+
+    def size(self) -> int:
+        return self.world["size"]
 
 
 def main(config_json: str, script_json: str) -> int:
@@ -39,8 +54,6 @@ def main(config_json: str, script_json: str) -> int:
     if script and script[0].get("kind") == "initial":
         first = script.pop(0)
         world.update({k: first[k] for k in ("size", "rank") if k in first})
-    hvd.size = lambda: world["size"]  # as elastic.py sees them (DistContext.refresh)
-    hvd.rank = lambda: world["rank"]
     pending = list(script)
 
     def fire(kind: str, **where: int) -> dict[str, Any] | None:
@@ -51,48 +64,44 @@ def main(config_json: str, script_json: str) -> int:
                 return item
         return None
 
-    real_train_step = elastic.train_step
+    collective = ScriptedWorld(world)
+    collective.hvd.init()
+    hooks = any(item["kind"] == "allreduce_failure" for item in pending)
+    if hooks:  # DistributedOptimizer registers its hooks at size 1 only for an elastic job
+        os.environ["HOROVOD_ELASTIC"] = "1"
+    try:
+        trainer = elastic.compose(cfg, collective)
+    finally:
+        if hooks:
+            del os.environ["HOROVOD_ELASTIC"]  # hvd.init() at a reset must not look for a rendezvous
+    assert not hooks or trainer.optimizer._requires_update, "no gradient hooks registered"  # type: ignore[attr-defined]
+    state = trainer.state
+    real_check, real_train_step = state._check_host_updates, engine.train_step
 
-    class Scripted(elastic.ElasticTrainer):
-        def __init__(self, cfg: Any) -> None:
-            hooks = any(item["kind"] == "allreduce_failure" for item in pending)
-            if hooks:  # DistributedOptimizer registers its hooks at size 1 only for an elastic job
-                os.environ["HOROVOD_ELASTIC"] = "1"
-            try:
-                super().__init__(cfg)
-            finally:
-                if hooks:
-                    del os.environ["HOROVOD_ELASTIC"]  # hvd.init() at a reset must not look for a rendezvous
-            assert not hooks or self.optimizer._requires_update, "no gradient hooks registered"
-            trainer, state = self, self.state
-            real_check = state._check_host_updates
+    def train_step(*args: Any, **kwargs: Any) -> Any:
+        if fire("failure", step=trainer.counters.step + 1):
+            raise HorovodInternalError("scripted: a peer died")
+        if fire("allreduce_failure", step=trainer.counters.step + 1):
+            optimizer = args[1]
 
-            def train_step(*args: Any, **kwargs: Any) -> Any:
-                if fire("failure", step=trainer.counters.step + 1):
-                    raise HorovodInternalError("scripted: a peer died")
-                if fire("allreduce_failure", step=trainer.counters.step + 1):
-                    optimizer = args[1]
+            def failed_synchronize() -> None:
+                del optimizer.synchronize  # the class's again, for the steps after this one
+                raise HorovodInternalError("scripted: a peer died in the gradient allreduce")
 
-                    def failed_synchronize() -> None:
-                        del optimizer.synchronize  # the class's again, for the steps after this one
-                        raise HorovodInternalError("scripted: a peer died in the gradient allreduce")
+            optimizer.synchronize = failed_synchronize
+        return real_train_step(*args, **kwargs)
 
-                    optimizer.synchronize = failed_synchronize
-                return real_train_step(*args, **kwargs)
+    def check_host_updates() -> None:
+        hit = fire("notice", step=trainer.counters.step)
+        if hit is None and trainer.sampler.cursor == 0:  # the commit that ends an epoch
+            hit = fire("notice_at_epoch_end", epoch=trainer.sampler.epoch)
+        if hit:
+            raise HostsUpdatedInterrupt(False)
+        real_check()
 
-            def check_host_updates() -> None:
-                hit = fire("notice", step=trainer.counters.step)
-                if hit is None and trainer.sampler.cursor == 0:  # the commit that ends an epoch
-                    hit = fire("notice_at_epoch_end", epoch=trainer.sampler.epoch)
-                if hit:
-                    raise HostsUpdatedInterrupt(False)
-                real_check()
-
-            elastic.train_step = train_step
-            state._check_host_updates = check_host_updates
-
-    elastic.ElasticTrainer = Scripted  # type: ignore[misc]
-    return elastic.run(cfg)
+    engine.train_step = train_step  # type: ignore[assignment]
+    state._check_host_updates = check_host_updates  # type: ignore[method-assign]
+    return engine.run_trainer(trainer)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,176 @@
+"""The world the engine trains in: a :class:`Collective` protocol, Horovod's implementation, and one process.
+
+The engine never calls ``horovod.torch`` directly; it receives a :class:`Collective`. That is what lets the
+loop, a resize and a rank-0 handover run in one process in the unit tests (:class:`LocalCollective`), the way
+torchft's ``Manager`` receives its process group.
+
+Contract of every implementation:
+
+* ``rank``/``size``/``local_rank``/``local_size`` describe the current world; they change only at a reset.
+* Collectives are called by every rank in the same order with the same ``name``; a failure raises
+  ``HorovodInternalError`` (the elastic loop then restores, resets and syncs).
+* ``elastic_run(func)`` returns ``hvd.elastic.run``'s wrapper: ``wrapper(state)`` syncs ``state``, calls
+  ``func(state)``, and on ``HorovodInternalError`` (restore first) or ``HostsUpdatedInterrupt`` resets the world
+  and goes round again.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol, TypeVar
+
+import torch
+from horovod.common.elastic import State
+
+T = TypeVar("T")
+
+
+class Collective(Protocol):
+    def rank(self) -> int: ...
+    def size(self) -> int: ...
+    def local_rank(self) -> int: ...
+    def local_size(self) -> int: ...
+
+    def broadcast_(self, tensors: Mapping[str, torch.Tensor], root: int) -> None:
+        """Overwrite every tensor in place with ``root``'s (started together, then all waited for)."""
+
+    def broadcast(self, tensor: torch.Tensor, root: int, name: str) -> torch.Tensor: ...
+    def broadcast_object(self, obj: T, root: int, name: str) -> T: ...
+    def allgather_object(self, obj: Any, name: str) -> list[Any]: ...
+    def allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor: ...
+
+    def distributed_optimizer(
+        self,
+        optimizer: torch.optim.Optimizer,
+        named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
+        compression: str,
+    ) -> torch.optim.Optimizer:
+        """``optimizer`` with its gradients summed over the world before each step (``compression``: none | fp16)."""
+
+    def elastic_run(self, func: Callable[[Any], T]) -> Callable[[State], T]: ...
+
+
+class HorovodCollective:
+    """:class:`Collective` over ``horovod.torch`` (call :meth:`init` once per process)."""
+
+    def __init__(self) -> None:
+        import horovod.torch as hvd
+
+        self.hvd = hvd
+
+    @classmethod
+    def init(cls) -> HorovodCollective:
+        c = cls()
+        c.hvd.init()
+        return c
+
+    def rank(self) -> int:
+        return int(self.hvd.rank())
+
+    def size(self) -> int:
+        return int(self.hvd.size())
+
+    def local_rank(self) -> int:
+        return int(self.hvd.local_rank())
+
+    def local_size(self) -> int:
+        return int(self.hvd.local_size())
+
+    def broadcast_(self, tensors: Mapping[str, torch.Tensor], root: int) -> None:
+        handles = [self.hvd.broadcast_async_(t, root, name=f"sync.{name}") for name, t in tensors.items()]
+        for h in handles:
+            self.hvd.synchronize(h)
+
+    def broadcast(self, tensor: torch.Tensor, root: int, name: str) -> torch.Tensor:
+        return self.hvd.broadcast(tensor, root_rank=root, name=name)
+
+    def broadcast_object(self, obj: T, root: int, name: str) -> T:
+        return self.hvd.broadcast_object(obj, root_rank=root, name=name)
+
+    def allgather_object(self, obj: Any, name: str) -> list[Any]:
+        return list(self.hvd.allgather_object(obj, name=name))
+
+    def allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        return self.hvd.allreduce(tensor, op=self.hvd.Sum, name=name)
+
+    def distributed_optimizer(
+        self,
+        optimizer: torch.optim.Optimizer,
+        named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
+        compression: str,
+    ) -> torch.optim.Optimizer:
+        codec = {"none": self.hvd.Compression.none, "fp16": self.hvd.Compression.fp16}[compression]
+        return self.hvd.DistributedOptimizer(
+            optimizer, named_parameters=named_parameters, compression=codec, op=self.hvd.Sum
+        )
+
+    def elastic_run(self, func: Callable[[Any], T]) -> Callable[[State], T]:
+        return self.hvd.elastic.run(func)
+
+
+class LocalCollective:
+    """One process, pretending to be ``rank`` of ``size``: the other ranks hold what this one holds and add
+    nothing to sums. Broadcasts and gathers therefore see this rank's values, and a sum is this rank's value.
+
+    :meth:`resize` sets the world that the next reset brings (ranks can move: a rank-0 handover is a resize to
+    a rank other than 0). The elastic loop is Horovod's own (``horovod.common.elastic.run_fn``), so restores,
+    resets, syncs and host-change interrupts follow Horovod's order exactly; raise ``HorovodInternalError`` or
+    call ``state.on_hosts_updated`` to drive it.
+    """
+
+    def __init__(self, rank: int = 0, size: int = 1) -> None:
+        self._rank, self._size = rank, size
+        self._next: tuple[int, int] | None = None
+        self.resets = 0
+
+    def resize(self, rank: int, size: int) -> None:
+        """The world after the next reset."""
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} is not in a world of {size}")
+        self._next = (rank, size)
+
+    def reset(self) -> None:
+        self.resets += 1
+        if self._next is not None:
+            (self._rank, self._size), self._next = self._next, None
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def local_rank(self) -> int:
+        return 0
+
+    def local_size(self) -> int:
+        return 1
+
+    def broadcast_(self, tensors: Mapping[str, torch.Tensor], root: int) -> None:
+        pass
+
+    def broadcast(self, tensor: torch.Tensor, root: int, name: str) -> torch.Tensor:
+        return tensor.clone()
+
+    def broadcast_object(self, obj: T, root: int, name: str) -> T:
+        return copy.deepcopy(obj)
+
+    def allgather_object(self, obj: Any, name: str) -> list[Any]:
+        return [copy.deepcopy(obj) for _ in range(self._size)]
+
+    def allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        return tensor.clone()
+
+    def distributed_optimizer(
+        self,
+        optimizer: torch.optim.Optimizer,
+        named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
+        compression: str,
+    ) -> torch.optim.Optimizer:
+        return optimizer
+
+    def elastic_run(self, func: Callable[[Any], T]) -> Callable[[State], T]:
+        from horovod.common.elastic import run_fn
+
+        return run_fn(func, self.reset)

@@ -1,0 +1,141 @@
+"""The engine's Horovod elastic ``State``: commit and roll back in place, sync from the most advanced rank.
+
+Over a :class:`~elastictrain.state.CommittedState` (``elastic.rollback: commit``) a failure rolls back to the
+last commit. Over a :class:`~elastictrain.state.LiveState` (``elastic.rollback: none``) it rolls nothing back:
+the partial step is discarded, and the sync takes the most advanced rank's live state, staged, so that a
+failure during the sync leaves every rank a whole step.
+
+It also records what the reset that follows needs to report (:attr:`ElasticTrainingState.failure`,
+``failure_error``, ``lost_steps``); :func:`elastictrain.engine.reset.plan_reset` turns that into the reset.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from horovod.common.elastic import State
+from horovod.common.exceptions import HostsUpdatedInterrupt
+from horovod.runner.elastic.worker import HostUpdateResult
+
+from elastictrain.engine.collective import Collective
+from elastictrain.engine.horovod_private import (
+    discard_pending_allreduces,
+    host_messages,
+    last_host_update,
+    set_last_host_update,
+)
+from elastictrain.engine.sync import receive_modules_and_optimizers
+from elastictrain.state import CommittedState, reseed
+
+
+class StopRequested(Exception):
+    """SIGTERM reached this worker; leave after rank 0 has checkpointed the last commit."""
+
+
+class ElasticTrainingState(State):
+    """Horovod's ``State`` protocol (save, restore, sync, check_host_updates) over the engine's state."""
+
+    reached_step: int | None = None
+    """The step this rank had reached when a collective of the current reset failed (None: no failure)."""
+
+    def __init__(
+        self, committed: CommittedState, seed: int, stop_requested: Callable[[], bool], collective: Collective
+    ) -> None:
+        self.committed = committed
+        self.seed = seed
+        self.stop_requested = stop_requested
+        self.collective = collective
+        self.failure: tuple[str, float] | None = None
+        """(reason, unix time) of the failure or host notice that caused the current reset."""
+        self.failure_error = ""
+        """First line of the error of that failure (empty for a host notice)."""
+        self.lost_steps = 0
+        """Steps rolled back by the current reset: the furthest step a survivor had reached, less the synced one."""
+        self.last_commit_seconds = 0.0
+        self.last_progress_ts = time.time()
+        """End of the last completed step: a failure is timed from here (the failed step's start)."""
+        self.on_failure: Callable[[], None] = lambda: None
+        """Called first on a failed collective (records the failure marker; the watchdog stands down)."""
+        self.on_failure_notice: Callable[[], None] = lambda: None
+        """Called on a host-change interrupt (the watchdog stands down before the rendezvous)."""
+        super().__init__(
+            bcast_object=lambda obj: collective.broadcast_object(obj, 0, name="state"), get_rank=collective.rank
+        )
+
+    def save(self) -> None:
+        t0 = time.perf_counter()
+        self.committed.save()
+        self.last_commit_seconds = time.perf_counter() - t0
+
+    def restore(self) -> None:
+        """Called by the elastic loop on HorovodInternalError: a worker failed mid-step.
+
+        When this worker was told to stop, leave now: the reset that would follow blocks in a new
+        rendezvous, which may never complete when the whole job is being stopped.
+        """
+        if self.stop_requested():
+            raise StopRequested
+        self.on_failure()
+        if self.failure is None:
+            error = sys.exc_info()[1]  # restore() runs inside the loop's `except HorovodInternalError`
+            self.failure_error = str(error).strip().splitlines()[0][:300] if error and str(error).strip() else ""
+        self.failure = self.failure or ("worker_failed", self.last_progress_ts)
+        self.reached_step = max(self.reached_step or 0, self.committed.counters.step)
+        discard_pending_allreduces(self.committed.optimizer)
+        if self.committed.keeps_copy:
+            self.committed.restore()
+        else:  # the live state holds whole steps: only the failed one's gradients go
+            self.committed.discard_partial_step()
+
+    def check_host_updates(self) -> None:
+        try:
+            self._check_host_updates()
+        except HostsUpdatedInterrupt as e:
+            if self.stop_requested():
+                raise StopRequested from None
+            self.on_failure_notice()
+            self.failure = ("hosts_removed" if e.skip_sync else "hosts_changed", time.time())
+            self.failure_error = ""
+            raise
+
+    def _check_host_updates(self) -> None:
+        """Horovod's ``State.check_host_updates`` with one small tensor broadcast instead of ``broadcast_object``
+        (a pickle, then two collectives: the size, then the bytes). Same rule: rank 0's view of the newest
+        notice decides for every rank, so all raise together."""
+        prev = last = last_host_update(self)
+        update = HostUpdateResult.no_update
+        messages = host_messages(self)
+        while not messages.empty():
+            timestamp, res = messages.get()
+            if timestamp > last:
+                last = timestamp
+                update |= res
+        agreed = self.collective.broadcast(
+            torch.tensor([float(prev), float(last), float(update)], dtype=torch.float64),
+            0,
+            name="elastictrain.host_updates",
+        ).tolist()
+        prev, newest, update = agreed[0], agreed[1], HostUpdateResult(int(agreed[2]))
+        set_last_host_update(self, newest)
+        if newest > prev:
+            raise HostsUpdatedInterrupt(update == HostUpdateResult.removed)
+
+    def sync(self) -> None:
+        c, collective = self.committed, self.collective
+        # The most advanced commit: the epoch-end commit adds no step, so a step tie goes to the later epoch.
+        reached = c.counters.step if self.reached_step is None else self.reached_step
+        positions = collective.allgather_object((c.counters.step, c.sampler.epoch, reached), name="sync.positions")
+        root = max(range(len(positions)), key=lambda r: (tuple(positions[r][:2]), -r))
+        apply = receive_modules_and_optimizers(
+            collective, root, {"model": c.model}, {"opt": c.optimizer}, staged=not c.keeps_copy
+        )
+        small = collective.broadcast_object(c.small_state(), root, name="sync.small")
+        apply()
+        c.load_small_state(small)
+        self.lost_steps = max(0, max(int(p[2]) for p in positions) - c.counters.step)
+        self.reached_step = None
+        reseed(self.seed, c.counters.step, collective.rank())
+        self.save()

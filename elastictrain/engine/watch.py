@@ -1,0 +1,54 @@
+"""Arm the collective watchdog (:mod:`elastictrain.watchdog`) on a Horovod elastic ``State``: the engine's
+and the drop-in's, so both recover from a SIGKILLed peer in about a second."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from urllib.parse import urlparse
+
+from horovod.common.elastic import State
+
+from elastictrain.engine.horovod_private import host_messages, notification_ports
+from elastictrain.watchdog import CollectiveWatchdog, FailureMarker, removal_pending
+
+
+def arm_watchdog(
+    state: State, marker: FailureMarker, host: Callable[[], str], tracking_uri: str | None = None
+) -> CollectiveWatchdog:
+    """Start the collective watchdog of this worker and hook it to ``state``.
+
+    ``state`` must call ``on_failure()`` first in its ``restore()`` (a failed collective: the watchdog stands
+    down and the failure is recorded in ``marker`` for the other workers) and may call ``on_failure_notice()``
+    on a host-change interrupt. The caller marks steps (``step_started``/``step_finished``) and calls
+    ``snapshot_ring()`` after each rendezvous, and ``stop()`` at the end.
+    """
+    watchdog: CollectiveWatchdog
+
+    def on_failure() -> None:
+        watchdog.ring_failed()
+        marker.record(host())
+
+    state.on_failure = on_failure
+    state.on_failure_notice = lambda: watchdog.idle()
+    watchdog = CollectiveWatchdog(
+        marker,
+        host_removed=lambda: removal_pending(host_messages(state)),
+        excluded_ports=lambda: control_ports(tracking_uri),
+    ).start()
+    return watchdog
+
+
+def control_ports(tracking_uri: str | None = None) -> tuple[set[int], set[int]]:
+    """(local, remote) ports of connections that are not Gloo's and are never aborted: Horovod's notification
+    service and rendezvous server, and an HTTP MLflow tracking server's keep-alive connections."""
+    remote = {int(p) for p in (os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT"), tracking_port(tracking_uri)) if p}
+    return notification_ports(), remote
+
+
+def tracking_port(tracking_uri: str | None) -> int | None:
+    """Port of an HTTP MLflow tracking server (``tracking_uri`` or ``$MLFLOW_TRACKING_URI``), or None."""
+    parsed = urlparse(tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", ""))
+    if parsed.scheme not in ("http", "https"):
+        return None
+    return parsed.port or (443 if parsed.scheme == "https" else 80)

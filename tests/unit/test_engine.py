@@ -1,0 +1,174 @@
+"""The worker's engine in one process (``elastictrain.engine``): the loop, a resize, a failed step and a
+rank-0 handover, driven through Horovod's own elastic loop over a scripted one-process world."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from horovod.runner.elastic.worker import HostUpdateResult
+
+from elastictrain.audit import audit_run_dir
+from elastictrain.checkpoint import LocalStorage, load_latest
+from elastictrain.config import JobConfig
+from elastictrain.engine.collective import LocalCollective
+from elastictrain.engine.reset import PendingReset, plan_reset
+from elastictrain.engine.trainer import Trainer, run_trainer
+from elastictrain.events import Commit, Done, EpochEnd, Failure, Reset, Start, TrackingClosed, of_kind, read_events
+from elastictrain.ledger import ledger_files
+from elastictrain.policy import ScaleRamp, lr_scale
+from tests.fixtures.engine import Act, ScriptedWorld, small_job
+
+ADDED, REMOVED = HostUpdateResult.added, HostUpdateResult.removed
+STEPS = 16  # 2 epochs x 64 samples / batch 8, in a world of one
+
+
+def train(cfg: JobConfig, world: LocalCollective) -> tuple[int, Trainer]:
+    trainer = Trainer.build(cfg, world)
+    if isinstance(world, ScriptedWorld):
+        world.state = trainer.state
+    return run_trainer(trainer), trainer
+
+
+def params(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.parts.model.state_dict().items()}
+
+
+def exactly_once(cfg: JobConfig) -> None:
+    audit = audit_run_dir(cfg.run_path).audit
+    assert (audit.lost, audit.duplicated, audit.epochs_checked) == (0, 0, cfg.training.epochs)
+
+
+def test_the_loop_trains_to_completion_commits_checkpoints_and_reports(tmp_path):
+    cfg = small_job(tmp_path / "run")
+    code, trainer = train(cfg, LocalCollective())
+    assert code == 0
+    events = read_events(cfg.run_path / "events.jsonl")
+    assert [type(e) for e in events[:1]] == [Start] and isinstance(events[-1], TrackingClosed)
+    assert len(of_kind(events, Start)) == 1 and not of_kind(events, Reset)
+    assert [e.epoch for e in of_kind(events, EpochEnd)] == [0, 1]
+    assert of_kind(events, Done)[0].step == STEPS and of_kind(events, Done)[0].checkpointed
+    assert {e.step for e in of_kind(events, Commit)} >= set(range(2, STEPS + 1, 2))
+    exactly_once(cfg)
+    loaded = load_latest(LocalStorage.for_run_dir(cfg.run_path), map_location="cpu")
+    assert loaded is not None and loaded.step == STEPS
+    for k, v in params(trainer).items():
+        assert torch.equal(loaded.state["model"][k], v), k
+    assert not trainer.services.is_open  # closed at the end
+
+
+def test_a_scale_up_at_a_commit_rescales_the_lr_and_splits_the_batch_over_the_new_world(tmp_path):
+    cfg = small_job(tmp_path / "run")
+    world = ScriptedWorld({3: Act(notice=ADDED, world=(0, 2))})
+    code, trainer = train(cfg, world)
+    assert code == 0
+    events = read_events(cfg.run_path / "events.jsonl")
+    [failure], [reset] = of_kind(events, Failure), of_kind(events, Reset)
+    assert (failure.reason, failure.step, failure.world_size) == ("hosts_changed", 4, 1)  # acted on at the commit
+    assert (reset.old_size, reset.new_size, reset.step, reset.lost_steps) == (1, 2, 5, 0)
+    assert world.sizes_at_step[:4] == [1, 1, 1, 1] and set(world.sizes_at_step[4:]) == {2}
+    assert trainer.ramp.target == lr_scale(cfg.elastic, 2) != lr_scale(cfg.elastic, 1)
+    # 8 samples per worker and step: 4 steps of 8, then the other 32 of epoch 0 and all 64 of epoch 1 by 16.
+    assert of_kind(events, Done)[0].step == 4 + 2 + 4
+    exactly_once(cfg)
+
+
+@pytest.mark.parametrize("rollback", ["none", "commit"])
+def test_a_failed_step_is_redone_and_the_job_ends_where_a_fault_free_one_does(tmp_path, rollback):
+    clean_cfg = small_job(tmp_path / "clean", elastic={"rollback": rollback})
+    _, clean = train(clean_cfg, LocalCollective())
+    cfg = small_job(tmp_path / "run", elastic={"rollback": rollback})
+    world = ScriptedWorld({7: Act(fail=True)})
+    code, trainer = train(cfg, world)
+    assert code == 0
+    events = read_events(cfg.run_path / "events.jsonl")
+    [failure], [reset] = of_kind(events, Failure), of_kind(events, Reset)
+    assert failure.reason == "worker_failed" and "scripted" in (failure.error or "")
+    # none: the live state is a whole step (step 6), nothing rolled back; commit: back to the commit at 6 as well
+    assert (reset.step, reset.lost_steps, world.resets) == (7, 0, 1)
+    assert of_kind(events, Done)[0].step == STEPS
+    exactly_once(cfg)
+    for k, v in params(clean).items():
+        assert torch.allclose(params(trainer)[k], v, atol=1e-6), k
+
+
+def test_rollback_commit_loses_the_steps_after_the_commit_and_none_loses_none(tmp_path):
+    lost = {}
+    for rollback in ("commit", "none"):
+        cfg = small_job(tmp_path / rollback, elastic={"rollback": rollback, "commit_every_steps": 4})
+        code, _ = train(cfg, ScriptedWorld({7: Act(fail=True)}))  # steps 5 and 6 done since the commit at 4
+        assert code == 0
+        [reset] = of_kind(read_events(cfg.run_path / "events.jsonl"), Reset)
+        lost[rollback] = reset.lost_steps
+        exactly_once(cfg)
+    assert lost == {"commit": 2, "none": 0}
+
+
+def test_rank0_moves_to_another_worker_and_back_and_services_follow(tmp_path):
+    cfg = small_job(tmp_path / "run")
+    world = ScriptedWorld({3: Act(notice=ADDED, world=(1, 2)), 6: Act(notice=ADDED, world=(0, 2))})
+    code, trainer = train(cfg, world)
+    assert code == 0
+    events = read_events(cfg.run_path / "events.jsonl")
+    # While this process was rank 1 (steps 5-6 at size 2), the other worker held rank 0: nothing written here.
+    commits = [(e.step, e.epoch) for e in of_kind(events, Commit)]
+    assert (4, 0) in commits and (6, 0) not in commits and (6, 1) in commits  # 6, 1: the epoch end, as rank 0
+    assert len(of_kind(events, Start)) == 1  # the job started once; taking rank 0 back is a reset
+    assert [r.new_size for r in of_kind(events, Reset)] == [2]  # the one reported by this process as rank 0
+    assert len(ledger_files(cfg.run_path / "ledger")) == 2  # one per tenure as rank 0
+    exactly_once(cfg)  # the steps trained while away were replayed from the synced step log
+    assert isinstance(events[-1], TrackingClosed) and not trainer.services.is_open
+
+
+def test_a_removal_notice_shrinks_the_world_without_a_failure(tmp_path):
+    cfg = small_job(tmp_path / "run")
+    world = ScriptedWorld({1: Act(world=(0, 2)), 2: Act(notice=ADDED), 5: Act(notice=REMOVED, world=(0, 1))})
+    code, _ = train(cfg, world)
+    assert code == 0
+    resets = of_kind(read_events(cfg.run_path / "events.jsonl"), Reset)
+    assert [(r.old_size, r.new_size, r.reason) for r in resets] == [(1, 2, "hosts_changed"), (2, 1, "hosts_removed")]
+    exactly_once(cfg)
+
+
+# ------------------------------------------------------------------------------------- the reset plan (pure)
+ELASTIC = small_job(__import__("pathlib").Path("/nonexistent"), elastic={"lr_ramp_steps": 10}).elastic
+
+
+def test_a_start_jumps_to_the_new_size_scale_and_reports_no_reset():
+    plan = plan_reset(
+        step=0, committed_size=0, new_size=4, ramp=ScaleRamp(1, 1, 0, 0), failure=None, lost_steps=0,
+        elastic=ELASTIC, now=5.0,
+    )  # fmt: skip
+    assert plan.starting and plan.reset is None
+    assert plan.ramp == ScaleRamp(lr_scale(ELASTIC, 4), lr_scale(ELASTIC, 4), 0, 0)
+
+
+def test_a_resize_ramps_from_where_the_lr_stands_and_reports_the_failure_time():
+    ramp = ScaleRamp(2.0, 4.0, 0, 10)  # halfway at step 5: 3.0
+    plan = plan_reset(
+        step=5, committed_size=4, new_size=2, ramp=ramp, failure=("worker_failed", 1.5), lost_steps=1,
+        elastic=ELASTIC, now=9.0,
+    )  # fmt: skip
+    assert not plan.starting
+    assert plan.reset == PendingReset(4, 2, "worker_failed", 1.5, 1)
+    assert plan.ramp == ScaleRamp(3.0, lr_scale(ELASTIC, 2), 5, 10)
+
+
+def test_a_resize_without_a_recorded_failure_is_a_host_change_timed_now():
+    plan = plan_reset(
+        step=5, committed_size=2, new_size=3, ramp=ScaleRamp(1, 1, 0, 0), failure=None, lost_steps=0,
+        elastic=ELASTIC, now=9.0,
+    )  # fmt: skip
+    assert plan.reset == PendingReset(2, 3, "hosts_changed", 9.0, 0)
+
+
+def test_a_failure_at_the_same_size_keeps_the_ramp_and_a_plain_restart_is_nothing():
+    same = plan_reset(
+        step=5, committed_size=2, new_size=2, ramp=ScaleRamp(1, 1, 0, 0), failure=("worker_failed", 3.0),
+        lost_steps=2, elastic=ELASTIC, now=9.0,
+    )  # fmt: skip
+    assert same.ramp is None and same.reset == PendingReset(2, 2, "worker_failed", 3.0, 2)
+    nothing = plan_reset(
+        step=5, committed_size=2, new_size=2, ramp=ScaleRamp(1, 1, 0, 0), failure=None, lost_steps=0,
+        elastic=ELASTIC, now=9.0,
+    )  # fmt: skip
+    assert nothing.reset is None and nothing.ramp is None and not nothing.starting
