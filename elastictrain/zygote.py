@@ -26,6 +26,9 @@ fds 0, 1 and 2 attached (SCM_RIGHTS). The zygote answers ``{"pid": N}`` and late
 (negative: killed by that signal), or ``{"error": "..."}`` instead of the pid.
 
 This module imports only the standard library at load time: the client must start in milliseconds.
+
+Size: both ends of one socket protocol (the framing, the client and the forking server) stay in one module
+so that the two sides cannot drift apart.
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
-"""Shared pytest set-up. Fixture modules live in tests/fixtures/ (one per real service)."""
+"""Shared pytest set-up. tests/fixtures/ is the tests' one support package: a fixture module per real
+service (processes, MLflow, etcd, elastic jobs) and helpers (fake clock, certificates, a trainer without
+Horovod, gated storages). The job harness itself is ``elastictrain/_testing/`` (the benchmarks use it too)."""
 
 pytest_plugins = [
     "tests.fixtures.procs",
     "tests.fixtures.mlflow_server",
     "tests.fixtures.etcd",
+    "tests.fixtures.elastic_job",
 ]

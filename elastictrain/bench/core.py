@@ -20,10 +20,19 @@ from pathlib import Path
 from typing import Any, Literal, TextIO, TypeVar
 
 from discovery.fileio import write_atomic
+from elastictrain.errors import ToolError
 
 T = TypeVar("T")
 
 SCHEMA = "elastictrain-bench/1"
+
+
+class BenchError(ToolError, RuntimeError):
+    """A benchmark could not run as planned (too few hosts, a short run, a contender failed). One line for the user.
+
+    Failures of the job harness itself (a wait timed out, a job ended early) are
+    :class:`~elastictrain._testing.procs.HarnessError`.
+    """
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ markdown table and writes it as JSON to ``runs/gpu-check/<time>.json``. Exit sta
 Checks: the NCCL build; a 1-GPU fp16 + GradScaler job checkpointed, SIGKILLed and resumed on CUDA; two
 workers sharing the GPU over Gloo with a SIGKILL of one; async checkpoint stall vs a synchronous
 ``torch.save`` of GPU state; ResNet-50 samples/s of ``elastictrain train`` vs the plain
-``hvd.DistributedOptimizer`` loop. Jobs run through the benchmark harness (:mod:`elastictrain.bench.jobs`,
+``hvd.DistributedOptimizer`` loop. Jobs run through the job harness (:mod:`elastictrain._testing.jobs`,
 :mod:`elastictrain.bench.runs`).
 """
 
@@ -21,7 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from elastictrain.bench.procs import BenchError, kill_tree, wait_until
+from elastictrain._testing.procs import kill_tree, wait_until
+from elastictrain.bench.core import BenchError
 from elastictrain.events import Done, Reset, Start
 
 DEVICE = "cuda"
@@ -57,7 +58,7 @@ def check_nccl(_work: Path) -> str:
 
 
 def check_fp16_resume(work: Path) -> str:
-    from elastictrain.bench.jobs import ElasticJob
+    from elastictrain._testing.jobs import ElasticJob
     from elastictrain.checkpoint.format import load_latest
     from elastictrain.checkpoint.storage import LocalStorage
     from elastictrain.launcher.hosts import local_logical_hosts
@@ -91,7 +92,7 @@ def check_fp16_resume(work: Path) -> str:
 
 
 def check_shared_gpu_kill(work: Path) -> str:
-    from elastictrain.bench.jobs import ElasticJob
+    from elastictrain._testing.jobs import ElasticJob
     from elastictrain.launcher.hosts import local_logical_hosts
 
     cfg = _job_config(work / "run", elastic={"base_world_size": 2}, data={"num_samples": 32 * 2 * 80})

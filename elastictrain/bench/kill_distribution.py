@@ -27,9 +27,9 @@ from typing import Any
 
 import psutil
 
-from elastictrain.bench.core import BenchContext, Goal, Metric, Result, summary
-from elastictrain.bench.jobs import ElasticJob
-from elastictrain.bench.procs import BenchError, wait_until
+from elastictrain._testing.jobs import ElasticJob
+from elastictrain._testing.procs import wait_until
+from elastictrain.bench.core import BenchContext, BenchError, Goal, Metric, Result, summary
 from elastictrain.cliutil import OneLineParser
 from elastictrain.events import Reset, Start
 from elastictrain.launcher.hosts import local_logical_hosts

@@ -28,8 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from elastictrain._testing.jobs import HOROVODRUN, STOCK_HOROVODRUN, ElasticJob
 from elastictrain.bench.core import BenchContext, Goal, Metric, Result, alternate, summary, threads_per_worker
-from elastictrain.bench.jobs import HOROVODRUN, STOCK_HOROVODRUN, ElasticJob
 from elastictrain.config import ElasticConfig
 from elastictrain.events import Reset
 from elastictrain.launcher.commands import train_command

@@ -20,9 +20,10 @@ from typing import Any
 
 import yaml
 
-from elastictrain.bench.core import threads_per_worker
-from elastictrain.bench.jobs import ElasticJob
-from elastictrain.bench.procs import BIN_DIR, BenchError, TreeCpuMonitor, kill_tree
+from elastictrain._testing.jobs import ElasticJob
+from elastictrain._testing.procs import BIN_DIR, kill_tree
+from elastictrain.bench.core import BenchError, threads_per_worker
+from elastictrain.bench.cpu import TreeCpuMonitor
 from elastictrain.events import EVENTS_FILE, Checkpoint, Commit, Event, Metrics, of_kind, read_events
 from elastictrain.launcher.hosts import local_logical_hosts
 

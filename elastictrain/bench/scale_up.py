@@ -25,9 +25,9 @@ from typing import Any
 import yaml
 
 from elastictrain import envnames
+from elastictrain._testing.jobs import ElasticJob
+from elastictrain._testing.procs import kill_tree
 from elastictrain.bench.core import BenchContext, Goal, Metric, Result, alternate, summary, threads_per_worker
-from elastictrain.bench.jobs import ElasticJob
-from elastictrain.bench.procs import kill_tree
 from elastictrain.events import Reset
 from elastictrain.launcher.commands import ZYGOTE_CLIENT, train_command, zygote_command
 from elastictrain.launcher.hosts import local_logical_hosts

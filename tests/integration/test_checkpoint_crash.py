@@ -161,8 +161,8 @@ def test_bench_runs_small_and_reports_medians_and_ratios(tmp_path):
 TRAINER = """
 import sys, time, torch
 from elastictrain.checkpoint import Checkpointer
-from tests.harness.gated_storage import GatedStorage
-storage = GatedStorage(sys.argv[1], sys.argv[2])
+from tests.fixtures.gated_storage import FileGatedStorage
+storage = FileGatedStorage(sys.argv[1], sys.argv[2])
 ckpt = Checkpointer(storage, keep_last=1, writer="process")
 ckpt.save({"w": torch.ones(256)}, step=100, epoch=0, world_size=1, config_hash="h")
 print(ckpt.writer_pid, flush=True)

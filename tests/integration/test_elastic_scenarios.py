@@ -12,10 +12,11 @@ import signal
 import pytest
 import torch
 
+from elastictrain._testing.jobs import ElasticJob
 from elastictrain.checkpoint import LocalStorage, load_latest
 from elastictrain.events import Done, Metrics, Reset
 from elastictrain.launcher.hosts import local_logical_hosts
-from tests.harness.elastic_job import ElasticJob, assert_exactly_once, job_config
+from tests.fixtures.elastic_job import assert_exactly_once, job_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -32,14 +33,6 @@ GLOBAL_POLICY = {
     "data__image_size": 32,
 }
 """The ``global`` policy job whose final parameters are compared with a fault-free run's."""
-
-
-@pytest.fixture
-def jobs():
-    started: list[ElasticJob] = []
-    yield started
-    for job in started:
-        job.close()
 
 
 def run_job(jobs, tmp_path, name, hosts, **cfg) -> ElasticJob:

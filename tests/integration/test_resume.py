@@ -6,24 +6,17 @@ import signal
 
 import pytest
 
+from elastictrain._testing.jobs import ElasticJob
 from elastictrain.checkpoint import LocalStorage, load_latest
 from elastictrain.events import Commit, Done, Start, Stopped, TrackingClosed, of_kind, read_events
 from elastictrain.launcher.hosts import local_logical_hosts
 from elastictrain.ledger import committed_samples
+from tests.fixtures.elastic_job import assert_exactly_once, job_config
 from tests.fixtures.procs import kill_tree, wait_until
-from tests.harness.elastic_job import ElasticJob, assert_exactly_once, job_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
 HOSTS = local_logical_hosts()
-
-
-@pytest.fixture
-def jobs():
-    started: list[ElasticJob] = []
-    yield started
-    for job in started:
-        job.close()
 
 
 def test_full_job_killed_mid_epoch_resumes_at_the_checkpoint_in_the_same_mlflow_run(jobs, tmp_path):

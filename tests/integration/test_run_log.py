@@ -21,8 +21,8 @@ import torch
 
 from elastictrain.events import EVENTS_FILE, Done, E, EpochEnd, Event, Failure, Reset, Start, of_kind, read_events
 from elastictrain.ledger import committed_samples, ledger_files
+from tests.fixtures.elastic_job import job_config
 from tests.fixtures.procs import VENV_BIN
-from tests.harness.elastic_job import job_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

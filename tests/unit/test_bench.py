@@ -14,10 +14,12 @@ from pathlib import Path
 import pytest
 
 from elastictrain import bench
+from elastictrain._testing.procs import wait_until
 from elastictrain.bench import commit, goodput, runs
 from elastictrain.bench.core import (
     SCHEMA,
     BenchContext,
+    BenchError,
     Goal,
     Metric,
     Progress,
@@ -33,7 +35,7 @@ from elastictrain.bench.core import (
     threads_per_worker,
     write_results,
 )
-from elastictrain.bench.procs import BenchError, TreeCpuMonitor, read_steal, wait_until
+from elastictrain.bench.cpu import TreeCpuMonitor, read_steal
 from elastictrain.events import Metrics, Reset
 
 

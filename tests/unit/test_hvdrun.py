@@ -13,7 +13,7 @@ from typing import Any
 import psutil
 import pytest
 
-from elastictrain.bench.procs import wait_until
+from elastictrain._testing.procs import wait_until
 from elastictrain.launcher.hvdrun import run_discovery_script
 
 

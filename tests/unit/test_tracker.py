@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from elastictrain.bench.procs import wait_until
+from elastictrain._testing.procs import wait_until
 from elastictrain.config import config_from_dict
 from elastictrain.tracking import (
     RUN_ID_FILE,

@@ -2,15 +2,15 @@
 
 horovodrun runs ``localhost``, ``127.0.0.1``, this machine's hostname and its primary address locally,
 but treats them as distinct hosts, so killing the workers of one host does not blacklist the rest
-(:func:`logical_hosts` is ``launch``'s :func:`~elastictrain.launcher.hosts.local_logical_hosts`).
-Membership is controlled through a hosts file that a tiny discovery script prints. The integration
-tests use the same harness (``tests/harness/elastic_job.py``).
+(tests and benchmarks take them from ``launch``'s :func:`~elastictrain.launcher.hosts.local_logical_hosts`).
+Membership is controlled through a hosts file that a tiny discovery script prints. Private (see
+:mod:`elastictrain._testing`): the integration tests (with the small job config of
+``tests/fixtures/elastic_job.py``) and ``elastictrain bench`` run their jobs through it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -25,22 +25,10 @@ import yaml
 
 from discovery.fileio import write_atomic
 from elastictrain import envnames
-from elastictrain.bench.procs import BIN_DIR, BenchError, kill_tree, wait_until
+from elastictrain._testing.procs import BIN_DIR, HarnessError, kill_tree, wait_until
 from elastictrain.events import E, Event, of_kind, read_events
 from elastictrain.launcher.commands import runner_command, train_command
 from elastictrain.launcher.processes import runs_train
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Every complete JSON line of ``path`` (a torn or missing file gives what can be read)."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            out.append(json.loads(line))
-    return out
-
 
 HOROVODRUN = runner_command()
 """horovodrun as ``elastictrain launch`` starts it (:mod:`elastictrain.launcher.hvdrun`: a cheap discovery executor)."""
@@ -125,7 +113,7 @@ class ElasticJob:
 
     def _running(self) -> subprocess.Popen:
         if self.proc is None:
-            raise BenchError("the job was not started")
+            raise HarnessError("the job was not started")
         return self.proc
 
     @overload
@@ -153,7 +141,7 @@ class ElasticJob:
             what=f"step {step} in {self.events_path}",
         )
         if proc.poll() is not None:
-            raise BenchError(f"job ended early (exit {proc.returncode}):\n{self.tail()}")
+            raise HarnessError(f"job ended early (exit {proc.returncode}):\n{self.tail()}")
 
     def wait_event(self, kind: type[E], predicate: Callable[[E], bool], timeout: float = 120, what: str = "") -> E:
         """The first event of ``kind`` that satisfies ``predicate``, waiting for it up to ``timeout`` seconds."""
@@ -164,7 +152,7 @@ class ElasticJob:
 
         found = wait_until(lambda: find() or proc.poll() is not None, timeout, what=what or "an event")
         if not isinstance(found, kind):
-            raise BenchError(f"job ended before {what or 'the event'} (exit {proc.returncode}):\n{self.tail()}")
+            raise HarnessError(f"job ended before {what or 'the event'} (exit {proc.returncode}):\n{self.tail()}")
         return found
 
     def workers(self) -> list[psutil.Process]:
@@ -198,7 +186,7 @@ class ElasticJob:
                     host is None or env.get("HOROVOD_HOSTNAME") == host
                 ):
                     return p
-        raise BenchError(f"no worker with rank={rank} host={host}")
+        raise HarnessError(f"no worker with rank={rank} host={host}")
 
     def kill_worker(self, *, rank: int, sig: int = signal.SIGKILL) -> tuple[str, float]:
         """Send ``sig`` to the worker of ``rank``; returns its host and the unix time of the kill."""
@@ -213,7 +201,7 @@ class ElasticJob:
         try:
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise BenchError(f"job did not finish in {timeout}s:\n{self.tail()}") from None
+            raise HarnessError(f"job did not finish in {timeout}s:\n{self.tail()}") from None
 
     def tail(self, n: int = 60) -> str:
         path = self.workdir / "horovodrun.log"
