@@ -29,9 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from elastictrain.bench.core import BenchContext, Goal, Metric, Result, threads_per_worker
-from elastictrain.bench.jobs import ElasticJob
-from elastictrain.bench.procs import BenchError
+from elastictrain._testing.jobs import ElasticJob
+from elastictrain.bench.core import BenchContext, BenchError, Goal, Metric, Result, threads_per_worker
 from elastictrain.events import Event, Metrics, Reset, Start, of_kind
 from elastictrain.launcher.hosts import local_logical_hosts
 
