@@ -215,6 +215,17 @@ class Run:
                 out.append(f"{p.pid} {' '.join(p.cmdline())[:100]}")
         return out
 
+    def close(self) -> list[str]:
+        """After the job (or a failed scenario): end it if it still runs, stop the agents a scenario restarted,
+        and return the job's processes that were still alive (then killed, by pid): none is the invariant."""
+        if self.running():
+            self.kill_everything()
+        self.stop_restarted_agents()
+        leftovers = self.leftovers()
+        if leftovers:
+            self.kill_everything()
+        return leftovers
+
     def kill_everything(self) -> None:
         """Last resort after a failed scenario: SIGKILL every process of the job, by pid."""
         if self.launcher is not None and self.launcher.poll() is None:

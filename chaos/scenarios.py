@@ -564,12 +564,7 @@ def run_scenario(
             run.log.log("scenario-error", job=job, error=str(e))
             out(f"chaos: {name}: {e}")
         finally:
-            if run.running():
-                run.kill_everything()
-            run.stop_restarted_agents()
-            leftovers = run.leftovers()
-            if leftovers:
-                run.kill_everything()
+            leftovers = run.close()
     result = check_run(scenario, run, reference, leftovers, tier.leftovers if tier is not None else None)
     (run_dir / "chaos-result.txt").write_text(result.table + "\n")
     return result

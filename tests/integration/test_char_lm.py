@@ -104,12 +104,7 @@ def test_char_lm_survives_a_sigkill_and_a_scale_up_with_every_invariant(tmp_path
     except ScenarioError as e:
         pytest.fail(f"{e}; launch log: {(run.run_dir / 'launch.log').read_text()[-2000:]}")
     finally:
-        if run.running():
-            run.kill_everything()
-        run.stop_restarted_agents()
-        leftovers = run.leftovers()
-        if leftovers:
-            run.kill_everything()
+        leftovers = run.close()
 
     events = run.events()
     checks = [
