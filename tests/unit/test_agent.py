@@ -6,20 +6,11 @@ import signal
 
 import pytest
 
-from discovery.agent import Action, Agent, AgentConfig, AgentState, Observation, decide, main
+from discovery.agent import Action, Agent, AgentState, Observation, decide, main
 from discovery.record import DRAINING, READY, HostRecord
 from discovery.registry import InMemoryRegistry, set_state
+from tests.fixtures.agent import agent_config as cfg
 from tests.fixtures.clock import FakeClock
-
-
-def cfg(**kw: object) -> AgentConfig:
-    base: dict[str, object] = dict(
-        job="job1", host="node-a", slots=2, addr="127.0.0.1", ttl_seconds=9, heartbeat_seconds=3.0,
-        request_timeout_seconds=1.0, drain_grace_seconds=10.0, retry_deadline_seconds=30.0,
-    )  # fmt: skip
-    base.update(kw)
-    return AgentConfig(**base)  # type: ignore[arg-type]
-
 
 # -- decide() ------------------------------------------------------------------------------------
 

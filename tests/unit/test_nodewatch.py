@@ -14,8 +14,8 @@ from discovery.agent import Action, Agent, AgentState, Observation, decide, main
 from discovery.nodewatch import NodeWatch, NodeWatchError, in_cluster, node_drain_reason
 from discovery.record import DRAINING, READY
 from discovery.registry import InMemoryRegistry, set_state
-from tests.unit.test_agent import cfg
-from tests.unit.test_registry import FakeClock
+from tests.fixtures.agent import agent_config as cfg
+from tests.fixtures.clock import FakeClock
 
 CORDONED = "node is cordoned (spec.unschedulable)"
 
