@@ -246,3 +246,52 @@ def test_odd_tensors_round_trip_through_the_snapshot_buffers(tmp_path):
     assert torch.equal(loaded["conj"], state["conj"].resolve_conj())
     assert torch.equal(loaded["tied"][1], big) and torch.equal(loaded["sparse"].to_dense(), torch.eye(3))
     assert loaded["tuple"] == (1, "two", None, 3.5)
+
+
+def test_building_a_process_writer_does_not_wait_for_the_fork_servers_imports(tmp_path):
+    """A worker that takes rank 0 after a reset builds its checkpointer on the recovery's path: it must not wait
+    while the fork server imports torch. In a fresh process (the fork server is one per process), a preload
+    module that holds the server's imports until a gate file exists: building the checkpointer returns while
+    they are held; released, a save completes."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    (tmp_path / "held_import.py").write_text(
+        textwrap.dedent(
+            f"""
+            import pathlib, time
+            gate, done = pathlib.Path({str(tmp_path / "gate")!r}), pathlib.Path({str(tmp_path / "imported")!r})
+            deadline = time.monotonic() + 20
+            while not gate.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            done.write_text("x")
+            """
+        )
+    )
+    code = textwrap.dedent(
+        f"""
+        import pathlib
+        import torch
+        from elastictrain.checkpoint import Checkpointer, LocalStorage, load_latest
+        from elastictrain.checkpoint import async_writer
+        async_writer._FORKSERVER_PRELOAD.append("held_import")
+        tmp = pathlib.Path({str(tmp_path)!r})
+        storage = LocalStorage(tmp / "ckpt")
+        ckpt = Checkpointer(storage, writer="process")
+        held = not (tmp / "imported").exists()
+        (tmp / "gate").write_text("open")
+        ckpt.save({{"w": torch.ones(3)}}, step=1, epoch=0, world_size=1, config_hash="h")
+        ok = ckpt.wait(60)
+        ckpt.close()
+        print("held", held, "saved", ok and load_latest(storage).step == 1, "imported", (tmp / "imported").exists())
+        """
+    )
+    # The fork server finds the preload module through PYTHONPATH (it does not take the parent's sys.path).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", ""), "."])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-6:] == ["held", "True", "saved", "True", "imported", "True"], (
+        out.stdout + out.stderr[-2000:]
+    )
