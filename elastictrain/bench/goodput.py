@@ -6,9 +6,10 @@ One ``elastictrain train`` job on 3 logical hosts (min 1, max 3 workers, Gloo ti
 per host (:mod:`elastictrain.bench.hotjoin`, as ``elastictrain agent --warm-config`` keeps one): horovodrun
 starts the zygote's client, and the zygote forks the worker. A killed worker's host stays listed, as when
 only the process died: Horovod blacklists it, and takes it back after the cooldown (a scale-up, whose
-rendezvous waits for a worker forked from the still-warm zygote). The victim's rank is drawn from a seeded
-RNG; the process killed is the training process the zygote forked (its client then dies of the same
-signal, as horovodrun would see a cold worker die), never a zygote.
+rendezvous waits for a worker forked from the still-warm zygote). The victim is drawn from a seeded RNG
+among the running workers, in the order of their launch ranks; the process killed is the training process
+the zygote forked (its client then dies of the same signal, as horovodrun would see a cold worker die),
+never a zygote.
 
 Two computations over the window from the first ``start`` event:
 
@@ -104,7 +105,11 @@ def own_goodput(events: Sequence[Event], kills: list[float], t0: float, t_end: f
 
 
 def victim_rank(rng: random.Random, ranks: Sequence[int]) -> int:
-    """The rank to kill: a seeded draw among the running ranks (in rank order, whatever order they were found in)."""
+    """The rank to kill: a seeded draw among the running ranks (in rank order, whatever order they were found in).
+
+    The ranks are those Horovod gave the processes at their start (``HOROVOD_RANK``); a reset renumbers the
+    ranks inside the job, so a launch rank is not always the current rank (launch rank 1 may be rank 0 now).
+    """
     return sorted(ranks)[rng.randrange(len(ranks))]
 
 
@@ -169,7 +174,8 @@ def run(ctx: BenchContext) -> Result:
                 if kill is not None:
                     kills.append(kill)
                     ctx.progress(
-                        f"SIGKILL rank {kill['rank']} ({kill['killed']}) on {kill['host']} at +{kill['ts'] - t0:.0f} s"
+                        f"SIGKILL launch rank {kill['rank']} ({kill['killed']}) on {kill['host']}"
+                        f" at +{kill['ts'] - t0:.0f} s"
                         f" ({kill['world_size']} workers)"
                     )
                     next_kill += every
