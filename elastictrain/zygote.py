@@ -244,7 +244,7 @@ def warm(config: str, overrides: list[str]) -> None:
     cfg = load_config(config, overrides)
     add_import_paths(config)
     import horovod.torch  # noqa: F401
-    import torch  # noqa: F401
+    import torch._dynamo  # noqa: F401  - a worker's first optimizer imports it lazily: seconds of CPU, no thread
 
     from elastictrain import elastic, worker  # noqa: F401
     from elastictrain.folder_index import folder_index

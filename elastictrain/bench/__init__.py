@@ -41,7 +41,8 @@ MEASUREMENTS: dict[str, str] = {
     "vs stock Horovod elastic",
     "scale_up": "pause of the running workers at a scale-up 2 -> 3, cold start vs hot join (warm zygote)",
     "kill_distribution": "recovery over 32 SIGKILLs (rank 0, others, pairs) in one 4-worker job (quick: 8)",
-    "goodput": "productive step time / wall time under a seeded SIGKILL every 60 s (quick: 30 s, 2 min)",
+    "goodput": "productive step time / wall time under a seeded SIGKILL every 60 s for 10 min (quick: 30 s, 2 min), "
+    "hot join and rollback none",
 }
 
 __all__ = ["MEASUREMENTS", "main", "parse_only"]

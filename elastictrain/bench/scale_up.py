@@ -12,26 +12,19 @@ so this slightly over-states their pause. Goal: hot median <= 1.5 s.
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
+import contextlib
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from elastictrain import envnames
 from elastictrain._testing.jobs import ElasticJob
-from elastictrain._testing.procs import kill_tree
 from elastictrain.bench.core import BenchContext, Goal, Metric, Result, alternate, summary, threads_per_worker
+from elastictrain.bench.hotjoin import hot_command, warm_zygotes
 from elastictrain.events import Reset
-from elastictrain.launcher.commands import ZYGOTE_CLIENT, train_command, zygote_command
+from elastictrain.launcher.commands import train_command
 from elastictrain.launcher.hosts import local_logical_hosts
-from elastictrain.zygote import DIR_ENV, READY_LINE
 
 NAME = "scale_up"
 GOAL_HOT = Goal("<=", 1.5)
@@ -51,55 +44,23 @@ def job_config(run_dir: Path, job: str) -> dict[str, Any]:
     }
 
 
-def hot_command(cfg_path: Path) -> list[str]:
-    return [sys.executable, *ZYGOTE_CLIENT, *train_command(cfg_path)]
-
-
-def start_zygotes(cfg_path: Path, job: str, hosts: list[str], sockets: Path) -> list[subprocess.Popen[str]]:
-    """One warm zygote per host, each ready (its ready line read) before this returns."""
-    env = {**os.environ, DIR_ENV: str(sockets)}
-    procs = []
-    for host in hosts:
-        cmd = zygote_command(str(cfg_path), (), job=job, host=host)
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env))
-    try:
-        for p in procs:
-            assert p.stdout is not None
-            for line in p.stdout:  # until the zygote is warm, or it exits (the loop ends)
-                if line.startswith(READY_LINE):
-                    break
-            else:
-                raise RuntimeError(f"zygote pid {p.pid} did not get ready (exit {p.poll()})")
-    except BaseException:
-        for p in procs:
-            kill_tree(p.pid)
-            p.wait()
-        raise
-    return procs
-
-
 def trial(workdir: Path, hot: bool, hosts: list[str], log: Callable[[str], None]) -> dict[str, Any]:
     """One job: 2 workers, then the third host is listed. Returns the pause and the wall seconds."""
     job_name = f"bench-scale-up-{'hot' if hot else 'cold'}"
     config = job_config(workdir / "run", job_name)
-    workdir.mkdir(parents=True, exist_ok=True)
-    cfg_path = workdir / "job.yaml"
-    cfg_path.write_text(yaml.safe_dump(config))
-    sockets = Path(tempfile.mkdtemp(prefix="et-zy-", dir="/tmp"))  # AF_UNIX paths are short
-    zygotes: list[subprocess.Popen[str]] = []
-    job = ElasticJob(
-        workdir,
-        config,
-        hosts[:2],
-        min_np=2,
-        max_np=3,
-        threads=threads_per_worker(3),
-        command=hot_command if hot else train_command,
-        extra_env={envnames.JOB: job_name, DIR_ENV: str(sockets)},
-    )
-    try:
-        if hot:
-            zygotes = start_zygotes(cfg_path, job_name, hosts[:3], sockets)
+    with contextlib.ExitStack() as stack:
+        zygotes = stack.enter_context(warm_zygotes(workdir / "job.yaml", config, hosts[:3])) if hot else None
+        job = ElasticJob(
+            workdir,
+            config,
+            hosts[:2],
+            min_np=2,
+            max_np=3,
+            threads=threads_per_worker(3),
+            command=hot_command if hot else train_command,
+            extra_env=zygotes.env if zygotes else {envnames.JOB: job_name},
+        )
+        stack.callback(job.close)  # before the zygotes are killed
         job.start()
         job.wait_step(SCALE_AFTER_STEP, timeout=240)
         t_listed = time.time()
@@ -113,12 +74,6 @@ def trial(workdir: Path, hot: bool, hosts: list[str], log: Callable[[str], None]
         out = {"pause": reset.recovery_seconds, "wall": reset.ts - t_listed}
         log(f"{'hot' if hot else 'cold'}: pause {out['pause']:.2f} s ({out['wall']:.2f} s from the listing)")
         return out
-    finally:
-        job.close()
-        for z in zygotes:
-            kill_tree(z.pid)
-            z.wait()
-        shutil.rmtree(sockets, ignore_errors=True)
 
 
 def run(ctx: BenchContext) -> Result:

@@ -1,21 +1,23 @@
 """The bench harness with fakes: alternation, goals and ratios, statistics, the JSON schema, the machine
 description, result files, and the bookkeeping of steady throughput, commit share and goodput. Nothing
-here times anything or starts a process."""
+here times anything; the only processes started are stand-ins (a busy child, a fake zygote)."""
 
 from __future__ import annotations
 
 import io
 import json
 import math
+import random
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
-from elastictrain import bench
+from elastictrain import bench, envnames
 from elastictrain._testing.procs import wait_until
-from elastictrain.bench import commit, goodput, runs
+from elastictrain.bench import commit, goodput, hotjoin, runs
 from elastictrain.bench.core import (
     SCHEMA,
     BenchContext,
@@ -232,13 +234,50 @@ def test_own_goodput_subtracts_kill_downtime_scale_up_pauses_and_rolled_back_ste
     events = [
         metrics_event(10, 5.0, 100.0, step_seconds=0.5),
         Reset(ts=31.0, lost_steps=4, recovery_seconds=0.8, step=20, epoch=0, world_size=2),  # after the kill at 30
-        Reset(ts=50.0, lost_steps=0, recovery_seconds=6.0, step=40, epoch=0, world_size=3),  # a scale-up
+        Reset(ts=50.0, lost_steps=0, recovery_seconds=6.0, step=40, epoch=0, world_size=3, old_size=2, new_size=3),
         metrics_event(50, 60.0, 100.0, step_seconds=0.5),
     ]
     own = goodput.own_goodput(events, kills=[30.0, 90.0], t0=0.0, t_end=100.0)
     # downtime: 1 s (kill -> reset) + 6 s (scale-up) + 10 s (the kill at 90 never recovered); lost 4 x 0.5 s
     assert own["downtime_seconds"] == pytest.approx(17.0) and own["lost_steps"] == 4
     assert own["goodput"] == pytest.approx((100 - 17 - 2) / 100)
+    # the breakdown a profile reads: each kill's downtime (None: not recovered), each scale-up's pause
+    assert own["kills"] == [
+        {"t": 30.0, "down_seconds": pytest.approx(1.0), "lost_steps": 4},
+        {"t": 90.0, "down_seconds": None, "lost_steps": None},
+    ]
+    assert own["other_resets"] == [{"t": 50.0, "down_seconds": 6.0, "sizes": [2, 3]}]
+
+
+def test_goodput_job_runs_both_features_and_the_victim_is_a_seeded_draw_in_rank_order() -> None:
+    assert goodput.job_config(Path("/r"))["elastic"]["rollback"] == "none"
+    assert goodput.GOAL.target == 0.95
+    draws = [goodput.victim_rank(random.Random(goodput.SEED), ranks) for ranks in ([2, 0, 1], [0, 1, 2], [1, 2, 0])]
+    assert len(set(draws)) == 1, "the order workers are found in must not change the victim"
+    rng = random.Random(3)
+    assert {goodput.victim_rank(rng, [4, 7]) for _ in range(50)} == {4, 7}
+
+
+def test_warm_zygotes_forked_finds_the_children_not_the_zygote_and_close_kills_both_by_pid(tmp_path: Path) -> None:
+    sockets = tmp_path / "sockets"
+    sockets.mkdir()
+    fake = subprocess.Popen(["sh", "-c", "sleep 60 & wait"], text=True)  # a "zygote" with one "forked worker"
+    zygotes = hotjoin.WarmZygotes("job", sockets, {"h1": fake})
+    try:
+        kids = wait_until(lambda: zygotes.forked("h1"), 30, what="the forked child")
+        assert [k.pid for k in kids] != [fake.pid] and all(k.ppid() == fake.pid for k in kids)
+        assert zygotes.forked("h2") == [] and zygotes.alive() == {"h1": True}
+        assert zygotes.env == {envnames.JOB: "job", envnames.ZYGOTE_DIR: str(sockets)}
+    finally:
+        zygotes.close()
+    assert fake.returncode is not None and all(gone(k) for k in kids) and not sockets.exists()
+
+
+def gone(p: psutil.Process) -> bool:
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE  # killed; reaping an orphan is init's business
+    except psutil.NoSuchProcess:
+        return True
 
 
 def test_cpu_monitor_windows_between_the_nearest_samples_inside() -> None:
