@@ -226,17 +226,22 @@ def _context() -> Any:
     return ctx
 
 
-def prestart_forkserver() -> None:
-    """Start the fork server now, without waiting for it: it imports torch in a process of its own (a second or
-    two; much longer on loaded cores) while training goes on, and the writer's first start waits only for what
-    is left of that import.
+def prestart_forkserver(wait: bool = True) -> None:
+    """Start the fork server (once per process); it imports torch in a process of its own.
 
-    Called when a process-mode checkpointer is built. For a worker that takes rank 0 after a reset that is
-    on the recovery's path, where every other worker waits in its next collective: waiting here for the
-    import cost a rank-0 SIGKILL about 20 s on the loaded 2-core VM.
+    ``wait``: until that import is done (a second or two; much longer on loaded cores), so the writer's first
+    start does not pay for it. Without: return at once, and the first start waits only for what is left.
     """
     _context()  # the preload list
     multiprocessing.forkserver.ensure_running()
+    if not wait:
+        return
+    ctx = _context()
+    with _no_main_reimport():
+        probe = ctx.Process(target=os.getpid, name="elastictrain-checkpoint-warmup", daemon=True)
+        probe.start()
+    probe.join(120)
+    probe.close()
 
 
 class ProcessWriter:

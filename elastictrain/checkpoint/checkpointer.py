@@ -95,7 +95,9 @@ class Checkpointer:
     allows). ``copy_threads``: threads for the CPU snapshot memcpy (default ``min(4, cpu_count)``;
     they only run during ``save``). ``writer_nice``: niceness of the writer process, so that on a
     small machine the training loop wins the CPU. Building a process-mode checkpointer starts the
-    fork server once (~1-2 s, torch is imported there).
+    fork server once (torch is imported there: 1-2 s, much longer on loaded cores); ``wait_for_writer``:
+    wait for that here (so the first ``save`` does not), else only the first ``save`` waits for what is left
+    (for a worker that takes rank 0 after a reset, while every other worker waits for it).
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class Checkpointer:
         pin_memory: bool | None = None,
         copy_threads: int | None = None,
         writer_nice: int = 10,
+        wait_for_writer: bool = True,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None (keep all), got {keep_last}")
@@ -129,7 +132,7 @@ class Checkpointer:
         self._closed = False
         self._thread: threading.Thread | None = None
         if writer == "process":
-            prestart_forkserver()
+            prestart_forkserver(wait=wait_for_writer)
         _LIVE.add(self)
 
     # ----------------------------------------------------------------------------------- queries

@@ -63,7 +63,8 @@ class Rank0Services:
 
     def open(self, *, step: int, total_steps: int | None, wait_for_tracking: bool) -> None:
         """Take rank 0's services over at ``step``. ``wait_for_tracking``: at the job's start, wait a little for
-        the MLflow run to open (never after a reset: a new rank 0 must not hold the recovery up)."""
+        the MLflow run to open and for the checkpoint writer's fork server (never after a reset: a new rank 0
+        must not hold the recovery up)."""
         if self.is_open:
             return
         cfg = self.cfg
@@ -76,6 +77,8 @@ class Rank0Services:
                 keep_last=cfg.checkpoint.keep_last,
                 writer=cfg.checkpoint.writer,
                 on_event=self.on_checkpoint_event,
+                # At a start the others wait anyway; after a reset, every other worker waits for this one.
+                wait_for_writer=wait_for_tracking,
             )
         if cfg.audit.sample_ledger:
             # The ledger numbers its files in the order in which processes held rank 0 (not by a clock).

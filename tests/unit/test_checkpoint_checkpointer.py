@@ -249,10 +249,10 @@ def test_odd_tensors_round_trip_through_the_snapshot_buffers(tmp_path):
 
 
 def test_building_a_process_writer_does_not_wait_for_the_fork_servers_imports(tmp_path):
-    """A worker that takes rank 0 after a reset builds its checkpointer on the recovery's path: it must not wait
-    while the fork server imports torch. In a fresh process (the fork server is one per process), a preload
-    module that holds the server's imports until a gate file exists: building the checkpointer returns while
-    they are held; released, a save completes."""
+    """A worker that takes rank 0 after a reset builds its checkpointer on the recovery's path
+    (``wait_for_writer=False``): it must not wait while the fork server imports torch. In a fresh process (the
+    fork server is one per process), a preload module holds the server's imports until a gate file exists:
+    building the checkpointer returns while they are held; released, a save completes."""
     import os
     import subprocess
     import sys
@@ -279,7 +279,7 @@ def test_building_a_process_writer_does_not_wait_for_the_fork_servers_imports(tm
         async_writer._FORKSERVER_PRELOAD.append("held_import")
         tmp = pathlib.Path({str(tmp_path)!r})
         storage = LocalStorage(tmp / "ckpt")
-        ckpt = Checkpointer(storage, writer="process")
+        ckpt = Checkpointer(storage, writer="process", wait_for_writer=False)
         held = not (tmp / "imported").exists()
         (tmp / "gate").write_text("open")
         ckpt.save({{"w": torch.ones(3)}}, step=1, epoch=0, world_size=1, config_hash="h")

@@ -3,6 +3,8 @@ rank-0 handover, driven through Horovod's own elastic loop over a scripted one-p
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from horovod.runner.elastic.worker import HostUpdateResult
@@ -130,7 +132,7 @@ def test_a_removal_notice_shrinks_the_world_without_a_failure(tmp_path):
 
 
 # ------------------------------------------------------------------------------------- the reset plan (pure)
-ELASTIC = small_job(__import__("pathlib").Path("/nonexistent"), elastic={"lr_ramp_steps": 10}).elastic
+ELASTIC = small_job(Path("/nonexistent"), elastic={"lr_ramp_steps": 10}).elastic
 
 
 def test_a_start_jumps_to_the_new_size_scale_and_reports_no_reset():
@@ -172,3 +174,21 @@ def test_a_failure_at_the_same_size_keeps_the_ramp_and_a_plain_restart_is_nothin
         elastic=ELASTIC, now=9.0,
     )  # fmt: skip
     assert nothing.reset is None and nothing.ramp is None and not nothing.starting
+
+
+def test_rank0_services_wait_for_the_checkpoint_writer_at_the_start_only(tmp_path, monkeypatch):
+    """At the job's start everyone waits anyway; a worker that takes rank 0 after a reset must not make the others
+    wait while its checkpoint writer's fork server imports torch."""
+    from elastictrain.engine import services
+
+    waits: list[bool] = []
+    real = services.Checkpointer
+
+    def recording(*args, **kwargs):
+        waits.append(kwargs["wait_for_writer"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(services, "Checkpointer", recording)
+    cfg = small_job(tmp_path / "run")
+    code, _ = train(cfg, ScriptedWorld({3: Act(notice=ADDED, world=(1, 2)), 6: Act(notice=ADDED, world=(0, 2))}))
+    assert code == 0 and waits == [True, False]
