@@ -77,7 +77,11 @@ def check_final_loss(
         return Check(name, False, "no metrics event in this run")
     (step, loss), (ref_step, ref) = run, reference
     tol = abs_tol + rel_tol * abs(ref)
-    ok = step == ref_step and math.isfinite(loss) and abs(loss - ref) <= tol
+    # One-sided: faults that damage training leave the loss higher. Lower is not damage: with the global policy
+    # the maths is the fault-free run's up to the order of float reductions (a different split over the workers),
+    # and at this LR such rounding can decide whether a loss spike happens (a fault-free reference spiked from 0.36
+    # to 0.84 at step 90 and ended at 0.147, a run drained to 2 workers at step 41 did not and ended at 0.016).
+    ok = step == ref_step and math.isfinite(loss) and loss - ref <= tol
     return Check(
         name,
         ok,
