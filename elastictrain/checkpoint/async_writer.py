@@ -232,11 +232,10 @@ def prestart_forkserver(wait: bool = True) -> None:
     ``wait``: until that import is done (a second or two; much longer on loaded cores), so the writer's first
     start does not pay for it. Without: return at once, and the first start waits only for what is left.
     """
-    _context()  # the preload list
+    ctx = _context()  # sets the preload list
     multiprocessing.forkserver.ensure_running()
     if not wait:
         return
-    ctx = _context()
     with _no_main_reimport():
         probe = ctx.Process(target=os.getpid, name="elastictrain-checkpoint-warmup", daemon=True)
         probe.start()
