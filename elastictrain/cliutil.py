@@ -11,6 +11,8 @@ from typing import NoReturn
 
 EXIT_USAGE = 2
 """Exit code for command-line misuse and bad input."""
+EXIT_STOPPED = 143
+"""Exit code (128 + SIGTERM) of a worker or launcher stopped by SIGTERM after it saved: not a completed job."""
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -382,8 +382,6 @@ class NullWatchdog:
     """No watchdog: a worker in one process (:class:`~elastictrain.engine.collective.LocalCollective`) has no
     ring to abort. Every call of :class:`CollectiveWatchdog`'s loop interface does nothing."""
 
-    aborts = 0
-
     def step_started(self) -> None:
         pass
 

@@ -18,10 +18,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import psutil
 import yaml
@@ -67,7 +68,15 @@ class WarmZygotes:
         for p in self.procs.values():
             kill_tree(p.pid)
             p.wait()
+            if p.stdout is not None:
+                p.stdout.close()
         shutil.rmtree(self.sockets, ignore_errors=True)
+
+
+def _drain(stream: IO[str]) -> None:
+    with contextlib.suppress(ValueError, OSError, RuntimeError):  # EOF once the zygote and its forks are gone
+        for _ in stream:
+            pass
 
 
 @contextlib.contextmanager
@@ -90,6 +99,8 @@ def warm_zygotes(cfg_path: Path, config: dict[str, Any], hosts: list[str]) -> It
                     break
             else:
                 raise RuntimeError(f"zygote pid {p.pid} did not get ready (exit {p.poll()})")
+            # It says a line per fork from now on: read them, or a long run fills the pipe and blocks it.
+            threading.Thread(target=_drain, args=(p.stdout,), name=f"zygote-{p.pid}-stdout", daemon=True).start()
         yield zygotes
     finally:
         zygotes.close()

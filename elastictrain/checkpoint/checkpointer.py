@@ -6,8 +6,8 @@ preemption (SIGTERM) save, and :meth:`Checkpointer.close` before the process lea
 
 ``save`` returns after the snapshot: it copies every tensor into buffers that are allocated once and
 reused (shared memory, page-locked when the state lives on a GPU) and hands the rest to a background
-writer, which serialises, writes, verifies-by-construction (SHA-256 while streaming), commits the
-manifest, moves ``latest`` and prunes.
+thread, which (re)starts the writer process when needed; the writer serialises, writes,
+verifies-by-construction (SHA-256 while streaming), commits the manifest, moves ``latest`` and prunes.
 
 At most one save is in flight, and there is a single set of buffers, so a snapshot never overwrites
 buffers a writer is still reading. A ``save`` that arrives while the previous one is still writing
@@ -37,7 +37,7 @@ from elastictrain.checkpoint.async_writer import (
     WriterDied,
     prestart_forkserver,
 )
-from elastictrain.checkpoint.snapshot import SnapshotBuffers
+from elastictrain.checkpoint.snapshot import SharedPool, SnapshotBuffers
 from elastictrain.checkpoint.storage import CheckpointStorage
 from elastictrain.logconf import get_logger
 
@@ -76,6 +76,8 @@ class CheckpointStats:
 @dataclass(slots=True)
 class _Pending:
     job: WriteJob
+    pool: SharedPool
+    """The buffers ``job`` refers to; the writer must hold them."""
     events: list[Any]
     stall_seconds: float
     submitted: float
@@ -96,8 +98,9 @@ class Checkpointer:
     they only run during ``save``). ``writer_nice``: niceness of the writer process, so that on a
     small machine the training loop wins the CPU. Building a process-mode checkpointer starts the
     fork server once (torch is imported there: 1-2 s, much longer on loaded cores); ``wait_for_writer``:
-    wait for that here (so the first ``save`` does not), else only the first ``save`` waits for what is left
-    (for a worker that takes rank 0 after a reset, while every other worker waits for it).
+    wait for that here, else return at once (a worker that takes rank 0 after a reset, while every other
+    worker waits for it). Either way ``save`` never waits for it: the writer process is started by the
+    background thread that hands it the save.
     """
 
     def __init__(
@@ -155,7 +158,8 @@ class Checkpointer:
 
     @property
     def writer_pid(self) -> int | None:
-        """Pid of the writer process (``process`` mode, once started); for tests and diagnostics."""
+        """Pid of the writer process (``process`` mode; None until the background thread of the first save
+        started it); for tests and diagnostics."""
         return self._writer.pid
 
     # ----------------------------------------------------------------------------------- protocol
@@ -191,19 +195,15 @@ class Checkpointer:
             meta = dict(meta or {})
             json.dumps(meta)
             snapshot, events = self._buffers.snapshot(state)
-            assert self._buffers.pool is not None
-            died = self._writer.ensure(self._buffers.pool)
+            pool = self._buffers.pool
+            assert pool is not None
             job = WriteJob(snapshot, step, epoch, world_size, config_hash, meta, self.keep_last)
         except Exception as e:
             stall = time.perf_counter() - t0
             self._report_failure(step, f"snapshot failed: {type(e).__name__}: {e}", stall)
             return stall
-        if died is not None:
-            with self._cond:
-                self._stats.writer_restarts += 1
-            self._report_failure(None, f"{died}; restarted it", 0.0)
         stall = time.perf_counter() - t0
-        pending = _Pending(job, events, stall, time.perf_counter())
+        pending = _Pending(job, pool, events, stall, time.perf_counter())
         with self._cond:
             self._stats.saves += 1
         if self.mode == "sync":
@@ -317,6 +317,13 @@ class Checkpointer:
 
     def _execute(self, p: _Pending, sync_started: float | None = None) -> None:
         try:
+            # (Re)starting the writer process is this thread's work, never the training thread's: a fork server
+            # still importing torch (a rank 0 taken over after a reset) would stall every worker in the ring.
+            died = self._writer.ensure(p.pool)
+            if died is not None:
+                with self._cond:
+                    self._stats.writer_restarts += 1
+                self._report_failure(None, f"{died}; restarted it", 0.0)
             for ev in p.events:
                 ev.synchronize()  # device-to-host copies of CUDA tensors are complete
             result = self._writer.run(p.job)

@@ -45,12 +45,11 @@ class Rank0Services:
         cfg: JobConfig,
         planner: ExactlyOncePlanner,
         on_checkpoint_event: Callable[[str, dict[str, Any]], None],
-        versions: dict[str, str] | None = None,
     ) -> None:
         self.cfg = cfg
         self.planner = planner
         self.on_checkpoint_event = on_checkpoint_event
-        self.versions = versions or {"torch": torch.__version__, "horovod": _version("horovod")}
+        self.versions = {"torch": torch.__version__, "horovod": _version("horovod")}
         """Software versions set as tags of the MLflow run."""
         self.is_open = False
         self.events: EventSink = NullEventLog()

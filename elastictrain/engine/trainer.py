@@ -35,6 +35,7 @@ from typing import Any
 
 from elastictrain import envnames
 from elastictrain.checkpoint.resume import META_KEY as RESUME_META_KEY
+from elastictrain.cliutil import EXIT_STOPPED
 from elastictrain.config import JobConfig
 from elastictrain.data import load_batches
 from elastictrain.engine.build import TrainingParts, build_parts
@@ -65,8 +66,6 @@ from elastictrain.task import TaskError
 from elastictrain.watchdog import CollectiveWatchdog, NullWatchdog
 
 log = get_logger("elastictrain.worker")
-
-EXIT_STOPPED = 143  # 128 + SIGTERM: a stopped job is not a completed one
 
 
 @dataclass(slots=True)
@@ -129,6 +128,7 @@ class Trainer:
     @classmethod
     def build(cls, cfg: JobConfig, collective: Collective) -> Trainer:
         """The default composition: parts built from the config, rank-0 services, no watchdog (arm one after)."""
+        DistContext().refresh(collective)  # the build's log lines carry the rank and host too
         return cls(cfg, collective, build_parts(cfg, collective))
 
     # ------------------------------------------------------------------------------------ LR

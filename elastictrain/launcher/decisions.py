@@ -17,14 +17,13 @@ from typing import Any
 
 from discovery.record import READY
 from elastictrain import events as run_log
+from elastictrain.cliutil import EXIT_STOPPED
 
 EXIT_COMPLETED = 0
 EXIT_FAILED = 1
-EXIT_USAGE = 2
 EXIT_HOSTS_TIMEOUT = 3
 EXIT_RELAUNCH_LIMIT = 4
 EXIT_INTERRUPTED = 130
-EXIT_STOPPED = 143
 
 
 class Outcome(enum.Enum):

@@ -55,8 +55,9 @@ def test_process_writer_saves_without_pickling_tensors_and_close_stops_it(tmp_pa
     ckpt = Checkpointer(storage, keep_last=2, writer="process", on_event=rec)
     try:
         ckpt.save(state, step=1, epoch=0, world_size=1, config_hash="h")
-        pid = ckpt.writer_pid
         assert ckpt.wait(30)
+        pid = ckpt.writer_pid
+        assert pid is not None
         ckpt.save(state, step=2, epoch=0, world_size=1, config_hash="h")
         assert ckpt.wait(30) and ckpt.writer_pid == pid  # one writer, reused
     finally:
@@ -110,13 +111,18 @@ def test_writer_sigkilled_at_random_instants_of_a_save_never_breaks_latest(tmp_p
             durations.append(time.perf_counter() - t0)
         typical = sorted(durations[1:])[1]
         kills, step = 0, 4
+        killed = pid  # the last writer killed; each save below starts a fresh one, in the checkpointer's thread
         deadline = time.monotonic() + 90
         while kills < 60 and time.monotonic() < deadline:
             state["w"].copy_(base + step)
             state["step"] = step
             ckpt.save(state, step=step, epoch=0, world_size=1, config_hash="h")
-            pid = ckpt.writer_pid
-            wait_until(lambda: ckpt.in_flight, timeout=10, interval=0.0005, what="a save in flight")
+
+            def new_writer(killed: int | None = killed) -> bool:
+                return ckpt.writer_pid not in (None, killed)
+
+            wait_until(new_writer, timeout=30, interval=0.0005, what="a new writer")
+            pid = killed = ckpt.writer_pid  # the writer of this save (a fresh one after a kill)
             instant = time.perf_counter() + rng.uniform(0.0, 1.3 * typical)
             while time.perf_counter() < instant:  # spin to the drawn instant (a sleep is far too coarse)
                 pass
@@ -165,6 +171,9 @@ from tests.fixtures.gated_storage import FileGatedStorage
 storage = FileGatedStorage(sys.argv[1], sys.argv[2])
 ckpt = Checkpointer(storage, keep_last=1, writer="process")
 ckpt.save({"w": torch.ones(256)}, step=100, epoch=0, world_size=1, config_hash="h")
+deadline = time.monotonic() + 60
+while ckpt.writer_pid is None and time.monotonic() < deadline:  # the checkpointer's thread starts it
+    time.sleep(0.01)
 print(ckpt.writer_pid, flush=True)
 sys.stdin.read()  # until the test kills it
 """

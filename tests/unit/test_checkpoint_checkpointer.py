@@ -248,11 +248,12 @@ def test_odd_tensors_round_trip_through_the_snapshot_buffers(tmp_path):
     assert loaded["tuple"] == (1, "two", None, 3.5)
 
 
-def test_building_a_process_writer_does_not_wait_for_the_fork_servers_imports(tmp_path):
+def test_neither_building_a_process_writer_nor_its_first_save_waits_for_the_fork_servers_imports(tmp_path):
     """A worker that takes rank 0 after a reset builds its checkpointer on the recovery's path
-    (``wait_for_writer=False``): it must not wait while the fork server imports torch. In a fresh process (the
-    fork server is one per process), a preload module holds the server's imports until a gate file exists:
-    building the checkpointer returns while they are held; released, a save completes."""
+    (``wait_for_writer=False``) and may save soon after, while every other worker waits in the next collective:
+    neither may wait while the fork server imports torch. In a fresh process (the fork server is one per
+    process), a preload module holds the server's imports until a gate file exists: building the checkpointer
+    and its first save return while they are held; released, that save completes."""
     import os
     import subprocess
     import sys
@@ -280,9 +281,9 @@ def test_building_a_process_writer_does_not_wait_for_the_fork_servers_imports(tm
         tmp = pathlib.Path({str(tmp_path)!r})
         storage = LocalStorage(tmp / "ckpt")
         ckpt = Checkpointer(storage, writer="process", wait_for_writer=False)
+        ckpt.save({{"w": torch.ones(3)}}, step=1, epoch=0, world_size=1, config_hash="h")
         held = not (tmp / "imported").exists()
         (tmp / "gate").write_text("open")
-        ckpt.save({{"w": torch.ones(3)}}, step=1, epoch=0, world_size=1, config_hash="h")
         ok = ckpt.wait(60)
         ckpt.close()
         print("held", held, "saved", ok and load_latest(storage).step == 1, "imported", (tmp / "imported").exists())
