@@ -59,6 +59,12 @@ class Rank0Services:
         self.progress: Progress = NullProgress()
         self.ledger_written = -1
         """Highest step this process (as rank 0) has written to the ledger."""
+        self._early_tracker: Tracker | None = None
+
+    def prepare(self, tracker: Tracker) -> None:
+        """Adopt a tracker started before this process took rank 0 (see ``Trainer.build``): the MLflow run opens
+        (import, store, run) while the parts are built, and :meth:`open` uses it instead of starting one."""
+        self._early_tracker = tracker
 
     def open(self, *, step: int, total_steps: int | None, wait_for_tracking: bool) -> None:
         """Take rank 0's services over at ``step``. ``wait_for_tracking``: at the job's start, wait a little for
@@ -69,7 +75,7 @@ class Rank0Services:
         cfg = self.cfg
         self.is_open = True
         self.events = open_event_log(cfg.run_path, 0)
-        self.tracker = make_tracker(cfg, 0)
+        self.tracker, self._early_tracker = self._early_tracker or make_tracker(cfg, 0), None
         if cfg.checkpoint.enabled:
             self.checkpointer = Checkpointer(
                 LocalStorage.for_run_dir(cfg.run_path),
@@ -144,6 +150,9 @@ class Rank0Services:
     def _close(
         self, *, status: str | None, checkpoint_timeout: float | None, final: Callable[[], TrackingClosed] | None
     ) -> None:
+        if self._early_tracker is not None:  # it never became rank 0's: the run stays open for the one that is
+            self._early_tracker.close(status=None)
+            self._early_tracker = None
         if not self.is_open:
             return
         self.is_open = False

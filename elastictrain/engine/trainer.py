@@ -63,6 +63,7 @@ from elastictrain.policy import batch_plan, schedule_factor, training_complete
 from elastictrain.sampler import StepPlan, iter_plans
 from elastictrain.step import train_step
 from elastictrain.task import TaskError
+from elastictrain.tracking import make_tracker
 from elastictrain.watchdog import CollectiveWatchdog, NullWatchdog
 
 log = get_logger("elastictrain.worker")
@@ -129,7 +130,16 @@ class Trainer:
     def build(cls, cfg: JobConfig, collective: Collective) -> Trainer:
         """The default composition: parts built from the config, rank-0 services, no watchdog (arm one after)."""
         DistContext().refresh(collective)  # the build's log lines carry the rank and host too
-        return cls(cfg, collective, build_parts(cfg, collective))
+        # Rank 0 at the start opens the MLflow run (seconds: import, a new store's schema) while the parts are
+        # built, the checkpoint is loaded and the state synced, instead of after, while every rank waits.
+        tracker = make_tracker(cfg, collective.rank())
+        try:
+            trainer = cls(cfg, collective, build_parts(cfg, collective))
+        except BaseException:
+            tracker.close(status="FAILED")
+            raise
+        trainer.services.prepare(tracker)
+        return trainer
 
     # ------------------------------------------------------------------------------------ LR
     def _apply_lr(self) -> None:

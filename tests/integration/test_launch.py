@@ -191,7 +191,9 @@ def test_full_preemption_relaunches_and_resumes_from_the_checkpoint_in_the_same_
     # Long enough that the first MLflow run and a checkpoint exist well before the end (steps take ~0.03 s).
     steps = 800
     config = write_config(tmp_path, "launch-preempt", max_steps=steps, mlflow=True)
-    launch = Launch(procs, config, tmp_path, "--wait-hosts-seconds", "60")
+    # Rank 0 waits for the MLflow run at a start for at most half the Gloo timeout (the others wait in a
+    # collective meanwhile): 30 s, not 7.5, so that a loaded machine still links the run in the start event.
+    launch = Launch(procs, config, tmp_path, "--wait-hosts-seconds", "60", "--gloo-timeout-seconds", "60")
     no_leftovers.append(launch)
     run_dir = launch.run_dir
 

@@ -14,10 +14,13 @@ from elastictrain.checkpoint import LocalStorage, load_latest
 from elastictrain.config import JobConfig
 from elastictrain.engine.collective import LocalCollective
 from elastictrain.engine.reset import PendingReset, plan_reset
+from elastictrain.engine.services import Rank0Services
 from elastictrain.engine.trainer import Trainer, run_trainer
 from elastictrain.events import Commit, Done, EpochEnd, Failure, Reset, Start, TrackingClosed, of_kind, read_events
 from elastictrain.ledger import ledger_files
 from elastictrain.policy import ScaleRamp, lr_scale
+from elastictrain.sampler import ExactlyOncePlanner
+from elastictrain.tracking import NullTracker
 from tests.fixtures.engine import Act, ScriptedWorld, small_job
 
 ADDED, REMOVED = HostUpdateResult.added, HostUpdateResult.removed
@@ -192,3 +195,52 @@ def test_rank0_services_wait_for_the_checkpoint_writer_at_the_start_only(tmp_pat
     cfg = small_job(tmp_path / "run")
     code, _ = train(cfg, ScriptedWorld({3: Act(notice=ADDED, world=(1, 2)), 6: Act(notice=ADDED, world=(0, 2))}))
     assert code == 0 and waits == [True, False]
+
+
+def test_rank0_opens_the_mlflow_run_while_the_parts_are_built_and_its_start_event_links_it(tmp_path, monkeypatch):
+    """The MLflow open (import, a new store's schema: seconds) overlaps the build instead of holding every rank
+    at the start; the start event carries the run id."""
+    from elastictrain.engine import trainer as trainer_module
+    from tests.fixtures.procs import wait_until
+
+    cfg = small_job(tmp_path / "run", tracking={"mlflow": True})
+    run_id_file = cfg.run_path / "mlflow_run_id"
+    real = trainer_module.build_parts
+
+    def slow_build(*args, **kwargs):
+        parts = real(*args, **kwargs)
+        wait_until(run_id_file.exists, 60, interval=0.05, what="the MLflow run to open during the build")
+        return parts
+
+    monkeypatch.setattr(trainer_module, "build_parts", slow_build)
+    code, _ = train(cfg, LocalCollective())
+    assert code == 0
+    [start] = of_kind(read_events(cfg.run_path / "events.jsonl"), Start)
+    assert start.run_id == run_id_file.read_text().strip()
+
+
+class _RecordingTracker(NullTracker):
+    def __init__(self) -> None:
+        self.closed_with: list[str | None] = []
+
+    def close(self, status: str | None = "FINISHED", timeout: float = 30.0) -> None:
+        self.closed_with.append(status)
+
+
+def test_a_tracker_started_early_is_used_by_rank0_or_left_open_for_the_process_that_takes_rank0(tmp_path):
+    cfg = small_job(tmp_path / "run")
+    planner = ExactlyOncePlanner(64, 0)
+    services = Rank0Services(cfg, planner, lambda kind, detail: None)
+    early = _RecordingTracker()
+    services.prepare(early)
+    services.open(step=0, total_steps=None, wait_for_tracking=False)
+    assert services.tracker is early and early.closed_with == []
+    services.close("FINISHED", step=0, epoch=0, world_size=1)
+    assert early.closed_with == ["FINISHED"]
+
+    other = Rank0Services(cfg, planner, lambda kind, detail: None)
+    early = _RecordingTracker()
+    other.prepare(early)
+    other.hand_over()  # rank 0 moved before this process opened its services: the run is not this one's to end
+    other.close("FINISHED", step=0, epoch=0, world_size=1)
+    assert early.closed_with == [None]
