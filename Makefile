@@ -54,8 +54,8 @@ gpu-check: $(STAMP)
 	$(PY) -m elastictrain.bench.gpu_check
 
 # Chaos: every scenario (the long ones too), then the soak (a SIGKILL every 60 s for 20 min plus one of each
-# other fault) with its invariant table, report.png and report.json in the run dir. Short scenarios also run
-# in `make test`. A shortened soak: make chaos CHAOS_ARGS=--quick
+# other fault) with its invariant table, report.png and report.json in the run dir. Only
+# `kill-worker` also runs in `make test`. A shortened soak: make chaos CHAOS_ARGS=--quick
 CHAOS_ARGS ?=
 chaos: $(STAMP)
 	ELASTICTRAIN_CHAOS_LONG=1 $(PYTEST) -q -ra tests/chaos

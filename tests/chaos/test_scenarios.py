@@ -5,10 +5,10 @@ the fault is injected, and must pass the whole invariant table: completed, every
 per epoch, final loss within tolerance of the fault-free run (run once per session, cached), latest
 checkpoint verified, one MLflow run, no process left, a recovery after each fault.
 
-The short ones (``ci``) run in ``make test``; the rest only with ``ELASTICTRAIN_CHAOS_LONG=1``
-(``make chaos``). The multi-node tier (``node-killed``, ``node-partitioned``: network namespaces with sshd,
-workers started over ssh) runs in ``make test`` where namespaces are permitted and skips with the reason
-elsewhere.
+The ``ci`` scenario (``kill-worker``) and the clean-up of a stale multi-node tier run in ``make test``; the
+other scenarios and the multi-node tier (``node-killed``, ``node-partitioned``: network namespaces with sshd,
+workers started over ssh; it skips with the reason where namespaces are not permitted) run only with
+``ELASTICTRAIN_CHAOS_LONG=1`` (``make chaos``).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def test_short_scenario_keeps_every_invariant(name: str, chaos_root: Path) -> No
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.skipif(not LONG, reason="long chaos scenario: run with `make chaos` (ELASTICTRAIN_CHAOS_LONG=1)")
+@pytest.mark.skipif(not LONG, reason="chaos scenario of `make chaos` (ELASTICTRAIN_CHAOS_LONG=1)")
 @pytest.mark.parametrize("name", scenario_params(ci=False))
 def test_long_scenario_keeps_every_invariant(name: str, chaos_root: Path) -> None:
     run_and_check(name, chaos_root)
@@ -84,7 +84,9 @@ def tier_traces() -> set[str]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.skipif(not LONG, reason="multi-node chaos tier: run with `make chaos` (ELASTICTRAIN_CHAOS_LONG=1)")
 def test_multi_node_tier_with_namespaces_sshd_and_partitions(chaos_root: Path) -> None:
     """Three nodes (network namespaces on a link-local bridge, each with a real sshd and agent), a real etcd
     and horovodrun starting every worker over ssh; min_np 2. A whole node is SIGKILLed and boots again; a node

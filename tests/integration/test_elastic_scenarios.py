@@ -1,8 +1,8 @@
 """The elastic worker under real horovodrun: scale up, graceful removal, hard failure; exactly-once data.
 
 Each scenario asserts that the job completes (exit 0), that the ledger shows every sample exactly once
-per epoch, and that the loss falls. Under the ``global`` policy the final parameters must match a run
-without faults within 1e-4 relative L2.
+per epoch, and that the loss falls. Under the ``global`` policy the parameters must match a run without
+faults within 1e-4 relative L2 a few steps after the membership change (:func:`params_after_the_reset`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from elastictrain._testing.jobs import ElasticJob
-from elastictrain.checkpoint import LocalStorage, load_latest
+from elastictrain.checkpoint import LocalStorage, checkpoint_name, list_checkpoints, load_checkpoint
 from elastictrain.events import Done, Metrics, Reset
 from elastictrain.launcher.hosts import local_logical_hosts
 from tests.fixtures.elastic_job import assert_exactly_once, job_config
@@ -31,8 +31,10 @@ GLOBAL_POLICY = {
     "training__epochs": 1,
     "data__num_samples": 2400,
     "data__image_size": 32,
+    "checkpoint__every_steps": 4,
+    "checkpoint__keep_last": 20,
 }
-"""The ``global`` policy job whose final parameters are compared with a fault-free run's."""
+"""The ``global`` policy job whose parameters are compared with a fault-free run's (every checkpoint kept)."""
 
 
 def run_job(jobs, tmp_path, name, hosts, **cfg) -> ElasticJob:
@@ -48,10 +50,24 @@ def assert_loss_falls(job: ElasticJob) -> None:
     assert last < first, f"loss did not fall: {losses}"
 
 
-def final_params(job: ElasticJob) -> torch.Tensor:
-    loaded = load_latest(LocalStorage.for_run_dir(job.run_dir))
-    assert loaded is not None
+def params_at(job: ElasticJob, step: int) -> torch.Tensor:
+    loaded = load_checkpoint(LocalStorage.for_run_dir(job.run_dir), checkpoint_name(step))
     return torch.cat([t.flatten().double() for k, t in loaded.state["model"].items()])
+
+
+def params_after_the_reset(clean: ElasticJob, faulty: ElasticJob) -> float:
+    """Relative L2 distance of the two runs' parameters at the first checkpoint at least 4 steps after the
+    faulty run's last reset: steps at the new size are in it, a lost, repeated or wrongly scaled step shows.
+
+    Not at the end: 3-worker runs are not bit-reproducible (two differed by 1e-8 in the loss at step 4, before
+    any fault; likely Horovod's timing-dependent tensor fusion changing the ring's summation order) while 2-worker
+    runs are bit-identical, and this job's training amplifies last-bit differences about 10x every 10 steps (those
+    two runs, reset at the same step, ended 5e-4 apart at step 50, failing the old end-of-run check).
+    """
+    after = max(r.step for r in faulty.events(Reset)) + 4
+    step = min(s for s, _ in list_checkpoints(LocalStorage.for_run_dir(faulty.run_dir)) if s >= after)
+    a, b = params_at(clean, step), params_at(faulty, step)
+    return float((a - b).norm() / a.norm())
 
 
 @needs3
@@ -104,8 +120,8 @@ def test_global_policy_parameters_match_a_fault_free_run(jobs, tmp_path):
     faulty.set_hosts(HOSTS[:2])
     assert faulty.wait() == 0, faulty.tail()
     assert any((r.old_size, r.new_size) == (3, 2) for r in faulty.events(Reset)), "no resize 3 -> 2"
-    a, b = final_params(clean), final_params(faulty)
-    rel = float((a - b).norm() / a.norm())
+    rel = params_after_the_reset(clean, faulty)
+    print(f"relative L2 difference after the reset: {rel:.3e}")
     assert rel < 1e-4, f"relative L2 difference {rel:.3e}"
     assert_exactly_once(faulty, 2400, 1)
 
@@ -126,8 +142,8 @@ def test_worker_killed_with_rollback_none_loses_no_step_and_matches_a_fault_free
     assert any(r.reason == "worker_failed" and r.new_size == 2 for r in resets), resets
     assert [r.lost_steps for r in resets] == [0] * len(resets), resets
     assert_exactly_once(faulty, 2400, 1)
-    a, b = final_params(clean), final_params(faulty)
-    rel = float((a - b).norm() / a.norm())
+    rel = params_after_the_reset(clean, faulty)
+    print(f"relative L2 difference after the reset: {rel:.3e}")
     assert rel < 1e-4, f"relative L2 difference {rel:.3e}"
 
 
