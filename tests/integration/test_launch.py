@@ -185,6 +185,7 @@ def test_launch_with_embedded_etcd_runs_a_short_job_to_completion(
 
 
 @needs_horovod
+@pytest.mark.timeout(420)  # two attempts of an 800-step job with MLflow; 200 s seen on a loaded 2-core machine
 def test_full_preemption_relaunches_and_resumes_from_the_checkpoint_in_the_same_mlflow_run(
     procs: ProcessGroup, tmp_path: Path, no_leftovers: list[Launch]
 ) -> None:
