@@ -132,13 +132,15 @@ class Trainer:
         DistContext().refresh(collective)  # the build's log lines carry the rank and host too
         # Rank 0 at the start opens the MLflow run (seconds: import, a new store's schema) while the parts are
         # built, the checkpoint is loaded and the state synced, instead of after, while every rank waits.
-        tracker = make_tracker(cfg, collective.rank())
+        early = make_tracker(cfg, 0) if collective.rank() == 0 else None
         try:
             trainer = cls(cfg, collective, build_parts(cfg, collective))
         except BaseException:
-            tracker.close(status="FAILED")
+            if early is not None:
+                early.close(status="FAILED")
             raise
-        trainer.services.prepare(tracker)
+        if early is not None:
+            trainer.services.prepare(early)
         return trainer
 
     # ------------------------------------------------------------------------------------ LR

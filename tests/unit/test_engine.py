@@ -219,6 +219,18 @@ def test_rank0_opens_the_mlflow_run_while_the_parts_are_built_and_its_start_even
     assert start.run_id == run_id_file.read_text().strip()
 
 
+def test_a_worker_that_takes_rank0_before_the_first_sync_tracks_to_mlflow(tmp_path):
+    """Ranks can move between the build and the first sync (a reset): the new rank 0 opens a real tracker."""
+    cfg = small_job(tmp_path / "run", tracking={"mlflow": True})
+    world = LocalCollective(rank=1, size=2)
+    trainer = Trainer.build(cfg, world)
+    world.resize(0, 1)
+    world.reset()
+    assert run_trainer(trainer) == 0
+    [start] = of_kind(read_events(cfg.run_path / "events.jsonl"), Start)
+    assert start.run_id is not None and start.run_id == (cfg.run_path / "mlflow_run_id").read_text().strip()
+
+
 class _RecordingTracker(NullTracker):
     def __init__(self) -> None:
         self.closed_with: list[str | None] = []
