@@ -65,7 +65,9 @@ def params_after_the_reset(clean: ElasticJob, faulty: ElasticJob) -> float:
     two runs, reset at the same step, ended 5e-4 apart at step 50, failing the old end-of-run check).
     """
     after = max(r.step for r in faulty.events(Reset)) + 4
-    step = min(s for s, _ in list_checkpoints(LocalStorage.for_run_dir(faulty.run_dir)) if s >= after)
+    steps = [s for s, _ in list_checkpoints(LocalStorage.for_run_dir(faulty.run_dir)) if s >= after]
+    assert steps, f"no checkpoint at or after step {after} (the reset came too late to compare)"
+    step = steps[0]
     a, b = params_at(clean, step), params_at(faulty, step)
     return float((a - b).norm() / a.norm())
 
