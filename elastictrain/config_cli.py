@@ -2,12 +2,19 @@
 
 Both check the task too (import it and build it on the meta device; :func:`elastictrain.task.validate_task`):
 a bad task is one line and exit code 2. ``show --no-task-check`` prints the config without importing the task.
+``validate`` then tries the task on real samples (:mod:`elastictrain.task_trial`: collate, loss, metrics),
+within ``--trial-seconds`` (``--no-trial`` skips it).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
+import signal
 import sys
+from collections.abc import Iterator
+from typing import Any
 
 from elastictrain.cliutil import OneLineParser
 from elastictrain.config import ConfigError, JobConfig, load_config
@@ -31,13 +38,54 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def check_task(cfg: JobConfig, config_path: str) -> str:
-    """Import and dry-run the config's task (see :func:`elastictrain.task.validate_task`); one line about it.
+DEFAULT_TRIAL_SECONDS = 60.0
+"""How long ``config validate`` (and so ``launch``) may spend trying the task on real samples."""
+
+
+def check_task(cfg: JobConfig, config_path: str, trial_seconds: float | None = None) -> str:
+    """Import and dry-run the config's task (see :func:`elastictrain.task.validate_task`); with ``trial_seconds``,
+    also try it on real samples within that time (:func:`elastictrain.task_trial.try_task`). One line about it.
     Raises :class:`ConfigError`."""
     from elastictrain.task import add_import_paths, describe, validate_task  # torch: only when asked
 
     add_import_paths(config_path)
-    return describe(validate_task(cfg))
+    built = validate_task(cfg)
+    about = describe(built)
+    if trial_seconds is not None:
+        from elastictrain.task_trial import try_task
+
+        with _time_limit(trial_seconds, "trying the task on real samples"):
+            about += f"; {try_task(cfg, built)}"
+    return about
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float, what: str) -> Iterator[None]:
+    """Raise :class:`ConfigError` in the main thread when the block runs longer than ``seconds``."""
+
+    def expired(_signum: int, _frame: Any) -> None:
+        raise ConfigError(
+            f"task: {what} took over {seconds:g}s (raise the limit with launch --task-trial-seconds or config validate"
+            " --trial-seconds, or skip the trial with --no-task-trial or --no-trial)"
+        )
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _seconds(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        x = math.nan
+    if not (math.isfinite(x) and x > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {value!r}")
+    return x
 
 
 def main(argv: list[str]) -> int:
@@ -48,10 +96,20 @@ def main(argv: list[str]) -> int:
     show.add_argument("--no-task-check", action="store_true", help="do not import and dry-run the task")
     validate = sub.add_parser("validate", help="check the config and its task; print one line")
     add_config_args(validate)
+    validate.add_argument(
+        "--trial-seconds",
+        type=_seconds,
+        default=DEFAULT_TRIAL_SECONDS,
+        metavar="S",
+        help="time limit for trying the task's loss and metrics on real samples (%(default)g)",
+    )
+    validate.add_argument("--no-trial", action="store_true", help="only import and build the task; run none of it")
     args = p.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        if args.action == "validate" or not args.no_task_check:
+        if args.action == "validate":
+            about = check_task(cfg, args.config, None if args.no_trial else args.trial_seconds)
+        elif not args.no_task_check:
             about = check_task(cfg, args.config)
     except ConfigError as e:
         return report_config_error(e)

@@ -8,8 +8,8 @@
    environment: the launcher's ``ELASTICTRAIN_LAUNCH_ID`` and ``HOROVOD_HOSTNAME``, never by name);
    Horovod recovers and, after the blacklist cooldown, grows back to 3; the third host is drained
    (SIGTERM to its agent: a spot-instance notice) and the job shrinks gracefully to 2;
-4. prints a summary: test accuracy, resets and why, recovery seconds, checkpoint stall, goodput, the
-   timeline PNG (``elastictrain report``) and the ``mlflow ui`` command.
+4. prints a summary: test accuracy, resets and why, recovery seconds, the scale-up pauses (hot join, the
+   launcher's default: the third agent keeps a warm zygote too), checkpoint stall, goodput, the timeline PNG (``elastictrain report``) and the ``mlflow ui`` command.
 
 Exit code: the launcher's (0 when training completed), or 1 when a phase missed its deadline.
 """
@@ -168,7 +168,15 @@ class Demo:
         return code
 
     def _start_agent(self, state: dict[str, Any], host: str) -> subprocess.Popen[bytes]:
-        cmd = agent_command(self.cfg.discovery, etcd=state["etcd"], job=state["job"], host=host, drain_grace_seconds=5)
+        # Like the launcher's own agents (hot join is launch's default): a warm zygote, registered once it is warm.
+        cmd = agent_command(
+            self.cfg.discovery,
+            etcd=state["etcd"],
+            job=state["job"],
+            host=host,
+            drain_grace_seconds=5,
+            warm_config=self.config_path.resolve(),
+        )
         with (self.run_dir / "logs" / f"agent-{host}.log").open("ab") as log:
             return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -237,6 +245,10 @@ class Demo:
         rec, stall = s["recovery_seconds"], s["checkpoints"]["stall_seconds"]
         if rec["median"] is not None:
             print(f"  recovery seconds      median {rec['median']:.1f}, max {rec['max']:.1f}")
+        ups = [r["recovery_seconds"] for r in s["resets"] if r["recovery_seconds"] is not None and _grew(r)]
+        if ups:
+            pauses = ", ".join(f"{p:.1f}s" for p in ups)
+            print(f"  scale-up pause        {pauses} (hot join: new workers forked from a warm process per host)")
         if stall["median"] is not None:
             print(
                 f"  checkpoint stall      median {stall['median'] * 1000:.0f} ms, max {stall['max'] * 1000:.0f} ms "
@@ -256,6 +268,11 @@ class Demo:
         if (self.run_dir / "mlflow.db").exists():
             print(f"  MLflow                mlflow ui --backend-store-uri {uri}")
         print("=" * 78)
+
+
+def _grew(reset: dict[str, Any]) -> bool:
+    old, new = reset.get("old_size"), reset.get("new_size")
+    return isinstance(old, int) and isinstance(new, int) and new > old
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,3 +54,9 @@ class ToolError(ElastictrainError):
 
 class ScenarioError(ElastictrainError):
     """A chaos scenario could not be carried out (the job ended early, a wait timed out, a tier is missing)."""
+
+
+def one_line(e: BaseException, limit: int = 300) -> str:
+    """``Type: first line of the message`` (at most ``limit`` characters), or ``Type`` alone for an empty one."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}"[:limit] if lines else type(e).__name__

@@ -74,11 +74,14 @@ def move_to(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def per_sample(values: Any, what: str) -> torch.Tensor:
-    """Check that a task function returned per-sample values: a 1-D tensor."""
-    if not isinstance(values, torch.Tensor) or values.dim() != 1:
+def per_sample(values: Any, what: str, n: int | None = None) -> torch.Tensor:
+    """Check that a task function returned per-sample values: a 1-D tensor (of length ``n`` when the batch's size
+    is known, as in :mod:`elastictrain.task_trial`)."""
+    if not isinstance(values, torch.Tensor) or values.dim() != 1 or (n is not None and values.shape[0] != n):
         shape = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
-        raise ValueError(f"{what} must return one value per sample (a 1-D tensor of shape [n]), got {shape}")
+        expected = f"[{n}] for a batch of {n}" if n is not None else "[n]"
+        hint = " (a scalar: return the per-sample values, e.g. reduction='none', not their mean)" if shape == () else ""
+        raise ValueError(f"{what} must return one value per sample (a 1-D tensor of shape {expected}), got {shape}{hint}")
     return values
 
 

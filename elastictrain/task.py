@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from elastictrain.config import ConfigError, JobConfig
+from elastictrain.errors import one_line
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 """``loss(model, batch) -> Tensor[n]``: the per-sample losses of a batch of ``n`` samples."""
@@ -106,9 +107,9 @@ def resolve_builder(spec: str) -> Callable[..., Any]:
                 f"task: cannot import module {module_name!r} (no module named {e.name!r}; "
                 "is it on PYTHONPATH, the working directory or the config's folder?)"
             ) from None
-        raise TaskError(f"task: importing {module_name!r} failed: {_one_line(e)}") from None
+        raise TaskError(f"task: importing {module_name!r} failed: {one_line(e)}") from None
     except Exception as e:
-        raise TaskError(f"task: importing {module_name!r} failed: {_one_line(e)}") from None
+        raise TaskError(f"task: importing {module_name!r} failed: {one_line(e)}") from None
     fn = getattr(module, func_name, None)
     if fn is None:
         names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
@@ -119,10 +120,6 @@ def resolve_builder(spec: str) -> Callable[..., Any]:
         raise TaskError(f"task: {spec} is a {type(fn).__name__}, not a function")
     return fn
 
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
 def _call_build(spec: str, fn: Callable[..., Any], args: Mapping[str, Any]) -> Task:
@@ -146,7 +143,7 @@ def _call_build(spec: str, fn: Callable[..., Any], args: Mapping[str, Any]) -> T
     except ConfigError:
         raise
     except Exception as e:
-        raise TaskError(f"task: {spec} raised {_one_line(e)}") from e
+        raise TaskError(f"task: {spec} raised {one_line(e)}") from e
     if not isinstance(task, Task):
         raise TaskError(f"task: {spec} returned {type(task).__name__}, not an elastictrain.Task")
     return task
@@ -191,7 +188,7 @@ def check_dataset_size(task: Task) -> int:
     except ConfigError:
         raise
     except Exception as e:
-        raise TaskError(f"task: len(train_data) failed: {_one_line(e)}") from e
+        raise TaskError(f"task: len(train_data) failed: {one_line(e)}") from e
     if not isinstance(n, int) or n < 1:
         raise TaskError(f"task: train_data must hold at least one sample, len() is {n!r}")
     return n

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from discovery import fileio
+from elastictrain.errors import one_line
 from elastictrain.events import EVENTS_FILE, Checkpoint, EpochEnd, Event, Metrics, Reset, read_events
 from elastictrain.logconf import get_logger
 
@@ -565,9 +566,9 @@ class MlflowTracker:
                 try:
                     backend.finish(opened.run_id, self._final_status)
                 except Exception as e:
-                    log.warning("tracking_finish_failed", run_id=opened.run_id, error=_one_line(e))
+                    log.warning("tracking_finish_failed", run_id=opened.run_id, error=one_line(e))
         except Exception as e:  # a bug must not take the worker down; say so loudly
-            log.error("tracking_sender_crashed", error=_one_line(e), exc_info=True)
+            log.error("tracking_sender_crashed", error=one_line(e), exc_info=True)
             self._count_drop(self._drain_uncounted(), "sender_crashed", force=True)
 
     def _open(self, backend: TrackingBackend) -> OpenedRun | None:
@@ -585,7 +586,7 @@ class MlflowTracker:
                 break
             except Exception as e:
                 log.warning(
-                    "tracking_open_failed", tracking_uri=self.tracking_uri, error=_one_line(e), retry_in_seconds=delay
+                    "tracking_open_failed", tracking_uri=self.tracking_uri, error=one_line(e), retry_in_seconds=delay
                 )
                 if self._closing.wait(delay):
                     return None
@@ -679,7 +680,7 @@ class MlflowTracker:
                 backend.log_batch(run_id, batch.metrics, batch.params, batch.tags)
             return True
         except Exception as e:
-            self._count_drop(_size_of(batch), "request_failed", error=_one_line(e))
+            self._count_drop(_size_of(batch), "request_failed", error=one_line(e))
             return False
 
 
@@ -762,10 +763,6 @@ def _batches(
     flush()
     return out
 
-
-def _one_line(e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}"
-    return text.splitlines()[0][:300] if text else type(e).__name__
 
 
 def make_tracker(cfg: JobConfig, rank: int, env: Mapping[str, str] | None = None) -> Tracker:

@@ -1,7 +1,8 @@
 """``elastictrain train --config X [--set ...]``: the command horovodrun starts on every slot.
 
 Exit 0 only when training is complete (Horovod takes a 0 as the end of the whole job); 2 for a bad
-config or input, with one line; 143 when stopped by SIGTERM.
+config or input, with one line; 143 when stopped by SIGTERM. A worker whose training raised writes why
+(:mod:`elastictrain.worker_error`) before it exits, so the launcher can name the cause last.
 """
 
 from __future__ import annotations
@@ -23,10 +24,15 @@ def main(argv: list[str]) -> int:
     configure_logging(job=cfg.job)
     from elastictrain import elastic  # torch + horovod: imported only once the config is good
     from elastictrain.task import add_import_paths
+    from elastictrain.worker_error import record_worker_error
 
     add_import_paths(args.config)  # the task module may sit next to the config or in the working directory
 
     try:
         return elastic.run(cfg)
     except ConfigError as e:
+        record_worker_error(cfg.run_path, e)
         return report_config_error(e)
+    except Exception as e:
+        record_worker_error(cfg.run_path, e)
+        raise

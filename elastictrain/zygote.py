@@ -19,6 +19,13 @@ Contract:
 - Only the zygote's own user may connect (a 0700 folder, a 0600 socket, SO_PEERCRED checked): a request
   runs code as that user.
 - On SIGTERM the zygote stops taking requests, and exits when its running workers have exited.
+- It never serves code older than the files on disk: :class:`CodeStamp` records the mtime and size of every
+  file it imported from elastictrain, ``discovery``, the task's package and any module outside the Python
+  installation (the user's code), and of the config. Before each fork, and every
+  :data:`STAMP_CHECK_SECONDS` while idle, it compares them with the disk; on a change it refuses requests
+  (clients start cold, with the new code), stops listening, and once its running workers have exited it
+  re-executes itself (same pid, same arguments, a fresh interpreter) and warms the new code.
+- It never touches CUDA, and refuses to fork once something did (a forked child cannot use CUDA).
 
 Protocol, one AF_UNIX stream connection per worker; each message is a 4-byte big-endian length and JSON.
 The client sends ``{"args": [...], "env": {...}, "cwd": "..."}`` (``args``: what follows ``train``) with its
@@ -53,6 +60,10 @@ MAX_MESSAGE = 1 << 20
 RELAYED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 CONNECT_TIMEOUT_SECONDS = 5.0
 READY_LINE = "zygote ready"
+STAMP_CHECK_SECONDS = 2.0
+"""How often an idle zygote compares the code it imported with the files on disk."""
+RESTART = -1
+"""What :meth:`Zygote.serve` returns when the code changed on disk: re-execute, do not exit."""
 
 
 class ProtocolError(ElastictrainError):
@@ -231,12 +242,74 @@ def _wait_exit(sock: socket.socket) -> int:
 # server
 
 
+class CodeStamp:
+    """The source files a zygote's code came from, with their ``(st_mtime_ns, st_size)`` when it warmed.
+
+    :meth:`take` records every loaded module of ``elastictrain`` and ``discovery``, of the task's top-level
+    package, and every module whose file lies outside the Python installation (the user's code, an editable
+    install), plus the ``extra`` files (the config). Installed third-party packages (torch, Horovod) are not
+    watched: upgrading them means restarting the agents.
+    """
+
+    def __init__(self, files: dict[str, tuple[int, int] | None]) -> None:
+        self.files = files
+
+    @staticmethod
+    def _stat(path: str) -> tuple[int, int] | None:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size)
+
+    @classmethod
+    def take(cls, packages: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> CodeStamp:
+        import site
+        import sysconfig
+
+        installed = {
+            os.path.realpath(p)
+            for p in (
+                sys.prefix,
+                sys.base_prefix,
+                sys.exec_prefix,
+                *sysconfig.get_paths().values(),
+                *site.getsitepackages(),
+                site.getusersitepackages(),
+            )
+            if p
+        }
+        watched = {"elastictrain", "discovery", *packages}
+        files: dict[str, tuple[int, int] | None] = {}
+        for name, module in list(sys.modules.items()):
+            path = getattr(module, "__file__", None)
+            if not isinstance(path, str) or not path.endswith(".py"):
+                continue  # builtins, extension modules (installed binaries), namespace packages
+            real = os.path.realpath(path)
+            outside = not any(real.startswith(root + os.sep) for root in installed)
+            if name.partition(".")[0] in watched or outside:
+                files[real] = cls._stat(real)
+        for path in extra:
+            real = os.path.realpath(path)
+            files[real] = cls._stat(real)
+        return cls(files)
+
+    def changed(self) -> str | None:
+        """The first watched file whose mtime or size differs from when the stamp was taken (or that is gone
+        or new), else None."""
+        for path, seen in self.files.items():
+            if self._stat(path) != seen:
+                return path
+        return None
+
+
 def thread_count() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def warm(config: str, overrides: list[str]) -> None:
-    """Import what a worker of this job imports and index its image folders; start no thread."""
+def warm(config: str, overrides: list[str]) -> CodeStamp:
+    """Import what a worker of this job imports and index its image folders; start no thread. Returns the
+    stamp of the code it imported (:class:`CodeStamp`)."""
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy loads: OpenBLAS starts its pool at import
     from elastictrain.config import load_config
     from elastictrain.task import add_import_paths, resolve_builder
@@ -255,6 +328,7 @@ def warm(config: str, overrides: list[str]) -> None:
         if isinstance(path, str) and Path(path).is_dir():
             with contextlib.suppress(OSError):
                 folder_index(path)
+    return CodeStamp.take(packages=(cfg.task.partition(":")[0].partition(".")[0],), extra=(config,))
 
 
 def listen(path: Path) -> socket.socket:
@@ -285,14 +359,22 @@ def listen(path: Path) -> socket.socket:
 class Zygote:
     """The serving loop: one thread, a selector over the listener, the clients and a SIGCHLD wake-up pipe."""
 
-    def __init__(self, listener: socket.socket, path: Path) -> None:
+    def __init__(self, listener: socket.socket, path: Path, stamp: CodeStamp | None = None) -> None:
         import selectors
+        import time
 
         self.listener, self.path = listener, path
+        self.stamp = stamp
+        self.stale: str | None = None
+        """The file whose change made this zygote's code old (it then restarts), or None."""
+        self.clock = time.monotonic
+        self.next_stamp_check = self.clock() + STAMP_CHECK_SECONDS
         self.inode = os.stat(path).st_ino
         self.parent = os.getppid()
         self.children: dict[int, socket.socket] = {}
         self.stopping = False
+        self.signalled = False
+        """SIGTERM or SIGINT came: exit when the workers have, whatever the code on disk."""
         self.sel = selectors.DefaultSelector()
         self.EVENT_READ = selectors.EVENT_READ
         self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -305,7 +387,7 @@ class Zygote:
         self.sel.register(self.wake_r, self.EVENT_READ, "wake")
 
     def _stop(self, *_: Any) -> None:
-        self.stopping = True
+        self.stopping = self.signalled = True
 
     def unlink(self) -> None:
         """Remove our socket, not one a newer zygote bound at the same path since."""
@@ -313,10 +395,22 @@ class Zygote:
             if os.stat(self.path).st_ino == self.inode:
                 self.path.unlink()
 
+    def check_code(self) -> str | None:
+        """The changed file if the code on disk is newer than ours (then stop taking requests), else None."""
+        if self.stale is None and self.stamp is not None and (changed := self.stamp.changed()) is not None:
+            self.stale = changed
+            self.stopping = True
+            _say(f"zygote: {changed} changed since it warmed; restarting once its workers have exited")
+        self.next_stamp_check = self.clock() + STAMP_CHECK_SECONDS
+        return self.stale
+
     def serve(self) -> int:
+        """Serve until stopped (0), or until the code changed on disk and no worker runs (:data:`RESTART`)."""
         while not (self.stopping and not self.children):
             if os.getppid() != self.parent:
                 self.stopping = True  # the agent died: take no more requests, let the running workers finish
+            if self.clock() >= self.next_stamp_check:
+                self.check_code()
             if self.stopping and self.listener.fileno() >= 0:
                 self.sel.unregister(self.listener)
                 self.listener.close()
@@ -333,7 +427,8 @@ class Zygote:
                 else:
                     self._client_closed(key.data)
             self._reap()
-        return 0
+        restart = self.stale is not None and not self.signalled and os.getppid() == self.parent
+        return RESTART if restart else 0
 
     def _accept(self) -> None:
         conn, _ = self.listener.accept()
@@ -346,8 +441,12 @@ class Zygote:
                 raise ProtocolError(f"peer uid {uid} is not ours")
             msg, fds = recv_message(conn, max_fds=3)
             request = _valid_request(msg, fds)
+            if (changed := self.check_code()) is not None:
+                raise ProtocolError(f"{changed} changed since the zygote warmed; it restarts")
             if thread_count() != 1:
                 raise ProtocolError(f"zygote has {thread_count()} threads; a fork would not be safe")
+            if _cuda_initialized():
+                raise ProtocolError("CUDA was initialised in the zygote; a forked worker could not use it")
             pid = self._fork(conn, request, fds)
             self.children[pid] = conn  # from here on, its client's end is its end
             send_message(conn, {"pid": pid})
@@ -441,6 +540,15 @@ class Zygote:
             conn.close()
 
 
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    try:
+        return bool(cuda is not None and cuda.is_initialized())
+    except Exception:  # a half-imported torch: nothing was initialised through it
+        return False
+
+
 def _kill_worker(pid: int) -> None:
     """SIGKILL a forked worker and its process group (its loader workers, its checkpoint writer); the pid first,
     in case it has not made its own group yet."""
@@ -493,19 +601,30 @@ def serve_main(argv: list[str]) -> int:
     args: argparse.Namespace = p.parse_args(argv)
     path = socket_path(args.job, args.host)
     try:
-        warm(args.config, args.overrides)  # before listening: nobody queues a request a busy zygote cannot answer
+        stamp = warm(args.config, args.overrides)  # before listening: nobody queues what a busy zygote cannot answer
         listener = listen(path)
     except ConfigError as e:
         return report_config_error(e, "elastictrain zygote")
     except (OSError, ImportError) as e:
         print(f"elastictrain zygote: error: {e}", file=sys.stderr)
         return 1
-    zygote = Zygote(listener, path)
+    zygote = Zygote(listener, path, stamp)
     _say(f"{READY_LINE} {path} pid {os.getpid()}")
     try:
-        return zygote.serve()
+        code = zygote.serve()
     finally:
         zygote.unlink()
+    if code == RESTART:
+        restart()
+    return code
+
+
+def restart() -> None:
+    """Replace this process with a fresh ``elastictrain zygote serve`` of the same arguments (same pid, so the
+    agent keeps its handle and its pipe); only called with no worker running."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, sys.orig_argv)
 
 
 def main(argv: list[str]) -> int:

@@ -63,18 +63,30 @@ def zygote_command(config: str, overrides: Iterable[str], *, job: str, host: str
     return [*cmd, "--job", job, "--host", host]
 
 
-def config_validate_command(config: Path | str, overrides: Iterable[str], python: str = sys.executable) -> list[str]:
-    """``elastictrain config validate``: checks a config and builds its task on the meta device."""
+def config_validate_command(
+    config: Path | str, overrides: Iterable[str], python: str = sys.executable, *, trial_seconds: float | None = None
+) -> list[str]:
+    """``elastictrain config validate``: checks a config, builds its task on the meta device and, with
+    ``trial_seconds``, tries it on real samples within that time (``--no-trial`` without)."""
     cmd = elastictrain_command("config", "validate", "--config", str(config), python=python)
+    cmd += ["--no-trial"] if trial_seconds is None else ["--trial-seconds", f"{trial_seconds:g}"]
     return _with_overrides(cmd, overrides)
 
 
 def agent_command(
-    discovery: DiscoveryConfig, *, etcd: str, job: str, host: str, drain_grace_seconds: float
+    discovery: DiscoveryConfig,
+    *,
+    etcd: str,
+    job: str,
+    host: str,
+    drain_grace_seconds: float,
+    warm_config: Path | str | None = None,
+    warm_overrides: Iterable[str] = (),
 ) -> list[str]:
-    """``elastictrain agent`` for ``host`` with the timing of the job's ``discovery`` settings (1 slot)."""
+    """``elastictrain agent`` for ``host`` with the timing of the job's ``discovery`` settings (1 slot); with
+    ``warm_config``, it keeps a warm zygote of that config (``--warm-config X [--warm-set k=v ...]``: hot join)."""
     ttl = max(2, round(discovery.ttl_seconds))
-    return elastictrain_command(
+    cmd = elastictrain_command(
         "agent",
         "--etcd", etcd,
         "--job", job,
@@ -86,6 +98,9 @@ def agent_command(
         "--drain-grace", f"{drain_grace_seconds:g}",
         "--prefix", discovery.prefix,
     )  # fmt: skip
+    if warm_config is not None:
+        cmd = _with_overrides([*cmd, "--warm-config", str(warm_config)], warm_overrides, "--warm-set")
+    return cmd
 
 
 def runner_command(python: str = sys.executable) -> list[str]:

@@ -27,6 +27,8 @@ from elastictrain.launcher.rundir import RunDirLock
 from elastictrain.launcher.supervisor import Launcher
 
 TASK_CHECK_TIMEOUT_SECONDS = 300.0
+"""How long the task check may take beyond the trial's own limit (starting Python, importing torch and the task,
+building it twice)."""
 
 
 def check_etcd(
@@ -72,16 +74,18 @@ def run_complete(cfg: JobConfig) -> str | None:
 
 
 def check_task(opts: LaunchOptions, python: str = sys.executable) -> None:
-    """Raise :class:`ConfigError` unless the config's task imports and builds (``elastictrain config validate``:
-    on the meta device, in a child process, so the launcher imports neither torch nor the user's code)."""
-    cmd = config_validate_command(opts.config, opts.overrides, python)
+    """Raise :class:`ConfigError` unless the config's task imports, builds (on the meta device) and, unless
+    ``--no-task-trial``, runs on real samples (``elastictrain config validate``, in a child process, so the launcher
+    imports neither torch nor the user's code)."""
+    trial = opts.task_trial_seconds if opts.task_trial else None
+    cmd = config_validate_command(opts.config, opts.overrides, python, trial_seconds=trial)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     try:
         done = subprocess.run(
-            cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env, timeout=TASK_CHECK_TIMEOUT_SECONDS
+            cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env, timeout=(trial or 0) + TASK_CHECK_TIMEOUT_SECONDS
         )
     except subprocess.TimeoutExpired:
-        limit = TASK_CHECK_TIMEOUT_SECONDS
+        limit = (trial or 0) + TASK_CHECK_TIMEOUT_SECONDS
         raise ConfigError(f"task: checking the task of {opts.config} took over {limit:g}s") from None
     if done.returncode != 0:
         lines = [ln for ln in done.stderr.strip().splitlines() if ln.strip()]
@@ -117,6 +121,8 @@ def main(argv: list[str]) -> int:
             signal.signal(sig, launcher.on_signal)
         code = launcher.run()
         print(f"{PROG}: exit {code}", flush=True)
+        if launcher.worker_error is not None:  # the cause, as the last line (Horovod's traceback is above it)
+            print(f"{PROG}: {launcher.worker_error.line()}", file=sys.stderr, flush=True)
         return code
     finally:
         lock.release()

@@ -56,9 +56,16 @@ class LaunchOptions:
     """horovodrun ``--reset-limit``: most resets within one horovodrun."""
     elastic_timeout_seconds: int = 600
     """horovodrun ``--elastic-timeout``: how long it waits for ``--min-np`` slots before failing."""
-    hot_join: bool = False
+    hot_join: bool = True
     """Each agent keeps a warm worker process (:mod:`elastictrain.zygote`) and horovodrun starts workers through
-    its thin client, so a joining worker does not start an interpreter and import torch while the others wait."""
+    its thin client, so a joining worker does not start an interpreter and import torch while the others wait.
+    On by default; ``--no-hot-join`` starts every worker cold. A host without a warm zygote (a cluster agent
+    without ``--warm-config``) starts its workers cold either way."""
+    task_trial: bool = True
+    """Before anything starts, try the task's collate, loss and metrics on real samples on the CPU
+    (:mod:`elastictrain.task_trial`); ``--no-task-trial`` only imports and builds it."""
+    task_trial_seconds: float = 60.0
+    """Time limit of that trial (a task whose first samples are slow to load: raise it, or skip the trial)."""
     wait_hosts_seconds: float = 300.0
     """After a preemption: how long to wait for ``--min-np`` ready slots before giving up (exit 3)."""
     max_relaunches: int = 5
@@ -90,6 +97,7 @@ class LaunchOptions:
             ("--status-every", self.status_every_seconds),
             ("--elastic-timeout", self.elastic_timeout_seconds),
             ("--reset-limit", self.reset_limit),
+            ("--task-trial-seconds", self.task_trial_seconds),
         ):
             if not (math.isfinite(value) and value >= 0):  # NaN fails every comparison: test it first
                 raise LaunchError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -136,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("--drain-grace", "drain_grace_seconds", float, "embedded agents' drain grace (%(default)g)"),
         ("--status-every", "status_every_seconds", float, "live view: a JSON status line every S seconds when "
          "stdout is not a terminal; 0: off (%(default)g)"),
+        ("--task-trial-seconds", "task_trial_seconds", float, "time limit for trying the task on real samples "
+         "before anything starts (%(default)g)"),
     )  # fmt: skip
     for flag, name, kind, help_ in tuned:
         metavar = "S" if kind is float or name.endswith("_seconds") else None
@@ -152,10 +162,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--hot-join",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         default=d["hot_join"],
         help="start workers from a warm process per host (embedded agents keep one), so a scale-up waits for no "
-        "interpreter start; hosts without one start workers cold",
+        "interpreter start; hosts without one start workers cold (on by default; --no-hot-join: every worker cold)",
+    )
+    p.add_argument(
+        "--task-trial",
+        action=argparse.BooleanOptionalAction,
+        default=d["task_trial"],
+        help="try the task's collate, loss and metrics on 2 real samples on the CPU before anything starts "
+        "(on by default; --no-task-trial: only import and build it, for tasks whose first samples are expensive)",
     )
     etcd_endpoints.add_arguments(p)  # --cacert --cert --key --user --password-file, for --etcd
     return p
@@ -224,6 +241,8 @@ def parse(argv: Sequence[str]) -> tuple[LaunchOptions, JobConfig]:
         stop_timeout_seconds=args.stop_timeout_seconds,
         drain_grace_seconds=args.drain_grace_seconds,
         hot_join=args.hot_join,
+        task_trial=args.task_trial,
+        task_trial_seconds=args.task_trial_seconds,
         status_every_seconds=args.status_every_seconds,
     )
     if opts.embedded and len(hosts) < opts.min_np:

@@ -92,12 +92,12 @@ from elastictrain.launcher.processes import (
 )
 from elastictrain.launcher.rundir import STATE_FILE
 from elastictrain.live_view import LiveView
+from elastictrain.worker_error import WorkerError, first_cause, read_worker_errors
 
 POLL_SECONDS = 0.2
 REGISTRY_POLL_SECONDS = 1.0
 ETCD_START_SECONDS = 30.0
 """How long the embedded etcd may take to answer ``/health``."""
-TASK_CHECK_TIMEOUT_SECONDS = 300.0
 
 
 class Launcher:
@@ -135,6 +135,8 @@ class Launcher:
         self.hvd_proc: subprocess.Popen[bytes] | None = None
         self.registry: EtcdRegistry | None = None
         self.attempt = 0
+        self.worker_error: WorkerError | None = None
+        """Why the job failed, when a worker of the last attempt raised (:mod:`elastictrain.worker_error`)."""
 
     # -- signals
     def on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -197,6 +199,9 @@ class Launcher:
             )
             self.out(str(decision))
             if decision.exit_code is not None:
+                if decision.exit_code != 0 and not self.stopping:
+                    errors = read_worker_errors(self.run_dir, launch_id=self.launch_id, attempt=self.attempt)
+                    self.worker_error = first_cause(errors)
                 return decision.exit_code
             relaunches += 1
 
@@ -239,18 +244,15 @@ class Launcher:
         self._write_state()
 
     def agent_command(self, host: str) -> list[str]:
-        cmd = agent_command(
+        return agent_command(
             self.cfg.discovery,
             etcd=self.etcd_endpoint,
             job=self.cfg.job,
             host=host,
             drain_grace_seconds=self.opts.drain_grace_seconds,
+            warm_config=self.opts.config.resolve() if self.opts.hot_join else None,
+            warm_overrides=self.opts.overrides,
         )
-        if self.opts.hot_join:
-            cmd += ["--warm-config", str(self.opts.config.resolve())]
-            for assignment in self.opts.overrides:
-                cmd += ["--warm-set", assignment]
-        return cmd
 
     def start_agent(self, host: str) -> subprocess.Popen[bytes]:
         proc = self._spawn(self.agent_command(host), self.run_dir / "logs" / f"agent-{host}.log")

@@ -1,6 +1,8 @@
 """A user's task under ``elastictrain launch``: a module written from the README alone (linear regression on a
 TensorDataset, per-sample squared error) trains to completion on two logical hosts, and ``elastictrain export``
-gets its weights out; a bad task is one line and exit 2 within seconds, with nothing started."""
+gets its weights out; a bad task (one that does not import or build, or whose loss or metrics break the contract
+on real samples) is one line and exit 2 within seconds, with nothing started; a loss that raises mid-run is the
+launcher's last line."""
 
 from __future__ import annotations
 
@@ -136,7 +138,18 @@ def test_a_readme_task_module_trains_to_completion_under_launch_and_exports(tmp_
         ({"task_args": {"nn": 3}}, None, "task_args.nn: linreg:build takes no such argument (did you mean"),
         ({"task": "elastictrain.tasks.image:build", "task_args": {"model": "resnet"}}, None,
          "task_args.model: unknown architecture 'resnet'"),
+        # The task is tried on 2 real samples before anything starts (elastictrain/task_trial.py).
+        ({"task": "broken:build"}, LINREG.replace("return (model(x).squeeze(1) - y) ** 2", "return ((model(x).squeeze(1) - y) ** 2).mean()"),
+         "task: the task's loss must return one value per sample (a 1-D tensor of shape [2] for a batch of 2), got () (a scalar"),
+        ({"task": "broken:build"}, LINREG.replace("return (model(x).squeeze(1) - y) ** 2", "return (model(x) - y[:, None]) ** 2"),
+         "task: the task's loss must return one value per sample (a 1-D tensor of shape [2] for a batch of 2), got (2, 1)"),
+        ({"task": "broken:build"}, LINREG.replace("return (model(x).squeeze(1) - y) ** 2", "return (model(x).squeeze(1) - y) ** 2 * float('nan')"),
+         "task: the task's loss returned non-finite values (nan) for train_data[0:2] on the CPU"),
+        ({"task": "broken:build"}, LINREG.replace('{"abs_error": (model(x).squeeze(1) - y).abs()}', '{"abs_error": (model(x) - y[:, None]).abs()}'),
+         "task: the task's metric 'abs_error' must return one value per sample (a 1-D tensor of shape [2] for a batch of 2), got (2, 1)"),
     ],
+    ids=["no-module", "no-function", "not-a-task", "bad-arg", "bad-arch", "scalar-loss", "loss-shape", "nan-loss",
+         "metric-shape"],
 )  # fmt: skip
 def test_a_bad_task_fails_launch_with_one_line_and_exit_2_and_starts_nothing(
     tmp_path: Path, top: dict, module: str | None, message: str
@@ -159,4 +172,36 @@ def test_a_bad_task_fails_launch_with_one_line_and_exit_2_and_starts_nothing(
     assert lines[0].startswith("elastictrain launch: config error: ")
     assert stdout == ""
     assert not (tmp_path / "runs").exists(), "nothing is started (no run_dir, no etcd)"
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 20
+
+
+RAISES_AT_STEP_3 = LINREG.replace(
+    "def mse(model, batch):\n    x, y = batch\n",
+    "calls = 0\n\n\ndef mse(model, batch):\n    global calls\n    x, y = batch\n"
+    "    if model.training:\n        calls += 1\n        if calls == 3:\n"
+    "            raise ValueError('bad batch at step 3: labels out of range')\n",
+)
+
+
+@needs_horovod
+def test_a_loss_that_raises_mid_run_is_the_launchers_last_line_naming_host_and_exception(tmp_path: Path) -> None:
+    config = write_job(tmp_path, task="raiser:build")
+    (tmp_path / "raiser.py").write_text(RAISES_AT_STEP_3)
+    assert "raise ValueError" in RAISES_AT_STEP_3
+    procs = ProcessGroup()
+    try:
+        proc = procs.start(
+            [str(ELASTICTRAIN), "launch", "--config", str(config), "--hosts", "localhost,127.0.0.1",
+             "--gloo-timeout-seconds", "15", "--status-every", "0"],
+            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        )  # fmt: skip
+        stdout, stderr = proc.communicate(timeout=180)
+    finally:
+        procs.cleanup()
+    assert proc.returncode == 1, (stdout[-2000:], stderr[-3000:])
+    last = stderr.strip().splitlines()[-1]
+    assert last in (
+        f"elastictrain launch: worker {host}[0] failed: ValueError: bad batch at step 3: labels out of range"
+        for host in ("localhost", "127.0.0.1")
+    ), stderr[-3000:]
+    assert "Horovod detected that one or more processes exited with non-zero status" in stderr  # kept above it

@@ -188,8 +188,8 @@ def test_socket_path_is_short_and_per_job_and_host(sockdir):
 
 def test_launch_runs_workers_through_the_client_with_hot_join(tmp_path):
     cfg = tmp_path / "job.yaml"
-    cold = worker_command(LaunchOptions(config=cfg, overrides=("a=1",)))
-    hot = worker_command(LaunchOptions(config=cfg, overrides=("a=1",), hot_join=True))
+    cold = worker_command(LaunchOptions(config=cfg, overrides=("a=1",), hot_join=False))
+    hot = worker_command(LaunchOptions(config=cfg, overrides=("a=1",)))  # hot join is the default
     assert hot[1:5] == ["-m", "elastictrain.zygote", "client", "--"] and hot[5:] == cold
     assert runs_train(cold) and runs_train(hot)
 
