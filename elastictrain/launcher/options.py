@@ -97,10 +97,12 @@ class LaunchOptions:
             ("--status-every", self.status_every_seconds),
             ("--elastic-timeout", self.elastic_timeout_seconds),
             ("--reset-limit", self.reset_limit),
-            ("--task-trial-seconds", self.task_trial_seconds),
         ):
             if not (math.isfinite(value) and value >= 0):  # NaN fails every comparison: test it first
                 raise LaunchError(f"{name} must be a finite number >= 0, got {value!r}")
+
+        if not (math.isfinite(self.task_trial_seconds) and self.task_trial_seconds > 0):
+            raise LaunchError(f"--task-trial-seconds must be a finite number > 0, got {self.task_trial_seconds!r}")
 
     @property
     def embedded(self) -> bool:

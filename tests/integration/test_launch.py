@@ -391,7 +391,7 @@ def test_hot_join_forks_workers_from_warm_zygotes_and_a_killed_one_rejoins_warm(
     procs: ProcessGroup, tmp_path: Path, no_leftovers: list[Launch]
 ) -> None:
     config = write_config(tmp_path, "launch-hot", max_steps=400)
-    launch = Launch(procs, config, tmp_path, "--hot-join")
+    launch = Launch(procs, config, tmp_path)  # hot join is launch's default
     no_leftovers.append(launch)
     first = wait_until(lambda: len(zygote_workers(launch)) == 2 and zygote_workers(launch), 120, what="2 warm workers")
     wait_until(lambda: bool(of_kind(events(launch.run_dir), Metrics)), 120, what="training")
@@ -404,3 +404,66 @@ def test_hot_join_forks_workers_from_warm_zygotes_and_a_killed_one_rejoins_warm(
     evs = events(launch.run_dir)
     assert [e.step for e in of_kind(evs, Done)] == [400]
     assert of_kind(evs, Reset), "the kill caused a reset"
+
+
+VERSIONED_TASK = """
+import os
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+import elastictrain
+
+VERSION = {version}
+
+
+def mse(model, batch):
+    x, y = batch
+    return (model(x).squeeze(1) - y) ** 2
+
+
+def build(log):
+    with open(log, "a") as f:  # which code this process built with
+        f.write(f"{{VERSION}} {{os.getpid()}}\\n")
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(512, 3, generator=g)
+    return elastictrain.Task(model=nn.Linear(3, 1), train_data=TensorDataset(x, x.sum(1)), loss=mse)
+"""
+
+
+@needs_horovod
+def test_a_zygote_started_before_a_code_change_does_not_serve_the_old_code(
+    procs: ProcessGroup, tmp_path: Path, no_leftovers: list[Launch]
+) -> None:
+    builds = tmp_path / "builds.txt"
+    (tmp_path / "versioned.py").write_text(VERSIONED_TASK.format(version=1))
+    cfg = yaml.safe_load(write_config(tmp_path, "launch-upgrade", max_steps=20000).read_text())
+    cfg.update(task="versioned:build", task_args={"log": str(builds)})
+    cfg.pop("model")
+    cfg["data"] = {"batch_size": 16}
+    cfg["training"].update(epochs=1000, max_steps=20000)
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    launch = Launch(procs, config, tmp_path)
+    no_leftovers.append(launch)
+    first = wait_until(lambda: len(zygote_workers(launch)) == 2 and zygote_workers(launch), 120, what="2 warm workers")
+    wait_until(lambda: bool(of_kind(events(launch.run_dir), Commit)), 120, what="training")
+    old_pids = {p.pid for p in first}
+    assert {line.split()[0] for line in builds.read_text().splitlines()} == {"1"}
+
+    (tmp_path / "versioned.py").write_text(VERSIONED_TASK.format(version=2))  # the upgrade, mid-run
+    first[0].kill()  # its host rejoins after the blacklist cooldown with a new worker
+
+    def built_after_the_change() -> list[str]:
+        return [ln for ln in builds.read_text().splitlines() if int(ln.split()[1]) not in old_pids and ln[0] == "2"]
+
+    def rejoined() -> bool:
+        return any(e.new_size == 2 and e.old_size == 1 for e in of_kind(events(launch.run_dir), Reset))
+
+    wait_until(rejoined, 120, what="the killed host rejoining")
+    lines = builds.read_text().splitlines()
+    late = [ln for ln in lines if int(ln.split()[1]) not in old_pids][-1:]  # the rejoined worker's build
+    assert late and late[0].startswith("2 "), f"the rejoined worker ran the old code: {lines}"
+    assert built_after_the_change()
+    launch.proc.send_signal(signal.SIGTERM)
+    assert launch.wait(timeout=120) == EXIT_STOPPED, launch.log()
+

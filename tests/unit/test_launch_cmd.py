@@ -385,3 +385,21 @@ def test_every_launch_flag_defaults_to_the_options_dataclass_field() -> None:
     for name in shared:
         default = fields[name]
         assert getattr(ns, name) == (list(default) if isinstance(default, tuple) else default), name
+
+
+def test_hot_join_and_the_task_trial_are_on_without_flags_and_each_has_an_off_switch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from elastictrain.launcher.commands import ZYGOTE_CLIENT, config_validate_command, worker_command
+
+    monkeypatch.setattr(options, "local_logical_hosts", lambda: ["localhost", "127.0.0.1"])
+    opts, _ = options.parse(["--config", str(DEMO)])
+    assert opts.hot_join and opts.task_trial and opts.task_trial_seconds == 60
+    assert tuple(worker_command(opts, "/py")[1:5]) == ZYGOTE_CLIENT
+    off, _ = options.parse(["--config", str(DEMO), "--no-hot-join", "--no-task-trial"])
+    assert not off.hot_join and not off.task_trial
+    assert worker_command(off, "/py")[1:3] == ["-m", "elastictrain.cli"]
+    assert config_validate_command(DEMO, (), "/py", trial_seconds=7.5)[-2:] == ["--trial-seconds", "7.5"]
+    assert "--no-trial" in config_validate_command(DEMO, (), "/py")
+    with pytest.raises(LaunchError, match="--task-trial-seconds must be a finite number > 0"):
+        options.parse(["--config", str(DEMO), "--task-trial-seconds", "nan"])

@@ -295,3 +295,56 @@ def test_the_agent_sees_the_ready_line_behind_other_output(tmp_path):
         if proc is not None:
             proc.kill()
             proc.wait()
+
+
+def test_the_code_stamp_names_a_changed_or_removed_file_of_the_code_it_watched(tmp_path, monkeypatch):
+    import importlib
+
+    pkg = tmp_path / "usertask_stamp"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "model.py").write_text("VERSION = 1\n")
+    config = tmp_path / "job.yaml"
+    config.write_text("job: j\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.import_module("usertask_stamp.model")
+    try:
+        stamp = zygote.CodeStamp.take(packages=("usertask_stamp",), extra=(str(config),))
+        assert str((pkg / "model.py").resolve()) in stamp.files
+        assert any(f.endswith("elastictrain/zygote.py") for f in stamp.files), "elastictrain's own code is watched"
+        assert not any("/site-packages/torch/" in f for f in stamp.files), "installed packages are not"
+        assert stamp.changed() is None
+        (pkg / "model.py").write_text("VERSION = 22\n")
+        assert stamp.changed() == str((pkg / "model.py").resolve())
+        (pkg / "model.py").write_text("VERSION = 1\n")
+        os.utime(pkg / "model.py", ns=(stamp.files[str((pkg / "model.py").resolve())][0],) * 2)
+        assert stamp.changed() is None, "the same size and mtime: unchanged"
+        config.unlink()
+        assert stamp.changed() == str(config.resolve())
+    finally:
+        for name in [n for n in sys.modules if n.startswith("usertask_stamp")]:
+            del sys.modules[name]
+
+
+def test_a_zygote_whose_task_code_changed_sends_clients_cold_and_restarts_itself_warm(procs, sockdir, tmp_path):
+    (tmp_path / "upgraded_task.py").write_text("VERSION = 1\n\ndef build():\n    raise NotImplementedError\n")
+    (tmp_path / "job.yaml").write_text("job: job1\nrun_dir: run\ntask: upgraded_task:build\n")
+    proc = procs.start(
+        [sys.executable, "-m", "elastictrain.cli", "zygote", "serve", "--config", "job.yaml", "--job", "job1",
+         "--host", "h1"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    assert first.startswith(zygote.READY_LINE), first
+    (tmp_path / "upgraded_task.py").write_text("VERSION = 2\n\ndef build():\n    raise NotImplementedError\n")
+    cold = client(procs, "x")
+    out, _ = cold.communicate(timeout=30)
+    assert out.startswith("cold "), "a client of a zygote with old code starts its worker cold"
+    said = proc.stdout.readline()
+    assert "upgraded_task.py changed since it warmed; restarting" in said, said
+    again = proc.stdout.readline()  # the same process, re-executed: warm again, with the new code
+    assert again.startswith(zygote.READY_LINE) and again.split()[-1] == str(proc.pid), again
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
