@@ -318,6 +318,10 @@ def warm(config: str, overrides: list[str]) -> CodeStamp:
     add_import_paths(config)
     import horovod.torch  # noqa: F401
     import torch._dynamo  # noqa: F401  - a worker's first optimizer imports it lazily: seconds of CPU, no thread
+    import torchvision.datasets.folder  # noqa: F401  - an image dataset's first sample imports it: 0.4 s, no thread
+    from PIL import Image
+
+    Image.init()  # every image plugin, which the first decode would import
 
     from elastictrain import elastic, worker  # noqa: F401
     from elastictrain.folder_index import folder_index

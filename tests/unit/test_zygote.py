@@ -222,14 +222,15 @@ def test_a_warm_zygote_has_one_thread_and_no_mlflow(procs, sockdir):
     assert proc.wait(timeout=30) == 0
 
 
-def test_warm_imports_what_a_workers_first_optimizer_imports_lazily_and_keeps_one_thread():
+def test_warm_imports_what_a_workers_first_optimizer_and_first_image_import_lazily_and_keeps_one_thread():
     code = (
         "import os, sys; from elastictrain import zygote; zygote.warm('configs/demo.yaml', []);"
-        "print('torch._dynamo' in sys.modules, len(os.listdir('/proc/self/task')))"
+        "print('torch._dynamo' in sys.modules, 'torchvision.datasets.folder' in sys.modules,"
+        " 'PIL.PngImagePlugin' in sys.modules, len(os.listdir('/proc/self/task')))"
     )
     env = {**{k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}, "PYTHONPATH": str(REPO)}
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert out.stdout.split() == ["True", "1"], out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "True", "True", "1"], out.stderr[-2000:]
 
 
 def test_a_worker_forked_for_a_client_that_already_left_does_not_stay(server, sockdir):
