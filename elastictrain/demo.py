@@ -9,7 +9,8 @@
    Horovod recovers and, after the blacklist cooldown, grows back to 3; the third host is drained
    (SIGTERM to its agent: a spot-instance notice) and the job shrinks gracefully to 2;
 4. prints a summary: test accuracy, resets and why, recovery seconds, the scale-up pauses (hot join, the
-   launcher's default: the third agent keeps a warm zygote too), checkpoint stall, goodput, the timeline PNG (``elastictrain report``) and the ``mlflow ui`` command.
+   launcher's default: the third agent keeps a warm zygote too), checkpoint stall, goodput, the timeline PNG
+   (``elastictrain report``) and the ``mlflow ui`` command.
 
 Exit code: the launcher's (0 when training completed), or 1 when a phase missed its deadline.
 """

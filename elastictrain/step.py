@@ -81,7 +81,9 @@ def per_sample(values: Any, what: str, n: int | None = None) -> torch.Tensor:
         shape = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
         expected = f"[{n}] for a batch of {n}" if n is not None else "[n]"
         hint = " (a scalar: return the per-sample values, e.g. reduction='none', not their mean)" if shape == () else ""
-        raise ValueError(f"{what} must return one value per sample (a 1-D tensor of shape {expected}), got {shape}{hint}")
+        raise ValueError(
+            f"{what} must return one value per sample (a 1-D tensor of shape {expected}), got {shape}{hint}"
+        )
     return values
 
 

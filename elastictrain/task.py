@@ -121,7 +121,6 @@ def resolve_builder(spec: str) -> Callable[..., Any]:
     return fn
 
 
-
 def _call_build(spec: str, fn: Callable[..., Any], args: Mapping[str, Any]) -> Task:
     try:
         sig = inspect.signature(fn)

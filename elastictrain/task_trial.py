@@ -21,6 +21,7 @@ Every violation raises :class:`~elastictrain.task.TaskError` with one line; the 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,8 +30,8 @@ import torch
 from torch.utils.data import default_collate
 
 from elastictrain.config import JobConfig
-from elastictrain.step import move_to, per_sample
 from elastictrain.errors import one_line
+from elastictrain.step import move_to, per_sample
 from elastictrain.task import Task, TaskError, build_task
 
 TRIAL_SAMPLES = 2
@@ -103,9 +104,7 @@ def _batch(task: Task, source: str, device: torch.device) -> tuple[Any, int]:
         raise TaskError(f"task: len({source}) failed: {one_line(e)}") from None
     if n < 1:
         raise TaskError(f"task: {source} must hold at least one sample, len() is {len(data)}")
-    samples = []
-    for i in range(n):
-        samples.append(_call(lambda i=i: data[i], f"{source}[{i}]", None, None))
+    samples = [_call(functools.partial(data.__getitem__, i), f"{source}[{i}]", None, None) for i in range(n)]
     collate = task.collate or default_collate
     batch = _call(lambda: collate(samples), "collating", source, n)
     return move_to(batch, device), n

@@ -764,7 +764,6 @@ def _batches(
     return out
 
 
-
 def make_tracker(cfg: JobConfig, rank: int, env: Mapping[str, str] | None = None) -> Tracker:
     """The worker's tracker: MLflow on rank 0 when ``tracking.mlflow`` is on, else a :class:`NullTracker`."""
     if rank != 0 or not cfg.tracking.mlflow:

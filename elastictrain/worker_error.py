@@ -67,11 +67,11 @@ class WorkerError:
             host = "unknown-host"  # the record names a file: never a path or an unreadable name
         return cls(
             host=host,
-            slot=_int(env.get("HOROVOD_LOCAL_RANK"), 0),
+            slot=max(0, _int(env.get("HOROVOD_LOCAL_RANK"), 0) or 0),
             rank=_int(env.get("HOROVOD_RANK"), None),
             pid=os.getpid(),
             launch_id=env.get(envnames.LAUNCH_ID, ""),
-            attempt=_int(env.get(envnames.ATTEMPT), 0),
+            attempt=max(0, _int(env.get(envnames.ATTEMPT), 0) or 0),
             ts=time.time(),
             type=type(e).__name__,
             message="".join(c if c.isprintable() else " " for c in text.partition(": ")[2]),
@@ -82,8 +82,8 @@ class WorkerError:
         """A record read back; :class:`ValueError` naming the first field that is not what it must be."""
         if not isinstance(record, dict):
             raise ValueError("not a JSON object")
-        types = {"host": str, "slot": int, "rank": (int, type(None)), "pid": int, "launch_id": str,
-                 "attempt": int, "ts": float, "type": str, "message": str}  # fmt: skip
+        types: dict[str, type | tuple[type, ...]] = {"host": str, "slot": int, "rank": (int, type(None)), "pid": int,
+                 "launch_id": str, "attempt": int, "ts": float, "type": str, "message": str}  # fmt: skip
         values: dict[str, Any] = {}
         for name, kind in types.items():
             value = record.get(name)

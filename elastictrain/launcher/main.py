@@ -80,12 +80,10 @@ def check_task(opts: LaunchOptions, python: str = sys.executable) -> None:
     trial = opts.task_trial_seconds if opts.task_trial else None
     cmd = config_validate_command(opts.config, opts.overrides, python, trial_seconds=trial)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    limit = (trial or 0) + TASK_CHECK_TIMEOUT_SECONDS
     try:
-        done = subprocess.run(
-            cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env, timeout=(trial or 0) + TASK_CHECK_TIMEOUT_SECONDS
-        )
+        done = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env, timeout=limit)
     except subprocess.TimeoutExpired:
-        limit = (trial or 0) + TASK_CHECK_TIMEOUT_SECONDS
         raise ConfigError(f"task: checking the task of {opts.config} took over {limit:g}s") from None
     if done.returncode != 0:
         lines = [ln for ln in done.stderr.strip().splitlines() if ln.strip()]

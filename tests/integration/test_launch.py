@@ -466,4 +466,3 @@ def test_a_zygote_started_before_a_code_change_does_not_serve_the_old_code(
     assert built_after_the_change()
     launch.proc.send_signal(signal.SIGTERM)
     assert launch.wait(timeout=120) == EXIT_STOPPED, launch.log()
-

@@ -61,6 +61,12 @@ def build(n=512, val_n=128):
 """
 
 
+SQUARED = "return (model(x).squeeze(1) - y) ** 2"
+NOT_PER_SAMPLE = (
+    "task: the task's loss must return one value per sample (a 1-D tensor of shape [2] for a batch of 2), got "
+)
+
+
 def write_job(tmp_path: Path, **top: object) -> Path:
     cfg = {
         "job": "linreg",
@@ -139,14 +145,14 @@ def test_a_readme_task_module_trains_to_completion_under_launch_and_exports(tmp_
         ({"task": "elastictrain.tasks.image:build", "task_args": {"model": "resnet"}}, None,
          "task_args.model: unknown architecture 'resnet'"),
         # The task is tried on 2 real samples before anything starts (elastictrain/task_trial.py).
-        ({"task": "broken:build"}, LINREG.replace("return (model(x).squeeze(1) - y) ** 2", "return ((model(x).squeeze(1) - y) ** 2).mean()"),
-         "task: the task's loss must return one value per sample (a 1-D tensor of shape [2] for a batch of 2), got () (a scalar"),
-        ({"task": "broken:build"}, LINREG.replace("return (model(x).squeeze(1) - y) ** 2", "return (model(x) - y[:, None]) ** 2"),
-         "task: the task's loss must return one value per sample (a 1-D tensor of shape [2] for a batch of 2), got (2, 1)"),
-        ({"task": "broken:build"}, LINREG.replace("return (model(x).squeeze(1) - y) ** 2", "return (model(x).squeeze(1) - y) ** 2 * float('nan')"),
+        ({"task": "broken:build"}, LINREG.replace(SQUARED, f"return ({SQUARED[7:]}).mean()"),
+         NOT_PER_SAMPLE + "() (a scalar"),
+        ({"task": "broken:build"}, LINREG.replace(SQUARED, "return (model(x) - y[:, None]) ** 2"),
+         NOT_PER_SAMPLE + "(2, 1)"),
+        ({"task": "broken:build"}, LINREG.replace(SQUARED, SQUARED + " * float('nan')"),
          "task: the task's loss returned non-finite values (nan) for train_data[0:2] on the CPU"),
-        ({"task": "broken:build"}, LINREG.replace('{"abs_error": (model(x).squeeze(1) - y).abs()}', '{"abs_error": (model(x) - y[:, None]).abs()}'),
-         "task: the task's metric 'abs_error' must return one value per sample (a 1-D tensor of shape [2] for a batch of 2), got (2, 1)"),
+        ({"task": "broken:build"}, LINREG.replace("(model(x).squeeze(1) - y).abs()", "(model(x) - y[:, None]).abs()"),
+         NOT_PER_SAMPLE.replace("loss", "metric 'abs_error'") + "(2, 1)"),
     ],
     ids=["no-module", "no-function", "not-a-task", "bad-arg", "bad-arch", "scalar-loss", "loss-shape", "nan-loss",
          "metric-shape"],

@@ -18,6 +18,9 @@ from elastictrain.config_cli import check_task
 from elastictrain.task import TaskError, validate_task
 
 MODULE = "trial_task_mod"
+NOT_PER_SAMPLE = (
+    "task: the task's loss must return one value per sample (a 1-D tensor of shape [2] for a batch of 2), got "
+)
 
 
 def mse(model, batch):
@@ -61,14 +64,13 @@ def test_a_per_sample_loss_and_metrics_pass_on_two_real_samples(tmp_path, monkey
     ("fields", "message"),
     [
         ({"loss": lambda m, b: mse(m, b).mean()},
-         "task: the task's loss must return one value per sample (a 1-D tensor of shape [2] for a batch of 2), got () "
-         "(a scalar: return the per-sample values, e.g. reduction='none', not their mean)"),
+         NOT_PER_SAMPLE + "() (a scalar: return the per-sample values, e.g. reduction='none', not their mean)"),
         ({"loss": lambda m, b: (m(b[0]) - b[1][:, None]) ** 2},
-         "task: the task's loss must return one value per sample (a 1-D tensor of shape [2] for a batch of 2), got (2, 1)"),
+         NOT_PER_SAMPLE + "(2, 1)"),
         ({"loss": lambda m, b: mse(m, b)[:1]},
-         "task: the task's loss must return one value per sample (a 1-D tensor of shape [2] for a batch of 2), got (1,)"),
+         NOT_PER_SAMPLE + "(1,)"),
         ({"loss": lambda m, b: 0.5},
-         "task: the task's loss must return one value per sample (a 1-D tensor of shape [2] for a batch of 2), got float"),
+         NOT_PER_SAMPLE + "float"),
         ({"loss": lambda m, b: mse(m, b) * float("nan")},
          "task: the task's loss returned non-finite values (nan) for train_data[0:2] on the CPU"),
         ({"loss": lambda m, b: mse(m, b) + float("inf")},

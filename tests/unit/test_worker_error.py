@@ -35,8 +35,16 @@ def good() -> dict:
 
 @pytest.mark.parametrize(
     "change",
-    [{"host": "../x"}, {"slot": -1}, {"pid": "10"}, {"ts": float("nan")}, {"type": "a b"}, {"message": "\x1b[2J"},
-     {"rank": True}, {"message": "x" * 600}],
+    [
+        {"host": "../x"},
+        {"slot": -1},
+        {"pid": "10"},
+        {"ts": float("nan")},
+        {"type": "a b"},
+        {"message": "\x1b[2J"},
+        {"rank": True},
+        {"message": "x" * 600},
+    ],
 )
 def test_a_damaged_or_hostile_record_is_skipped(tmp_path: Path, change: dict) -> None:
     folder = tmp_path / ERRORS_DIR
