@@ -7,7 +7,8 @@ agents). Pids named in ``launch.json`` are used only after their environment con
 so a reused pid is never signalled.
 
 A *worker* is an ``elastictrain train`` process of the job (not the shell around it, nor a forked
-helper such as the checkpoint writer). ``HOROVOD_RANK`` in its environment is the rank it was
+helper such as the checkpoint writer); with hot join, the process the host's zygote forked for
+horovodrun's zygote client. ``HOROVOD_RANK`` in its environment is the rank it was
 *started* with; after resets the rank may differ, so the current rank 0 is found from what only rank 0
 does: it owns the newest ledger file (``run_dir/ledger/<ns>-<pid>.jsonl``) and the checkpoint writer.
 """
@@ -26,7 +27,7 @@ import psutil
 
 from elastictrain import envnames
 from elastictrain.errors import ToolError
-from elastictrain.launcher.processes import is_alive, process_runs_train
+from elastictrain.launcher.processes import forked_worker, is_alive, is_zygote_client, process_runs_train
 from elastictrain.launcher.rundir import STATE_FILE
 
 
@@ -137,8 +138,11 @@ class JobRef:
 
     # ---------------------------------------------------------------------------------- workers
     def workers(self) -> list[Worker]:
+        """The job's workers. A hot-joined one is the process its host's zygote forked (found through its client,
+        whose environment says its rank and host), so that a signal reaches the training process itself."""
         out = []
-        procs = [p for p in self.processes() if environ(p).get(envnames.JOB) == self.job and process_runs_train(p)]
+        mine = self.processes()
+        procs = [p for p in mine if environ(p).get(envnames.JOB) == self.job and process_runs_train(p)]
         pids = {p.pid for p in procs}
         for p in procs:
             with contextlib.suppress(psutil.Error):
@@ -147,7 +151,11 @@ class JobRef:
                     continue  # a forked helper of a worker
             env = environ(p)
             rank = env.get("HOROVOD_RANK")
-            out.append(Worker(p, int(rank) if rank and rank.isdigit() else None, env.get("HOROVOD_HOSTNAME", "")))
+            proc = p
+            with contextlib.suppress(psutil.Error):
+                if is_zygote_client(p.cmdline()):
+                    proc = forked_worker(p, mine) or p
+            out.append(Worker(proc, int(rank) if rank and rank.isdigit() else None, env.get("HOROVOD_HOSTNAME", ""))))
         return sorted(out, key=lambda w: (w.start_rank if w.start_rank is not None else 1 << 30, w.pid))
 
     def worker_of(self, pid: int) -> Worker | None:

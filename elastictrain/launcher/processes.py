@@ -59,7 +59,7 @@ def runs_train(cmd: Sequence[str]) -> bool:
     """``[python] .../elastictrain train ...``, ``python -m elastictrain.cli train ...``, or either behind the
     zygote's client (the process horovodrun started; it relays signals to the warm-forked worker). Not
     horovodrun, whose command line contains the worker's further on (pure)."""
-    if tuple(cmd[1:5]) == ZYGOTE_CLIENT:
+    if is_zygote_client(cmd):
         cmd = cmd[5:]
     for i, arg in enumerate(cmd[:3]):
         if (arg == "elastictrain" or arg.endswith("/elastictrain")) and cmd[i + 1 : i + 2] == ["train"]:
@@ -76,6 +76,40 @@ def is_worker(proc: psutil.Process) -> bool:
     except psutil.Error:
         return True
     return parent is None or not process_runs_train(parent)
+
+
+def is_zygote_client(cmd: Sequence[str]) -> bool:
+    """``python -m elastictrain.zygote client -- ...``: the process horovodrun started for a hot-joined worker (pure)."""
+    return tuple(cmd[1:5]) == ZYGOTE_CLIENT
+
+
+def _std_fds(pid: int) -> tuple[str, str, str] | None:
+    try:
+        return tuple(os.readlink(f"/proc/{pid}/fd/{fd}") for fd in range(3))  # type: ignore[return-value]
+    except OSError:
+        return None
+
+
+def forked_worker(client: psutil.Process, candidates: Iterable[psutil.Process]) -> psutil.Process | None:
+    """The training process a warm zygote forked for ``client`` (a zygote client), among ``candidates``; None when
+    there is none (the client started its worker cold, by exec, or the fork has not happened yet).
+
+    The zygote hands the client's fds 0, 1 and 2 (horovodrun's pipes, one set per worker) to the fork, so the
+    worker is the process other than the client that holds the same three and whose parent (the zygote) does
+    not; its own children (a checkpoint writer, loader workers) inherit them from it. A fault aimed at a worker
+    (SIGSTOP, above all, which the client cannot relay) must reach that process, not the client.
+    """
+    want = _std_fds(client.pid)
+    if want is None:
+        return None
+    for p in candidates:
+        with contextlib.suppress(psutil.Error):
+            if p.pid == client.pid or _std_fds(p.pid) != want:
+                continue
+            parent = p.parent()
+            if parent is None or _std_fds(parent.pid) != want:
+                return p
+    return None
 
 
 def ssh_runs_train(cmd: Sequence[str]) -> bool:

@@ -349,3 +349,21 @@ def test_a_zygote_whose_task_code_changed_sends_clients_cold_and_restarts_itself
     assert proc.poll() is None
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
+
+
+def test_the_forked_worker_of_a_client_is_found_by_the_streams_it_was_handed(server, procs):
+    from elastictrain.launcher.processes import forked_worker
+
+    c = client(procs, "wait")
+    other = client(procs, "wait")
+    assert c.stdout is not None and c.stdout.readline().startswith("worker ")
+    assert other.stdout is not None and other.stdout.readline().startswith("worker ")
+    everyone = list(psutil.process_iter())
+    found = forked_worker(psutil.Process(c.pid), everyone)
+    assert found is not None and found.ppid() == server.pid
+    assert forked_worker(psutil.Process(other.pid), everyone).pid not in (found.pid, other.pid)
+    found.suspend()  # what chaos's freeze-worker does: the training process stops, not only its client
+    assert found.status() == psutil.STATUS_STOPPED
+    found.resume()
+    c.send_signal(signal.SIGTERM)
+    assert c.wait(timeout=60) == 143
