@@ -155,7 +155,7 @@ class JobRef:
             with contextlib.suppress(psutil.Error):
                 if is_zygote_client(p.cmdline()):
                     proc = forked_worker(p, mine) or p
-            out.append(Worker(proc, int(rank) if rank and rank.isdigit() else None, env.get("HOROVOD_HOSTNAME", ""))))
+            out.append(Worker(proc, int(rank) if rank and rank.isdigit() else None, env.get("HOROVOD_HOSTNAME", "")))
         return sorted(out, key=lambda w: (w.start_rank if w.start_rank is not None else 1 << 30, w.pid))
 
     def worker_of(self, pid: int) -> Worker | None:
