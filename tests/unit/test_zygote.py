@@ -367,3 +367,39 @@ def test_the_forked_worker_of_a_client_is_found_by_the_streams_it_was_handed(ser
     found.resume()
     c.send_signal(signal.SIGTERM)
     assert c.wait(timeout=60) == 143
+
+
+STAMPED_SERVER = SERVER.replace(
+    "z = zygote.Zygote(zygote.listen(path), path)",
+    "z = zygote.Zygote(zygote.listen(path), path, zygote.CodeStamp.take(extra=(sys.argv[1],)))",
+)
+
+
+@pytest.mark.parametrize("sigterm", [False, True], ids=["restarts", "sigterm-wins"])
+def test_a_stale_zygote_lets_its_running_worker_finish_then_restarts_unless_told_to_stop(
+    procs, sockdir, tmp_path, sigterm
+):
+    watched = tmp_path / "task.py"
+    watched.write_text("VERSION = 1\n")
+    server = procs.start(
+        [sys.executable, "-c", STAMPED_SERVER, str(watched)],
+        env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert server.stdout is not None and server.stdout.readline().startswith(zygote.READY_LINE)
+    running = client(procs, "wait")
+    assert running.stdout is not None and running.stdout.readline().startswith("worker ")
+    watched.write_text("VERSION = 22\n")
+    line = server.stdout.readline()
+    assert "forked worker" in line or "changed since it warmed" in line, line
+    if "forked worker" in line:
+        line = server.stdout.readline()
+    assert "task.py changed since it warmed; restarting once its workers have exited" in line, line
+    late = client(procs, "1")
+    out, _ = late.communicate(timeout=30)
+    assert out.startswith("cold "), "a stale zygote takes no request"
+    assert server.poll() is None, "it waits for its running worker"
+    if sigterm:
+        server.send_signal(signal.SIGTERM)
+    running.send_signal(signal.SIGTERM)
+    assert running.wait(timeout=30) == 143
+    assert server.wait(timeout=30) == (0 if sigterm else zygote.RESTART & 0xFF)
