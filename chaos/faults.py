@@ -116,7 +116,10 @@ def kill_host(job: JobRef, log: ChaosLog, host: str) -> dict[str, Any]:
         agent = job.agent(host)
     if agent is None and not workers:
         raise JobNotFound(f"job {job.job!r} has neither an agent nor a worker on host {host!r}")
-    procs = [*([agent] if agent is not None else []), *(p for w in workers for p in tree(w.proc))]
+    procs = [
+        *([agent] if agent is not None else []),
+        *(p for w in workers for p in [*tree(w.proc), *([w.client] if w.client is not None else [])]),
+    ]
     record = log.log(
         "kill-host",
         job=job.job,

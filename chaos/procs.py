@@ -55,9 +55,12 @@ def environ(p: psutil.Process) -> dict[str, str]:
 @dataclass(frozen=True, slots=True)
 class Worker:
     proc: psutil.Process
+    """The training process (with hot join: the one its host's zygote forked)."""
     start_rank: int | None
     """``HOROVOD_RANK`` the worker was started with."""
     host: str
+    client: psutil.Process | None = None
+    """With hot join, the zygote client horovodrun started for it (it exits as the worker does)."""
 
     @property
     def pid(self) -> int:
@@ -151,11 +154,12 @@ class JobRef:
                     continue  # a forked helper of a worker
             env = environ(p)
             rank = env.get("HOROVOD_RANK")
-            proc = p
+            proc, client = p, None
             with contextlib.suppress(psutil.Error):
-                if is_zygote_client(p.cmdline()):
-                    proc = forked_worker(p, mine) or p
-            out.append(Worker(proc, int(rank) if rank and rank.isdigit() else None, env.get("HOROVOD_HOSTNAME", "")))
+                if is_zygote_client(p.cmdline()) and (forked := forked_worker(p, mine)) is not None:
+                    proc, client = forked, p
+            start_rank = int(rank) if rank and rank.isdigit() else None
+            out.append(Worker(proc, start_rank, env.get("HOROVOD_HOSTNAME", ""), client))
         return sorted(out, key=lambda w: (w.start_rank if w.start_rank is not None else 1 << 30, w.pid))
 
     def worker_of(self, pid: int) -> Worker | None:

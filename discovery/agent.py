@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import enum
-import math
 import os
 import shutil
 import signal
@@ -60,7 +59,7 @@ from discovery.registry import (
     RegistryError,
 )
 from elastictrain import envnames
-from elastictrain.cliutil import OneLineParser
+from elastictrain.cliutil import OneLineParser, number
 from elastictrain.launcher.commands import zygote_command
 from elastictrain.logconf import configure_logging, get_logger
 
@@ -496,19 +495,6 @@ def _slots(value: str) -> int:
     return n
 
 
-def _number(kind: type) -> Callable[[str], float]:
-    def parse(value: str) -> float:
-        try:
-            x = kind(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
-        if not math.isfinite(x):
-            raise argparse.ArgumentTypeError(f"expected a finite number, got {value!r}")
-        return x
-
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog=PROG, description="Register this host in etcd for a job; drain on SIGTERM.")
     p.add_argument("--etcd", required=True, metavar="URL", help="etcd endpoint(s), http(s)://HOST:PORT[,...]")
@@ -516,31 +502,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None, help="host name to register (default: this machine's hostname)")
     p.add_argument("--addr", default=None, help="address to record (default: resolved from --host)")
     p.add_argument("--slots", type=_slots, default="auto", help="worker slots, or 'auto' (GPU count, else 1)")
-    p.add_argument("--ttl", type=_number(int), default=10, metavar="SECONDS", help="lease TTL (default 10)")
+    p.add_argument("--ttl", type=number(int), default=10, metavar="SECONDS", help="lease TTL (default 10)")
     p.add_argument(
         "--heartbeat",
-        type=_number(float),
+        type=number(float),
         default=None,
         metavar="SECONDS",
         help="lease refresh interval (default ttl/3)",
     )
     p.add_argument(
         "--request-timeout",
-        type=_number(float),
+        type=number(float),
         default=None,
         metavar="SECONDS",
         help="deadline of each etcd request (default min(2, ttl/6))",
     )
     p.add_argument(
         "--drain-grace",
-        type=_number(float),
+        type=number(float),
         default=30.0,
         metavar="SECONDS",
         help="seconds between SIGTERM (draining) and revoking the lease (default 30)",
     )
     p.add_argument(
         "--retry-deadline",
-        type=_number(float),
+        type=number(float),
         default=None,
         metavar="SECONDS",
         help="give up when etcd stays unreachable this long (default max(60, ttl))",
@@ -567,7 +553,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warm-set", action="append", default=[], metavar="K=V", help="a --set for the warm config")
     p.add_argument(
         "--warm-timeout",
-        type=_number(float),
+        type=number(float),
         default=300.0,
         metavar="SECONDS",
         help="register anyway (workers then start cold) if the warm process is not ready by then (default 300)",

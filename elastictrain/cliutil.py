@@ -7,6 +7,8 @@ Import-light by contract (argparse only), so that ``discovery`` (which must neve
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Callable
 from typing import NoReturn
 
 EXIT_USAGE = 2
@@ -23,3 +25,20 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def number(kind: type, *, positive: bool = False) -> Callable[[str], float]:
+    """An argparse ``type``: a finite ``kind`` (int or float), above 0 when ``positive``; NaN and inf are refused."""
+
+    def parse(value: str) -> float:
+        try:
+            x = kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+        if not math.isfinite(x):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {value!r}")
+        if positive and not x > 0:
+            raise argparse.ArgumentTypeError(f"expected a number > 0, got {value!r}")
+        return x
+
+    return parse

@@ -9,14 +9,9 @@ within ``--trial-seconds`` (``--no-trial`` skips it).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import math
-import signal
 import sys
-from collections.abc import Iterator
-from typing import Any
 
-from elastictrain.cliutil import OneLineParser
+from elastictrain.cliutil import OneLineParser, number
 from elastictrain.config import ConfigError, JobConfig, load_config
 
 
@@ -52,40 +47,11 @@ def check_task(cfg: JobConfig, config_path: str, trial_seconds: float | None = N
     built = validate_task(cfg)
     about = describe(built)
     if trial_seconds is not None:
-        from elastictrain.task_trial import try_task
+        from elastictrain.task_trial import time_limit, try_task
 
-        with _time_limit(trial_seconds, "trying the task on real samples"):
+        with time_limit(trial_seconds):
             about += f"; {try_task(cfg, built)}"
     return about
-
-
-@contextlib.contextmanager
-def _time_limit(seconds: float, what: str) -> Iterator[None]:
-    """Raise :class:`ConfigError` in the main thread when the block runs longer than ``seconds``."""
-
-    def expired(_signum: int, _frame: Any) -> None:
-        raise ConfigError(
-            f"task: {what} took over {seconds:g}s (raise the limit with launch --task-trial-seconds or config validate"
-            " --trial-seconds, or skip the trial with --no-task-trial or --no-trial)"
-        )
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-def _seconds(value: str) -> float:
-    try:
-        x = float(value)
-    except ValueError:
-        x = math.nan
-    if not (math.isfinite(x) and x > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {value!r}")
-    return x
 
 
 def main(argv: list[str]) -> int:
@@ -98,7 +64,7 @@ def main(argv: list[str]) -> int:
     add_config_args(validate)
     validate.add_argument(
         "--trial-seconds",
-        type=_seconds,
+        type=number(float, positive=True),
         default=DEFAULT_TRIAL_SECONDS,
         metavar="S",
         help="time limit for trying the task's loss and metrics on real samples (%(default)g)",

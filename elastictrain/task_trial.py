@@ -15,14 +15,18 @@ The model is the task's own, built for real on the CPU (``build`` called again a
 the meta build counted at most :data:`REAL_MODEL_MAX_PARAMETERS` parameters. A larger model runs on the meta
 device: the samples are moved there and only shapes and gradients are checked (a meta tensor has no values).
 
-Every violation raises :class:`~elastictrain.task.TaskError` with one line; the time limit is the caller's
-(``config validate --trial-seconds``, which ``launch --task-trial-seconds`` sets).
+Every violation raises :class:`~elastictrain.task.TaskError` with one line. :func:`time_limit` bounds it
+(``config validate --trial-seconds``, which ``launch --task-trial-seconds`` sets). The trial runs where
+``launch`` runs: on a cluster's launcher node, which must be able to read the first samples, and on the CPU, so
+a model that only runs on a GPU needs ``--no-task-trial``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Mapping
+import signal
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +41,31 @@ from elastictrain.task import Task, TaskError, build_task
 TRIAL_SAMPLES = 2
 REAL_MODEL_MAX_PARAMETERS = 100_000_000
 """Up to this many parameters (400 MB in fp32) the trial builds the model for real; above it, on the meta device."""
+
+
+class TrialTimeout(TaskError):
+    """The trial ran past its time limit (raised from a SIGALRM handler, through the user's code)."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Raise :class:`TrialTimeout` in the main thread when the block runs longer than ``seconds``. User code that
+    catches every ``Exception`` can swallow it; the launcher's own timeout on ``config validate`` still holds."""
+
+    def expired(_signum: int, _frame: object) -> None:
+        raise TrialTimeout(
+            f"task: trying the task on real samples took over {seconds:g}s (raise the limit with launch"
+            " --task-trial-seconds or config validate --trial-seconds, or skip the trial with --no-task-trial or"
+            " --no-trial)"
+        )
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 @dataclass(frozen=True, slots=True)

@@ -137,8 +137,11 @@ def read_worker_errors(run_dir: str | os.PathLike[str], *, launch_id: str, attem
         try:
             fd = os.open(folder / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
             with os.fdopen(fd, "rb") as f:
-                err = WorkerError.parse(json.loads(f.read(MAX_RECORD_BYTES + 1)[:MAX_RECORD_BYTES]))
-        except (OSError, ValueError):
+                data = f.read(MAX_RECORD_BYTES + 1)
+            if len(data) > MAX_RECORD_BYTES:
+                continue
+            err = WorkerError.parse(json.loads(data))
+        except (OSError, ValueError, RecursionError):  # RecursionError: deeply nested JSON
             continue
         if err.launch_id == launch_id and err.attempt == attempt:
             out.append(err)

@@ -49,6 +49,7 @@ import socket
 import stat
 import struct
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -102,8 +103,17 @@ def send_message(sock: socket.socket, msg: dict[str, Any], fds: list[int] | None
 
 
 def recv_message(sock: socket.socket, *, max_fds: int = 0) -> tuple[dict[str, Any] | None, list[int]]:
-    """One message and the fds that came with it; ``(None, [])`` on a clean end of stream."""
+    """One message and the fds that came with it; ``(None, [])`` on a clean end of stream. Every fd received is
+    closed again when the message fails (a timeout, a malformed body)."""
     fds: list[int] = []
+    try:
+        return _recv_message(sock, max_fds, fds)
+    except BaseException:
+        _close_all(fds)
+        raise
+
+
+def _recv_message(sock: socket.socket, max_fds: int, fds: list[int]) -> tuple[dict[str, Any] | None, list[int]]:
     buf = b""
     while len(buf) < 4:
         if max_fds and not fds:
@@ -130,7 +140,7 @@ def recv_message(sock: socket.socket, *, max_fds: int = 0) -> tuple[dict[str, An
         body += chunk
     try:
         msg = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         _close_all(fds)
         raise ProtocolError("message is not JSON") from None
     if not isinstance(msg, dict):
@@ -263,7 +273,11 @@ class CodeStamp:
         return (st.st_mtime_ns, st.st_size)
 
     @classmethod
-    def take(cls, packages: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> CodeStamp:
+    def take(
+        cls, packages: tuple[str, ...] = (), extra: tuple[str, ...] = (), since_ns: int | None = None
+    ) -> CodeStamp:
+        """The stamp of what is loaded now. A file modified after ``since_ns`` (``time.time_ns()`` before the imports
+        began) may have been imported in its old form: it counts as changed at once."""
         import site
         import sysconfig
 
@@ -292,11 +306,13 @@ class CodeStamp:
         for path in extra:
             real = os.path.realpath(path)
             files[real] = cls._stat(real)
+        if since_ns is not None:  # (-1, -1) never matches the disk
+            files = {p: (-1, -1) if seen is not None and seen[0] > since_ns else seen for p, seen in files.items()}
         return cls(files)
 
     def changed(self) -> str | None:
-        """The first watched file whose mtime or size differs from when the stamp was taken (or that is gone
-        or new), else None."""
+        """The first watched file whose mtime or size differs from when the stamp was taken (or that is gone),
+        else None. A module imported only later (by a forked worker) is not watched: it is read fresh anyway."""
         for path, seen in self.files.items():
             if self._stat(path) != seen:
                 return path
@@ -310,6 +326,7 @@ def thread_count() -> int:
 def warm(config: str, overrides: list[str]) -> CodeStamp:
     """Import what a worker of this job imports and index its image folders; start no thread. Returns the
     stamp of the code it imported (:class:`CodeStamp`)."""
+    started_ns = time.time_ns()
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy loads: OpenBLAS starts its pool at import
     from elastictrain.config import load_config
     from elastictrain.task import add_import_paths, resolve_builder
@@ -318,10 +335,12 @@ def warm(config: str, overrides: list[str]) -> CodeStamp:
     add_import_paths(config)
     import horovod.torch  # noqa: F401
     import torch._dynamo  # noqa: F401  - a worker's first optimizer imports it lazily: seconds of CPU, no thread
-    import torchvision.datasets.folder  # noqa: F401  - an image dataset's first sample imports it: 0.4 s, no thread
-    from PIL import Image
 
-    Image.init()  # every image plugin, which the first decode would import
+    with contextlib.suppress(ImportError):  # a task without images may run where torchvision is not installed
+        import torchvision.datasets.folder  # noqa: F401  - an image dataset's first sample imports it: 0.4 s
+        from PIL import Image
+
+        Image.init()  # every image plugin, which the first decode would import
 
     from elastictrain import elastic, worker  # noqa: F401
     from elastictrain.folder_index import folder_index
@@ -332,7 +351,8 @@ def warm(config: str, overrides: list[str]) -> CodeStamp:
         if isinstance(path, str) and Path(path).is_dir():
             with contextlib.suppress(OSError):
                 folder_index(path)
-    return CodeStamp.take(packages=(cfg.task.partition(":")[0].partition(".")[0],), extra=(config,))
+    package = cfg.task.partition(":")[0].partition(".")[0]
+    return CodeStamp.take(packages=(package,), extra=(config,), since_ns=started_ns)
 
 
 def listen(path: Path) -> socket.socket:
@@ -365,7 +385,6 @@ class Zygote:
 
     def __init__(self, listener: socket.socket, path: Path, stamp: CodeStamp | None = None) -> None:
         import selectors
-        import time
 
         self.listener, self.path = listener, path
         self.stamp = stamp
@@ -460,6 +479,8 @@ class Zygote:
             if pid is not None:  # the client is gone (it started the worker cold): this one must not run too
                 _kill_worker(pid)
                 self.children.pop(pid, None)
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, 0)  # reaped here: _reap only looks while a child is known
             with contextlib.suppress(Exception):
                 send_message(conn, {"error": str(e)[:500]})
             conn.close()
@@ -604,31 +625,62 @@ def serve_main(argv: list[str]) -> int:
     p.add_argument("--host", required=True, help="host name, as horovodrun names it (HOROVOD_HOSTNAME)")
     args: argparse.Namespace = p.parse_args(argv)
     path = socket_path(args.job, args.host)
+    restarts = int(os.environ.get(envnames.ZYGOTE_RESTARTS, "0") or 0)
     try:
         stamp = warm(args.config, args.overrides)  # before listening: nobody queues what a busy zygote cannot answer
         listener = listen(path)
-    except ConfigError as e:
-        return report_config_error(e, "elastictrain zygote")
-    except (OSError, ImportError) as e:
-        print(f"elastictrain zygote: error: {e}", file=sys.stderr)
-        return 1
+    except Exception as e:
+        if restarts:  # the new code does not warm yet (a half-saved file?): try again later, do not give up hot join
+            return retry_later(restarts, f"{type(e).__name__}: {str(e)[:300]}")
+        if isinstance(e, ConfigError):
+            return report_config_error(e, "elastictrain zygote")
+        if isinstance(e, OSError | ImportError):
+            print(f"elastictrain zygote: error: {e}", file=sys.stderr)
+            return 1
+        raise
     zygote = Zygote(listener, path, stamp)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked across a restart (see restart()); handled now
     _say(f"{READY_LINE} {path} pid {os.getpid()}")
     try:
         code = zygote.serve()
     finally:
         zygote.unlink()
     if code == RESTART:
-        restart()
+        return restart(lambda: zygote.signalled, 0)
     return code
 
 
-def restart() -> None:
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+MAX_RETRY_SECONDS = 60.0
+
+
+def restart(signalled: Any, restarts: int) -> int:
     """Replace this process with a fresh ``elastictrain zygote serve`` of the same arguments (same pid, so the
-    agent keeps its handle and its pipe); only called with no worker running."""
+    agent keeps its handle and its pipe); only called with no worker running. SIGTERM and SIGINT are blocked
+    first and stay pending across the exec, so a stop that comes now is handled by the new image, not lost;
+    one that already came (``signalled()``) means exit 0 instead."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    if signalled():
+        return 0
     sys.stdout.flush()
     sys.stderr.flush()
+    os.environ[envnames.ZYGOTE_RESTARTS] = str(restarts + 1)
+    os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # only stdin, stdout and stderr (the agent's pipe) go on
     os.execv(sys.executable, sys.orig_argv)
+    return 1  # not reached
+
+
+def retry_later(restarts: int, why: str) -> int:
+    """After a failed warm of changed code: wait (2, 4, ... up to 60 s), then restart again; SIGTERM or SIGINT
+    meanwhile, or the agent's death, ends the zygote (exit 0)."""
+    wait = min(MAX_RETRY_SECONDS, 2.0**restarts)
+    _say(f"zygote: warming the changed code failed ({why}); trying again in {wait:g}s")
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    parent, deadline = os.getppid(), time.monotonic() + wait
+    while (left := deadline - time.monotonic()) > 0:
+        if signal.sigtimedwait(STOP_SIGNALS, min(1.0, left)) is not None or os.getppid() != parent:
+            return 0
+    return restart(lambda: False, restarts)
 
 
 def main(argv: list[str]) -> int:

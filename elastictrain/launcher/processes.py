@@ -95,16 +95,20 @@ def forked_worker(client: psutil.Process, candidates: Iterable[psutil.Process]) 
     there is none (the client started its worker cold, by exec, or the fork has not happened yet).
 
     The zygote hands the client's fds 0, 1 and 2 (horovodrun's pipes, one set per worker) to the fork, so the
-    worker is the process other than the client that holds the same three and whose parent (the zygote) does
-    not; its own children (a checkpoint writer, loader workers) inherit them from it. A fault aimed at a worker
+    worker is the process other than the client (and its ancestors) that holds the same three and whose parent
+        not_it = {client.pid, *(a.pid for a in client.parents())}  # a shell around it holds them too
     (SIGSTOP, above all, which the client cannot relay) must reach that process, not the client.
     """
     want = _std_fds(client.pid)
     if want is None:
         return None
+    try:
+        not_it = {client.pid, *(a.pid for a in client.parents())}  # a shell around the client holds them too
+    except psutil.Error:
+        return None
     for p in candidates:
         with contextlib.suppress(psutil.Error):
-            if p.pid == client.pid or _std_fds(p.pid) != want:
+            if p.pid in not_it or _std_fds(p.pid) != want:
                 continue
             parent = p.parent()
             if parent is None or _std_fds(parent.pid) != want:

@@ -52,6 +52,8 @@ def test_a_damaged_or_hostile_record_is_skipped(tmp_path: Path, change: dict) ->
     (folder / "good.json").write_text(json.dumps(good()))
     (folder / "bad.json").write_text(json.dumps({**good(), **change}))
     (folder / "junk.json").write_text("{not json")
+    (folder / "deep.json").write_text("[" * 15000)  # json.loads raises RecursionError, not ValueError
+    (folder / "big.json").write_text(json.dumps({**good(), "pad": "x" * 20000}))
     (folder / "link.json").symlink_to(folder / "good.json")
     assert [e.message for e in read_worker_errors(tmp_path, launch_id="abc", attempt=0)] == ["m"]
 

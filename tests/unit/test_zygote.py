@@ -363,7 +363,7 @@ def test_the_forked_worker_of_a_client_is_found_by_the_streams_it_was_handed(ser
     assert found is not None and found.ppid() == server.pid
     assert forked_worker(psutil.Process(other.pid), everyone).pid not in (found.pid, other.pid)
     found.suspend()  # what chaos's freeze-worker does: the training process stops, not only its client
-    assert found.status() == psutil.STATUS_STOPPED
+    wait_until(lambda: found.status() == psutil.STATUS_STOPPED, 10, what="the forked worker stopped")
     found.resume()
     c.send_signal(signal.SIGTERM)
     assert c.wait(timeout=60) == 143
@@ -403,3 +403,34 @@ def test_a_stale_zygote_lets_its_running_worker_finish_then_restarts_unless_told
     running.send_signal(signal.SIGTERM)
     assert running.wait(timeout=30) == 143
     assert server.wait(timeout=30) == (0 if sigterm else zygote.RESTART & 0xFF)
+
+
+def test_a_file_changed_while_the_zygote_warmed_counts_as_changed_at_once(tmp_path):
+    import time
+
+    before = time.time_ns() - 10_000_000_000
+    config = tmp_path / "job.yaml"
+    config.write_text("job: j\n")
+    assert zygote.CodeStamp.take(extra=(str(config),), since_ns=before).changed() == str(config.resolve())
+    assert zygote.CodeStamp.take(extra=(str(config),), since_ns=time.time_ns()).changed() is None
+
+
+def test_a_zygote_whose_changed_code_does_not_warm_yet_tries_again_and_recovers(procs, sockdir, tmp_path):
+    good = "def build():\n    raise NotImplementedError\n"
+    (tmp_path / "flaky_task.py").write_text(good)
+    (tmp_path / "job.yaml").write_text("job: job1\nrun_dir: run\ntask: flaky_task:build\n")
+    proc = procs.start(
+        [sys.executable, "-m", "elastictrain.cli", "zygote", "serve", "--config", "job.yaml", "--job", "job1",
+         "--host", "h1"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stdout.readline().startswith(zygote.READY_LINE)
+    (tmp_path / "flaky_task.py").write_text("def build(:\n")  # a half-saved edit
+    assert "changed since it warmed; restarting" in proc.stdout.readline()
+    line = proc.stdout.readline()
+    assert "warming the changed code failed" in line and "trying again in 2s" in line, line
+    (tmp_path / "flaky_task.py").write_text(good + "# fixed\n")
+    again = proc.stdout.readline()  # the retry re-executes the same process, which warms the fixed code
+    assert again.startswith(zygote.READY_LINE) and again.split()[-1] == str(proc.pid), again
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
