@@ -47,7 +47,7 @@ from elastictrain.checkpoint.storage import (
     checkpoint_name,
     parse_step,
 )
-from elastictrain.errors import CheckpointError
+from elastictrain.errors import CheckpointError, one_line
 from elastictrain.logconf import get_logger
 
 
@@ -282,9 +282,8 @@ def load_checkpoint(storage: CheckpointStorage, name: str, map_location: Any = "
     except OSError:
         raise
     except Exception as e:  # UnpicklingError (a forbidden global), a zip or format error, ...
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise CheckpointDamaged(
-            f"{name}: torch.load(weights_only=True) rejects {manifest['state_file']} ({type(e).__name__}: {first})"
+            f"{name}: torch.load(weights_only=True) rejects {manifest['state_file']} ({one_line(e)})"
         ) from None
     return LoadedCheckpoint(
         step=int(manifest["step"]),
