@@ -17,7 +17,8 @@ Contract:
   (PR_SET_PDEATHSIG) and is SIGKILLed when its client's connection closes (the client died).
 - With no zygote (no socket, no answer, an ``error``), the client execs the cold command: the same worker.
 - Only the zygote's own user may connect (a 0700 folder, a 0600 socket, SO_PEERCRED checked): a request
-  runs code as that user.
+  runs code as that user. It forks only for its own config and ``--set`` overrides (:class:`JobSpec`); a
+  request of another job that shares the socket's job and host name is refused and starts cold.
 - On SIGTERM the zygote stops taking requests, and exits when its running workers have exited.
 - It never serves code older than the files on disk: :class:`CodeStamp` records the mtime and size of every
   file it imported from elastictrain, ``discovery``, the task's package and any module outside the Python
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import signal
@@ -50,6 +52,7 @@ import stat
 import struct
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +102,8 @@ def send_message(sock: socket.socket, msg: dict[str, Any], fds: list[int] | None
     if fds:
         sent = socket.send_fds(sock, [frame], fds)
         frame = frame[sent:]
-    sock.sendall(frame)
+    if frame:  # an empty send to a peer that already answered and closed fails with EPIPE
+        sock.sendall(frame)
 
 
 def recv_message(sock: socket.socket, *, max_fds: int = 0) -> tuple[dict[str, Any] | None, list[int]]:
@@ -252,6 +256,35 @@ def _wait_exit(sock: socket.socket) -> int:
 # server
 
 
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    """What a worker runs: its config (the real path) and ``--set`` overrides. A zygote serves only its own: two
+    jobs of the same name and host (two run_dirs, two checkouts) share a socket path, and the other job's task
+    module may be another file under the same module name."""
+
+    config: str
+    overrides: tuple[str, ...]
+
+    @classmethod
+    def of(cls, config: str, overrides: list[str] | tuple[str, ...], cwd: str | None = None) -> JobSpec:
+        return cls(os.path.realpath(os.path.join(cwd or os.getcwd(), config)), tuple(overrides))
+
+    @classmethod
+    def of_request(cls, request: dict[str, Any]) -> JobSpec:
+        """From a request's ``args`` (what follows ``train``: ``--config X [--set k=v ...]``) and ``cwd``."""
+        args: list[str] = request["args"]
+        config, overrides = "", []
+        for flag, value in itertools.pairwise(args):
+            if flag == "--config":
+                config = value
+            elif flag == "--set":
+                overrides.append(value)
+        return cls.of(config, overrides, request["cwd"]) if config else cls("", tuple(overrides))
+
+    def __str__(self) -> str:
+        return " ".join([self.config, *(f"--set {o}" for o in self.overrides)])
+
+
 class CodeStamp:
     """The source files a zygote's code came from, with their ``(st_mtime_ns, st_size)`` when it warmed.
 
@@ -383,11 +416,15 @@ def listen(path: Path) -> socket.socket:
 class Zygote:
     """The serving loop: one thread, a selector over the listener, the clients and a SIGCHLD wake-up pipe."""
 
-    def __init__(self, listener: socket.socket, path: Path, stamp: CodeStamp | None = None) -> None:
+    def __init__(
+        self, listener: socket.socket, path: Path, stamp: CodeStamp | None = None, job: JobSpec | None = None
+    ) -> None:
         import selectors
 
         self.listener, self.path = listener, path
         self.stamp = stamp
+        self.job = job
+        """The config and ``--set`` overrides this zygote warmed; a request for another job is refused."""
         self.stale: str | None = None
         """The file whose change made this zygote's code old (it then restarts), or None."""
         self.clock = time.monotonic
@@ -464,6 +501,8 @@ class Zygote:
                 raise ProtocolError(f"peer uid {uid} is not ours")
             msg, fds = recv_message(conn, max_fds=3)
             request = _valid_request(msg, fds)
+            if self.job is not None and (asked := JobSpec.of_request(request)) != self.job:
+                raise ProtocolError(f"this zygote warmed {self.job}, not {asked}")
             if (changed := self.check_code()) is not None:
                 raise ProtocolError(f"{changed} changed since the zygote warmed; it restarts")
             if thread_count() != 1:
@@ -638,7 +677,7 @@ def serve_main(argv: list[str]) -> int:
             print(f"elastictrain zygote: error: {e}", file=sys.stderr)
             return 1
         raise
-    zygote = Zygote(listener, path, stamp)
+    zygote = Zygote(listener, path, stamp, JobSpec.of(args.config, args.overrides))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked across a restart (see restart()); handled now
     _say(f"{READY_LINE} {path} pid {os.getpid()}")
     try:

@@ -434,3 +434,25 @@ def test_a_zygote_whose_changed_code_does_not_warm_yet_tries_again_and_recovers(
     assert again.startswith(zygote.READY_LINE) and again.split()[-1] == str(proc.pid), again
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
+
+
+JOB_SERVER = SERVER.replace(
+    "z = zygote.Zygote(zygote.listen(path), path)",
+    "z = zygote.Zygote(zygote.listen(path), path, None, zygote.JobSpec.of(sys.argv[1], ['a=1']))",
+)
+
+
+def test_a_zygote_forks_only_for_the_config_and_overrides_it_warmed(procs, sockdir, tmp_path):
+    """Two jobs of one name on one host share the socket path; the other job's worker must start cold."""
+    mine = tmp_path / "job.yaml"
+    server = procs.start(
+        [sys.executable, "-c", JOB_SERVER, str(mine)],
+        env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert server.stdout is not None and server.stdout.readline().startswith(zygote.READY_LINE)
+    ours = client(procs, "3", "--config", "job.yaml", "--set", "a=1", cwd=tmp_path)
+    assert ours.communicate(timeout=30)[0].startswith("worker ") and ours.returncode == 3
+    for args in (("3", "--config", "other.yaml", "--set", "a=1"), ("3", "--config", "job.yaml", "--set", "a=2")):
+        theirs = client(procs, *args, cwd=tmp_path)
+        out, err = theirs.communicate(timeout=30)
+        assert out.startswith("cold ") and "this zygote warmed" in err, (out, err)
