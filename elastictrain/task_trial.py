@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
-from elastictrain.config import JobConfig
+from elastictrain.config import ConfigError, JobConfig
 from elastictrain.errors import one_line
 from elastictrain.step import move_to, per_sample
 from elastictrain.task import Task, TaskError, build_task
@@ -129,6 +129,8 @@ def _batch(task: Task, source: str, device: torch.device) -> tuple[Any, int]:
         _call(lambda: set_epoch(0), f"{source}.set_epoch(0)", source, None)
     try:
         n = min(TRIAL_SAMPLES, len(data))
+    except ConfigError:
+        raise  # already one line for the user (a dataset path that is not there)
     except Exception as e:
         raise TaskError(f"task: len({source}) failed: {one_line(e)}") from None
     if n < 1:
@@ -142,7 +144,7 @@ def _batch(task: Task, source: str, device: torch.device) -> tuple[Any, int]:
 def _call(fn: Callable[[], Any], what: str, source: str | None, n: int | None) -> Any:
     try:
         return fn()
-    except TaskError:
+    except ConfigError:  # a TaskError, the trial's timeout, or the task's own one-line error: as it is
         raise
     except Exception as e:
         on = f" (on {source}[0:{n}], on the CPU)" if source is not None and n is not None else ""

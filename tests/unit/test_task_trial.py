@@ -139,3 +139,14 @@ def test_a_trial_that_runs_past_its_limit_is_one_line(tmp_path, monkeypatch):
     import signal
 
     assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0), "the timer is disarmed after the trial"
+
+
+def test_a_dataset_that_reports_its_own_one_line_error_is_shown_as_it_is(tmp_path, monkeypatch):
+    class Missing(TensorDataset):
+        def __len__(self) -> int:
+            raise ConfigError("task_args.path: /data/x is not a directory")
+
+    cfg = job(tmp_path, monkeypatch, train_data=Missing(torch.zeros(1)))
+    with pytest.raises(ConfigError) as err:
+        trial(cfg)
+    assert str(err.value) == "task_args.path: /data/x is not a directory"
