@@ -327,15 +327,21 @@ def test_the_code_stamp_names_a_changed_or_removed_file_of_the_code_it_watched(t
             del sys.modules[name]
 
 
-def test_a_zygote_whose_task_code_changed_sends_clients_cold_and_restarts_itself_warm(procs, sockdir, tmp_path):
-    (tmp_path / "upgraded_task.py").write_text("VERSION = 1\n\ndef build():\n    raise NotImplementedError\n")
-    (tmp_path / "job.yaml").write_text("job: job1\nrun_dir: run\ntask: upgraded_task:build\n")
+def real_zygote(procs: ProcessGroup, folder: Path, task: str) -> subprocess.Popen:
+    """``elastictrain zygote serve`` for job1 on h1, warming a config in ``folder`` whose task is ``task``."""
+    (folder / "job.yaml").write_text(f"job: job1\nrun_dir: run\ntask: {task}\n")
     proc = procs.start(
         [sys.executable, "-m", "elastictrain.cli", "zygote", "serve", "--config", "job.yaml", "--job", "job1",
          "--host", "h1"],
-        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, text=True,
+        cwd=folder, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert proc.stdout is not None
+    return proc
+
+
+def test_a_zygote_whose_task_code_changed_sends_clients_cold_and_restarts_itself_warm(procs, sockdir, tmp_path):
+    (tmp_path / "upgraded_task.py").write_text("VERSION = 1\n\ndef build():\n    raise NotImplementedError\n")
+    proc = real_zygote(procs, tmp_path, "upgraded_task:build")
     first = proc.stdout.readline()
     assert first.startswith(zygote.READY_LINE), first
     (tmp_path / "upgraded_task.py").write_text("VERSION = 2\n\ndef build():\n    raise NotImplementedError\n")
@@ -418,13 +424,8 @@ def test_a_file_changed_while_the_zygote_warmed_counts_as_changed_at_once(tmp_pa
 def test_a_zygote_whose_changed_code_does_not_warm_yet_tries_again_and_recovers(procs, sockdir, tmp_path):
     good = "def build():\n    raise NotImplementedError\n"
     (tmp_path / "flaky_task.py").write_text(good)
-    (tmp_path / "job.yaml").write_text("job: job1\nrun_dir: run\ntask: flaky_task:build\n")
-    proc = procs.start(
-        [sys.executable, "-m", "elastictrain.cli", "zygote", "serve", "--config", "job.yaml", "--job", "job1",
-         "--host", "h1"],
-        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert proc.stdout is not None and proc.stdout.readline().startswith(zygote.READY_LINE)
+    proc = real_zygote(procs, tmp_path, "flaky_task:build")
+    assert proc.stdout.readline().startswith(zygote.READY_LINE)
     (tmp_path / "flaky_task.py").write_text("def build(:\n")  # a half-saved edit
     assert "changed since it warmed; restarting" in proc.stdout.readline()
     line = proc.stdout.readline()
