@@ -156,8 +156,8 @@ def _check(values: Any, what: str, n: int, device: torch.device, source: str) ->
         per_sample(values, what, n)
     except ValueError as e:
         raise TaskError(f"task: {e}") from None
-    if device.type != "meta" and not bool(torch.isfinite(values.detach().float()).all()):
-        bad = values.detach().float()
-        kind = "nan" if bool(torch.isnan(bad).any()) else "inf"
+    checked = values.detach().float()
+    if device.type != "meta" and not bool(torch.isfinite(checked).all()):
+        kind = "nan" if bool(torch.isnan(checked).any()) else "inf"
         raise TaskError(f"task: {what} returned non-finite values ({kind}) for {source}[0:{n}] on the CPU")
     return values

@@ -96,8 +96,8 @@ def forked_worker(client: psutil.Process, candidates: Iterable[psutil.Process]) 
 
     The zygote hands the client's fds 0, 1 and 2 (horovodrun's pipes, one set per worker) to the fork, so the
     worker is the process other than the client (and its ancestors) that holds the same three and whose parent
-        not_it = {client.pid, *(a.pid for a in client.parents())}  # a shell around it holds them too
-    (SIGSTOP, above all, which the client cannot relay) must reach that process, not the client.
+    (the zygote) does not; its own children (a checkpoint writer, loader workers) inherit them from it. A fault
+    aimed at a worker (SIGSTOP, above all, which the client cannot relay) must reach that process, not the client.
     """
     want = _std_fds(client.pid)
     if want is None:
