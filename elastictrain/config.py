@@ -178,6 +178,21 @@ class ElasticConfig:
     """Fewest workers to train with (horovodrun ``--min-np``)."""
     max_np: int = 32
     """Most workers to train with (horovodrun ``--max-np``)."""
+    stragglers: Literal["off", "report", "evict"] = "report"
+    """What rank 0 does about a slow host (:mod:`elastictrain.stragglers`). ``report``: a ``straggler`` event when a
+    host's median compute time per step is ``slow_ratio`` x the others' over ``window_steps``; ``evict``: also drain
+    it (as a spot notice, no step lost) when the job is predicted faster without it, for a cool-down; ``off``:
+    nothing is measured."""
+    slow_ratio: float = 1.3
+    """A host is slow when its median compute time per step is at least this many times the others' median."""
+    window_steps: int = 100
+    """Steps in each host's rolling window of compute times (a host is judged once half of it is filled)."""
+    straggler_cooldown_seconds: float = 300.0
+    """How long an evicted host stays out; doubled for each earlier eviction of the same host (probation)."""
+    hang_seconds: float | None = None
+    """A peer that makes no progress this long while the others wait for it is a failure: it is killed (same
+    machine) or its host evicted, and the job continues without it. None: 10 x the typical step, at least 10 s
+    (the first step after a rendezvous gets at least 60 s: imports, loader start-up)."""
 
     def __post_init__(self) -> None:
         _check(self.base_world_size >= 1, "elastic.base_world_size", f"must be >= 1, got {self.base_world_size}")
@@ -198,6 +213,15 @@ class ElasticConfig:
             "elastic.max_np",
             f"must be >= elastic.min_np ({self.min_np}), got {self.max_np}",
         )
+        _check(self.slow_ratio > 1.0, "elastic.slow_ratio", f"must be > 1, got {self.slow_ratio}")
+        _check(self.window_steps >= 4, "elastic.window_steps", f"must be >= 4, got {self.window_steps}")
+        _check(
+            self.straggler_cooldown_seconds >= 0,
+            "elastic.straggler_cooldown_seconds",
+            f"must be >= 0, got {self.straggler_cooldown_seconds}",
+        )
+        if self.hang_seconds is not None:
+            _check(self.hang_seconds >= 1, "elastic.hang_seconds", f"must be >= 1 or null, got {self.hang_seconds}")
         if self.policy == "global":
             _check(
                 self.global_batch_size is not None,

@@ -7,12 +7,15 @@ only when training is complete; 143 after SIGTERM (rank 0 checkpoints the last c
 
 from __future__ import annotations
 
+import os
 import signal
 
 from elastictrain.config import JobConfig
 from elastictrain.engine.collective import Collective, HorovodCollective
 from elastictrain.engine.trainer import Trainer, run_trainer
 from elastictrain.engine.watch import arm_watchdog
+from elastictrain.eviction import EtcdEvictor
+from elastictrain.hang import HangDetector, Heartbeats, HungVerdict
 from elastictrain.watchdog import FailureMarker
 
 
@@ -24,11 +27,33 @@ def run(cfg: JobConfig) -> int:
 def compose(cfg: JobConfig, collective: Collective) -> Trainer:
     """The worker's trainer over ``collective`` (initialised): parts, services, the armed watchdog, SIGTERM."""
     trainer = Trainer.build(cfg, collective)
+    elastic_dir = cfg.run_path / ".elastic"
+    evictor = EtcdEvictor.from_env(os.environ)
+    policy = trainer.straggler_policy
+    if policy.mode == "evict":
+        trainer.stragglers.evictor = evictor
+
+    def evict(host: str) -> str:
+        assert evictor is not None
+        try:
+            evictions, seconds = evictor.evict(host, "hung", policy.cooldown)
+        except Exception as e:  # etcd down: the Gloo timeout still bounds the wait
+            return f"could not evict host {host}: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}"
+        return f"evicted host {host} for {seconds:g}s (evictions: {evictions})"
+
     trainer.watchdog = arm_watchdog(
         trainer.state,
-        FailureMarker(cfg.run_path / ".elastic" / "collective-failure"),
+        FailureMarker(elastic_dir / "collective-failure"),
         host=lambda: trainer.ctx.host,
         tracking_uri=cfg.tracking.tracking_uri,
+        hang=HangDetector(
+            Heartbeats(elastic_dir / "heartbeats"),
+            HungVerdict(elastic_dir / "hung-verdict"),
+            host=lambda: trainer.ctx.host,
+            slot=lambda: trainer.ctx.local_rank,
+            configured_seconds=cfg.elastic.hang_seconds,
+            evict=evict if evictor is not None else None,
+        ),
     )
     signal.signal(signal.SIGTERM, trainer.on_sigterm)
     return trainer

@@ -21,6 +21,9 @@ ETCD_PASSWORD_FILE = "ELASTICTRAIN_ETCD_PASSWORD_FILE"
 JOB = "ELASTICTRAIN_JOB"
 """The job's name (its etcd prefix): set by ``launch`` for horovodrun, discover.sh and every worker; chaos finds a
 job's processes by it."""
+MIN_NP = "ELASTICTRAIN_MIN_NP"
+"""horovodrun's ``--min-np``: set by ``launch`` for horovodrun; read by the workers (a straggler eviction never takes
+the job below it)."""
 ATTEMPT = "ELASTICTRAIN_ATTEMPT"
 """How many times ``launch`` relaunched horovodrun (0 first); read by the worker."""
 LAUNCH_ID = "ELASTICTRAIN_LAUNCH_ID"

@@ -64,6 +64,8 @@ class EventKind(enum.StrEnum):
     DONE = "done"
     TRACKING_CLOSED = "tracking_closed"
     STOPPED = "stopped"
+    STRAGGLER = "straggler"
+    EVICTION = "eviction"
 
 
 def _doc(text: str) -> Any:
@@ -139,8 +141,10 @@ class Failure(Event):
         " `ts` the failure's time (the failed step's start, or when the notice arrived) and `world_size` the size"
         " before it"
     )
-    reason: str | None = _doc("`worker_failed` \\| `hosts_removed` \\| `hosts_changed`")
-    error: str | None = _doc("first line of Horovod's error; empty for a notice")
+    reason: str | None = _doc("`worker_failed` \\| `worker_hung` \\| `hosts_removed` \\| `hosts_changed`")
+    error: str | None = _doc(
+        "first line of Horovod's error (for `worker_hung`: which peer, for how long, what was done); empty for a notice"
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -172,6 +176,14 @@ class Metrics(Event):
     samples_per_sec: float | None = _doc("")
     step_seconds: float | None = _doc("mean over the interval")
     commit_seconds: float | None = _doc("the last in-memory commit's duration")
+    slowest_host: str | None = _doc("the host with the highest compute-time ratio (`straggler`); null until judged")
+    slowest_ratio: float | None = _doc("its median compute time per step / the other hosts' median")
+
+    def fields(self) -> dict[str, Any]:
+        out = Event.fields(self)
+        if self.slowest_host is None:  # left out until a host is judged, as lines were before these fields
+            del out["slowest_host"], out["slowest_ratio"]
+        return out
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -251,6 +263,43 @@ class Stopped(Event):
     checkpointed: bool | None = _doc("bool: the last commit was checkpointed; false when it could not be")
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Straggler(Event):
+    KIND = EventKind.STRAGGLER
+    WHEN = (
+        "rank 0 named a host slow (its median compute time per step >= `elastic.slow_ratio` x the other hosts' median"
+        " over `elastic.window_steps`), or a host it had named is no longer slow"
+    )
+    host: str | None = _doc("")
+    rank: int | None = _doc("the host's first rank now")
+    slow: bool | None = _doc("true: named slow; false: no longer slow")
+    ratio: float | None = _doc("its median compute seconds per step / the others' median")
+    compute_seconds: float | None = _doc("its median compute seconds per step (step start to gradients ready)")
+    others_seconds: float | None = _doc("the other hosts' median compute seconds per step")
+    data_seconds: float | None = _doc("its median data-loading wait per step")
+    window_steps: int | None = _doc("steps in its window when judged")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Eviction(Event):
+    KIND = EventKind.EVICTION
+    WHEN = (
+        "with `elastic.stragglers: evict`, rank 0 decided about a slow host: `drain` it (through etcd, as a spot"
+        " notice), or `keep` it (the job is not predicted faster without it, or it would fall below min_np). A hung"
+        " peer is a `failure` with reason `worker_hung` instead"
+    )
+    host: str | None = _doc("")
+    action: str | None = _doc("`drain` \\| `keep`")
+    reason: str | None = _doc("`straggler`; for `keep`, why")
+    ratio: float | None = _doc("as in `straggler`")
+    samples_per_sec_now: float | None = _doc("predicted throughput at the current size, with the slow host")
+    samples_per_sec_without: float | None = _doc("predicted throughput one host smaller, without it")
+    min_np: int | None = _doc("")
+    cooldown_seconds: float | None = _doc("how long the host stays out (doubles with each earlier eviction)")
+    evictions: int | None = _doc("evictions of this host so far, this one included")
+    error: str | None = _doc("why the drain could not be written to etcd, if it could not")
+
+
 EVENT_TYPES: dict[EventKind, type[Event]] = {
     cls.KIND: cls
     for cls in (
@@ -266,6 +315,8 @@ EVENT_TYPES: dict[EventKind, type[Event]] = {
         Done,
         TrackingClosed,
         Stopped,
+        Straggler,
+        Eviction,
     )
 }
 """Every event kind and its dataclass, in the order docs/events.md lists them."""

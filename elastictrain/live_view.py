@@ -38,6 +38,7 @@ from elastictrain.events import (
     Reset,
     Start,
     Stopped,
+    Straggler,
     lifecycle,
     parse_events,
 )
@@ -74,6 +75,10 @@ class LiveState:
     """(epoch, step) of the last ``epoch_end``."""
     steps_per_epoch: int | None = None
     last_reset: LastReset | None = None
+    slowest: tuple[str, float] | None = None
+    """(host, ratio) of the last ``metrics`` that judged one (see :mod:`elastictrain.stragglers`)."""
+    stragglers: tuple[str, ...] = ()
+    """Hosts named slow by ``straggler`` events and not cleared since."""
 
     def update(self, e: Event) -> LiveState:
         """The state after ``e`` (events arrive in file order)."""
@@ -97,7 +102,11 @@ class LiveState:
                 step_seconds=e.step_seconds,
                 rate_from=s.rate_from or here,
                 rate_to=here,
+                slowest=(e.slowest_host, e.slowest_ratio) if e.slowest_host and e.slowest_ratio else s.slowest,
             )
+        elif isinstance(e, Straggler) and e.host:
+            named = tuple(h for h in s.stragglers if h != e.host) + ((e.host,) if e.slow else ())
+            s = dataclasses.replace(s, stragglers=named)
         elif isinstance(e, EpochEnd):
             spe = s.steps_per_epoch
             if s.last_epoch_end is not None and s.last_epoch_end[0] == e.epoch - 1:
@@ -165,6 +174,8 @@ def view(s: LiveState, now: float, *, epochs: int | None = None, max_steps: int 
         "loss": s.loss,
         "eta_seconds": None if eta is None else round(eta, 1),
         "last_reset": last,
+        "slowest_host": None if s.slowest is None else {"host": s.slowest[0], "ratio": s.slowest[1]},
+        "stragglers": list(s.stragglers),
     }
 
 
@@ -191,6 +202,10 @@ def status_line(v: dict[str, Any]) -> str:
         f"loss {_number(v['loss'], '.4f')}",
         f"ETA {'-' if v['eta_seconds'] is None else _duration(v['eta_seconds'])}",
     ]
+    slow = v.get("slowest_host")
+    if slow:
+        named = " STRAGGLER" if slow["host"] in v.get("stragglers", ()) else ""
+        parts.append(f"slowest {slow['host']} {slow['ratio']:.2f}x{named}")
     r = v["last_reset"]
     if r is None:
         parts.append("no reset")

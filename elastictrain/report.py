@@ -36,6 +36,7 @@ from elastictrain.events import (
     read_events,
 )
 from elastictrain.status import checked_state
+from elastictrain.stragglers import format_slowest, straggler_summary
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -193,6 +194,7 @@ def summarize(events: Sequence[Event]) -> dict[str, Any]:
             "last": throughput[-1] if throughput else None,
         },
         "marks": {str(k): v for k, v in marks.items()},
+        "stragglers": straggler_summary(events),
     }
 
 
@@ -290,6 +292,7 @@ def format_table(summary: dict[str, Any]) -> str:
             f"{_fmt(summary['samples_per_sec']['mean'])} / {_fmt(summary['samples_per_sec']['last'])}",
         ),
         ("final loss", _fmt(summary["final_loss"])),
+        ("slowest host", format_slowest(summary["stragglers"]) if "stragglers" in summary else "-"),
     ]
     width = max(len(name) for name, _ in rows)
     lines = [f"{name:<{width}}  {value}" for name, value in rows]

@@ -40,6 +40,7 @@ from elastictrain.events import (
     read_events,
 )
 from elastictrain.launcher.rundir import STATE_FILE
+from elastictrain.stragglers import format_slowest, straggler_summary
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
@@ -168,6 +169,7 @@ def summarize_status(events: Sequence[Event], checkpoint: dict[str, Any] | None,
             out["loss"] = ev.loss
         elif isinstance(ev, Checkpoint):
             last_ckpt_event = ev
+    out["stragglers"] = straggler_summary(events)
     if events:
         last = events[-1]
         out["step"], out["epoch"], out["world_size"] = last.step, last.epoch, last.world_size
@@ -270,6 +272,7 @@ def format_status(st: dict[str, Any]) -> str:
         ("starts", str(st["attempts"])),
         ("failures", str(st["failures"])),
         ("resets", str(len(st["resets"]))),
+        ("slowest host", format_slowest(st["stragglers"]) if "stragglers" in st else "-"),
     ]
     ck = st.get("checkpoint")
     if ck:

@@ -108,9 +108,11 @@ def train_step(
     precision: Precision,
     grad_clip_norm: float | None,
     loss_fn: LossFn = classification_loss,
+    grads_ready: Callable[[], None] | None = None,
 ) -> StepStats:
     """One optimizer step over this worker's ``micro_batches`` (batches as the collate function made them;
-    ``loss_fn(model, batch)`` gives their per-sample losses)."""
+    ``loss_fn(model, batch)`` gives their per-sample losses). ``grads_ready`` is called once the backward passes
+    are done, before the step waits for the other workers' gradients."""
     device = next(model.parameters()).device
     optimizer.zero_grad()  # torch >= 2.0 sets grads to None (Horovod's wrapper takes no argument)
     if (
@@ -130,6 +132,8 @@ def train_step(
         (scaler.scale(scaled) if scaler is not None else scaled).backward()
         loss_sum += loss.detach()
         count += losses.shape[0]
+    if grads_ready is not None:
+        grads_ready()
     # Average over workers first, then unscale and clip the *averaged* gradients, then step once.
     synchronize = getattr(optimizer, "synchronize", None)
     if synchronize is not None:

@@ -21,6 +21,9 @@ until the next commit (:func:`removal_pending`). Local work that holds no collec
 passes) is not a step (:meth:`CollectiveWatchdog.paused`).
 
 The decision is the pure function :func:`should_abort`; the thread only gathers its inputs.
+
+A peer that *hangs* (its process lives, but makes no progress) is no failure by these signals; the same thread
+beats and judges for :mod:`elastictrain.hang`, which turns it into one.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from discovery.fileio import write_atomic
+from elastictrain.hang import IDLE, LOCAL, WAITING, HangDetector, Member
 from elastictrain.logconf import get_logger
 
 log = get_logger("elastictrain.watchdog")
@@ -260,8 +264,10 @@ class CollectiveWatchdog:
         host_removed: Callable[[], bool],
         excluded_ports: Callable[[], tuple],
         policy: WatchdogPolicy | None = None,
+        hang: HangDetector | None = None,
     ) -> None:
         self.marker = marker
+        self.hang = hang
         self.host_removed = host_removed
         self.excluded_ports = excluded_ports
         self.policy = policy or WatchdogPolicy()
@@ -284,8 +290,22 @@ class CollectiveWatchdog:
 
     def step_started(self) -> None:
         self._step_started = time.time()
+        if self.hang is not None:
+            self.hang.set_phase(LOCAL)
+
+    def grads_ready(self) -> None:
+        """This step's own work is done: from here it waits on the other workers."""
+        if self.hang is not None:
+            self.hang.set_phase(WAITING)
+
+    def set_members(self, me: int, members: list[Member]) -> None:
+        """After each rendezvous: this ring's ranks, hosts and pids (whose heartbeats a hang is judged by)."""
+        if self.hang is not None:
+            self.hang.set_ring(me, members)
 
     def step_finished(self) -> None:
+        if self.hang is not None:
+            self.hang.step_done()
         started, self._step_started = self._step_started, None
         self._progress = time.time()
         if started is not None:
@@ -305,6 +325,8 @@ class CollectiveWatchdog:
     def idle(self) -> None:
         """Between steps (a reset, a rendezvous): nothing to abort."""
         self._step_started = None
+        if self.hang is not None:
+            self.hang.set_phase(IDLE)
 
     def ring_failed(self) -> int:
         """Called first when a collective of this ring failed in this worker: stand down, and shut the ring's
@@ -316,7 +338,7 @@ class CollectiveWatchdog:
         worker (all of them: Gloo connects every pair) fails its pending operation now. Sockets of a newer
         ring are safe: each is checked by inode (the ring is emptied here and taken again after the
         rendezvous)."""
-        self._step_started = None
+        self.idle()
         ring, self._ring = self._ring, {}
         n = abort_connections(ring)
         log.info("collective failed: shut this ring's connections down", connections=n)
@@ -341,6 +363,9 @@ class CollectiveWatchdog:
 
     def _check(self) -> None:
         started = self._step_started
+        if self.hang is not None:
+            now = time.time()
+            self.hang.tick(now, None if started is None else now - started, self._typical)
         if started is None:
             return
         ring, now = self._ring, time.time()
@@ -386,6 +411,12 @@ class NullWatchdog:
         pass
 
     def step_finished(self) -> None:
+        pass
+
+    def grads_ready(self) -> None:
+        pass
+
+    def set_members(self, me: int, members: list[Member]) -> None:
         pass
 
     def snapshot_ring(self) -> None:

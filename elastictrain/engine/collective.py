@@ -39,6 +39,8 @@ class Collective(Protocol):
     def broadcast_object(self, obj: T, root: int, name: str) -> T: ...
     def allgather_object(self, obj: Any, name: str) -> list[Any]: ...
     def allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor: ...
+    def allgather(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """Every rank's ``tensor`` (same shape on every rank) concatenated along dim 0, in rank order."""
 
     def distributed_optimizer(
         self,
@@ -93,6 +95,9 @@ class HorovodCollective:
 
     def allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         return self.hvd.allreduce(tensor, op=self.hvd.Sum, name=name)
+
+    def allgather(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        return self.hvd.allgather(tensor, name=name)
 
     def distributed_optimizer(
         self,
@@ -161,6 +166,9 @@ class LocalCollective:
 
     def allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         return tensor.clone()
+
+    def allgather(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        return torch.cat([tensor] * self._size)
 
     def distributed_optimizer(
         self,

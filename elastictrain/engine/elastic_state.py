@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from horovod.common.elastic import State
@@ -61,6 +61,8 @@ class ElasticTrainingState(State):
         """Called first on a failed collective (records the failure marker; the watchdog stands down)."""
         self.on_failure_notice: Callable[[], None] = lambda: None
         """Called on a host-change interrupt (the watchdog stands down before the rendezvous)."""
+        self.failure_cause: Callable[[float], str | None] = lambda since: None
+        """Why a failed collective failed, when a hung peer was found since the given time (``worker_hung``)."""
         super().__init__(
             bcast_object=lambda obj: collective.broadcast_object(obj, 0, name="state"), get_rank=collective.rank
         )
@@ -82,6 +84,9 @@ class ElasticTrainingState(State):
         if self.failure is None:
             error = sys.exc_info()[1]  # restore() runs inside the loop's `except HorovodInternalError`
             self.failure_error = str(error).strip().splitlines()[0][:300] if error and str(error).strip() else ""
+            hung = self.failure_cause(self.last_progress_ts)
+            if hung is not None:
+                self.failure, self.failure_error = ("worker_hung", self.last_progress_ts), hung
         self.failure = self.failure or ("worker_failed", self.last_progress_ts)
         self.reached_step = max(self.reached_step or 0, self.committed.counters.step)
         discard_pending_allreduces(self.committed.optimizer)
@@ -90,9 +95,13 @@ class ElasticTrainingState(State):
         else:  # the live state holds whole steps: only the failed one's gradients go
             self.committed.discard_partial_step()
 
-    def check_host_updates(self) -> None:
+    def check_host_updates(
+        self, figures: Sequence[float] = (), on_figures: Callable[[list[list[float]]], None] | None = None
+    ) -> None:
+        """Horovod's host-update check, which also carries every rank's step ``figures`` (the same length on every
+        rank): ``on_figures`` receives all ranks' rows, in rank order, before a host change is raised."""
         try:
-            self._check_host_updates()
+            self._check_host_updates(figures, on_figures)
         except HostsUpdatedInterrupt as e:
             if self.stop_requested():
                 raise StopRequested from None
@@ -101,10 +110,12 @@ class ElasticTrainingState(State):
             self.failure_error = ""
             raise
 
-    def _check_host_updates(self) -> None:
-        """Horovod's ``State.check_host_updates`` with one small tensor broadcast instead of ``broadcast_object``
+    def _check_host_updates(
+        self, figures: Sequence[float], on_figures: Callable[[list[list[float]]], None] | None
+    ) -> None:
+        """Horovod's ``State.check_host_updates`` with one small tensor allgather instead of ``broadcast_object``
         (a pickle, then two collectives: the size, then the bytes). Same rule: rank 0's view of the newest
-        notice decides for every rank, so all raise together."""
+        notice decides for every rank, so all raise together. The other ranks' rows carry their figures."""
         prev = last = last_host_update(self)
         update = HostUpdateResult.no_update
         messages = host_messages(self)
@@ -113,12 +124,13 @@ class ElasticTrainingState(State):
             if timestamp > last:
                 last = timestamp
                 update |= res
-        agreed = self.collective.broadcast(
-            torch.tensor([float(prev), float(last), float(update)], dtype=torch.float64),
-            0,
+        rows = self.collective.allgather(
+            torch.tensor([[float(prev), float(last), float(update), *map(float, figures)]], dtype=torch.float64),
             name="elastictrain.host_updates",
         ).tolist()
-        prev, newest, update = agreed[0], agreed[1], HostUpdateResult(int(agreed[2]))
+        if on_figures is not None and figures:
+            on_figures([row[3:] for row in rows])
+        prev, newest, update = rows[0][0], rows[0][1], HostUpdateResult(int(rows[0][2]))
         set_last_host_update(self, newest)
         if newest > prev:
             raise HostsUpdatedInterrupt(update == HostUpdateResult.removed)

@@ -42,6 +42,7 @@ from elastictrain.engine.build import TrainingParts, build_parts
 from elastictrain.engine.collective import Collective
 from elastictrain.engine.elastic_state import ElasticTrainingState, StopRequested
 from elastictrain.engine.metrics import MetricsWindow
+from elastictrain.engine.profile import StepProfile
 from elastictrain.engine.reset import PendingReset, plan_reset
 from elastictrain.engine.resume import resume_inputs, resume_latest
 from elastictrain.engine.services import Rank0Services
@@ -58,10 +59,12 @@ from elastictrain.events import (
     Stopped,
     checkpoint_event,
 )
+from elastictrain.hang import gathered_members
 from elastictrain.logconf import bind, get_logger
 from elastictrain.policy import batch_plan, schedule_factor, training_complete
 from elastictrain.sampler import StepPlan, iter_plans
 from elastictrain.step import train_step
+from elastictrain.stragglers import StragglerMonitor, StragglerPolicy
 from elastictrain.task import TaskError
 from elastictrain.tracking import make_tracker
 from elastictrain.watchdog import CollectiveWatchdog, NullWatchdog
@@ -122,6 +125,13 @@ class Trainer:
         self.pending_reset: PendingReset | None = None
         """The reset to report after the first step it allows (see :mod:`elastictrain.engine.reset`)."""
         self.hosts: list[str] = []
+        self.rank_hosts: list[str] = []
+        """The host of each rank of the current world."""
+        self.straggler_policy = StragglerPolicy.from_config(cfg.elastic, os.environ)
+        self.profile = StepProfile(parts.device, enabled=cfg.elastic.stragglers != "off")
+        self.stragglers = StragglerMonitor(self.straggler_policy, emit=lambda e: self.services.events.emit(e))
+        """Every host's window of step figures (every rank keeps them: a new rank 0 has the history); the
+        evictor is set by the composition when ``elastic.stragglers`` is ``evict``."""
         self.last_loss: float | None = None
         self.last_val_accuracy: float | None = None
         self.metrics = MetricsWindow(parts.device)
@@ -216,7 +226,15 @@ class Trainer:
         self.services.restore_ledger(c.step, self.step_log)
         self._apply_lr()
         self.metrics.start()
-        self.hosts = sorted(set(self.collective.allgather_object(self.ctx.host, name="hosts")))  # every rank
+        self.profile.discard()
+        members = self.collective.allgather_object(  # every rank: the ring, for host lists, stragglers, hangs
+            (self.ctx.host, self.ctx.local_rank, os.getpid()), name="hosts"
+        )
+        self.rank_hosts = [str(m[0]) for m in members]
+        self.hosts = sorted(set(self.rank_hosts))
+        ring = gathered_members(members)
+        if ring is not None:
+            self.watchdog.set_members(self.ctx.rank, ring)
         if plan.starting:  # once per start of the job (fresh or resumed); a new rank 0 after a reset is a `reset`
             self.services.events.emit(
                 Start(
@@ -320,7 +338,9 @@ class Trainer:
                 return
             t0 = time.perf_counter()
             self.watchdog.step_started()  # the whole iteration: step, metrics, commit all hold collectives
+            self.profile.step_started()
             micro = self._micro_batches(plan, loaded)
+            self.profile.data_ready()
             stats = train_step(
                 self.parts.model,
                 self.optimizer,
@@ -330,6 +350,7 @@ class Trainer:
                 precision=self.parts.precision,
                 grad_clip_norm=t.grad_clip_norm,
                 loss_fn=task.loss,
+                grads_ready=self._grads_ready,
             )
             if stats.count != len(plan.local_ids):
                 raise TaskError(
@@ -343,6 +364,7 @@ class Trainer:
             self.step_log.append(c.step, plan.epoch, plan.start, plan.global_count)
             self._apply_lr()
             self.metrics.add(stats.loss_sum, stats.count, time.perf_counter() - t0)
+            self.profile.step_finished(stats.count)
             if self.pending_reset is not None:
                 self._emit_reset()
             self.services.progress.update(c.step, world_size=self.ctx.size, epoch=self.sampler.epoch)
@@ -356,6 +378,10 @@ class Trainer:
             if c.step % cfg.elastic.commit_every_steps == 0 or ckpt_due:
                 self._commit(state, checkpoint=ckpt_due)
             self.watchdog.step_finished()
+
+    def _grads_ready(self) -> None:
+        self.profile.grads_ready()
+        self.watchdog.grads_ready()
 
     def _micro_batches(self, plan: StepPlan, loaded: Any) -> list[Any]:
         """The plan's micro-batches from the loader, which yields one batch per planned micro-batch, in order
@@ -374,6 +400,7 @@ class Trainer:
             "step_seconds": window["step_seconds"],
             "commit_seconds": self.state.last_commit_seconds,
         }
+        slowest = self.stragglers.slowest() if self.ctx.is_rank0 else None
         services.events.emit(
             Metrics(
                 step=c.step,
@@ -385,6 +412,8 @@ class Trainer:
                 samples_per_sec=values["samples_per_sec"],
                 step_seconds=values["step_seconds"],
                 commit_seconds=values["commit_seconds"],
+                slowest_host=slowest.host if slowest else None,
+                slowest_ratio=round(slowest.ratio, 4) if slowest else None,
             )
         )
         services.tracker.log_metrics(values, step=c.step)
@@ -414,7 +443,21 @@ class Trainer:
         )
         if checkpoint:
             self.checkpoint(wait=False)
-        state.check_host_updates()
+        figures = self.profile.take() if self.profile.enabled else []
+        state.check_host_updates(figures, self._on_step_figures)
+
+    def _on_step_figures(self, rows: list[list[float]]) -> None:
+        """Every rank's figures of this commit (see :mod:`elastictrain.stragglers`)."""
+        e = self.cfg.elastic
+        self.stragglers.observe(
+            rows,
+            self.rank_hosts,
+            is_rank0=self.ctx.is_rank0,
+            step=self.counters.step,
+            epoch=self.sampler.epoch,
+            global_batch=e.global_batch_size if e.policy == "global" else None,
+            per_worker_batch=self.cfg.data.batch_size * self.cfg.training.grad_accumulation,
+        )
 
     def checkpoint(self, wait: bool) -> bool:
         """Rank 0: checkpoint the *committed* state, labelled with the committed step (not the live one).

@@ -10,18 +10,25 @@ from urllib.parse import urlparse
 from horovod.common.elastic import State
 
 from elastictrain.engine.horovod_private import host_messages, notification_ports
+from elastictrain.hang import HangDetector
 from elastictrain.watchdog import CollectiveWatchdog, FailureMarker, removal_pending
 
 
 def arm_watchdog(
-    state: State, marker: FailureMarker, host: Callable[[], str], tracking_uri: str | None = None
+    state: State,
+    marker: FailureMarker,
+    host: Callable[[], str],
+    tracking_uri: str | None = None,
+    hang: HangDetector | None = None,
 ) -> CollectiveWatchdog:
     """Start the collective watchdog of this worker and hook it to ``state``.
 
     ``state`` must call ``on_failure()`` first in its ``restore()`` (a failed collective: the watchdog stands
     down and the failure is recorded in ``marker`` for the other workers) and may call ``on_failure_notice()``
     on a host-change interrupt. The caller marks steps (``step_started``/``step_finished``) and calls
-    ``snapshot_ring()`` after each rendezvous, and ``stop()`` at the end.
+    ``snapshot_ring()`` after each rendezvous, and ``stop()`` at the end. With ``hang`` (the engine's workers) the
+    caller also marks ``grads_ready`` and gives the ring's members after each rendezvous (``set_members``), and a
+    failure that follows a hung-peer verdict is reported as ``worker_hung`` (``state.failure_cause``).
     """
     watchdog: CollectiveWatchdog
 
@@ -31,10 +38,14 @@ def arm_watchdog(
 
     state.on_failure = on_failure
     state.on_failure_notice = lambda: watchdog.idle()
+    if hang is not None:
+        verdict = hang.verdict
+        state.failure_cause = lambda since: verdict.since(since)  # type: ignore[attr-defined]
     watchdog = CollectiveWatchdog(
         marker,
         host_removed=lambda: removal_pending(host_messages(state)),
         excluded_ports=lambda: control_ports(tracking_uri),
+        hang=hang,
     ).start()
     return watchdog
 

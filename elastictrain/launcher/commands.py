@@ -161,6 +161,7 @@ def launch_env(
         envnames.ETCD: etcd,
         envnames.JOB: job,
         envnames.ATTEMPT: str(attempt),
+        envnames.MIN_NP: str(opts.min_np),
         envnames.DISCOVER_CACHE: str(run_dir / "discover-cache.json"),
     }
     if prefix and prefix != "/elastictrain":

@@ -127,9 +127,9 @@ def test_epoch_end_validation_is_not_a_step_but_its_collectives_are(tmp_path):
             seen["allgather"].append(dog._step_started)
             return super().allgather_object(obj, name)
 
-        def broadcast(self, tensor, root, name):  # the commit's host-update check
+        def allgather(self, tensor, name):  # the commit's host-update check
             seen["commit"].append(dog._step_started)
-            return super().broadcast(tensor, root, name)
+            return super().allgather(tensor, name)
 
     trainer = Trainer.build(small_job(tmp_path / "run", checkpoint={"enabled": False}), Recording())
     trainer.watchdog = dog

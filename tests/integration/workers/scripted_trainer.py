@@ -91,13 +91,13 @@ def main(config_json: str, script_json: str) -> int:
             optimizer.synchronize = failed_synchronize
         return real_train_step(*args, **kwargs)
 
-    def check_host_updates() -> None:
+    def check_host_updates(*args: Any) -> None:
         hit = fire("notice", step=trainer.counters.step)
         if hit is None and trainer.sampler.cursor == 0:  # the commit that ends an epoch
             hit = fire("notice_at_epoch_end", epoch=trainer.sampler.epoch)
         if hit:
             raise HostsUpdatedInterrupt(False)
-        real_check()
+        real_check(*args)
 
     engine.train_step = train_step  # type: ignore[assignment]
     state._check_host_updates = check_host_updates  # type: ignore[method-assign]

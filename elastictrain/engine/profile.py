@@ -1,0 +1,77 @@
+"""A worker's own step profile, off the hot path: compute and data-loading time per step, summed to the next commit.
+
+Per step: ``step_started`` (before the batch is taken from the loader), ``data_ready`` (the batch is here),
+``grads_ready`` (the backward passes are done: from here the step waits on the other workers' gradients), and
+``step_finished``. Compute time is data_ready -> grads_ready, which excludes the time spent waiting for slower
+peers in the allreduce; that is what makes a slow host stand out (every rank's *step* lasts as long as the
+slowest's). On a CUDA device compute time is taken from CUDA events (the host returns from ``backward`` before
+the GPU has finished); they are read at :meth:`take`, at a commit, never in a step.
+
+:meth:`take` returns the sums in the order of :data:`elastictrain.stragglers.FIGURES` and starts again; they
+travel with the commit's existing collective (:meth:`ElasticTrainingState.check_host_updates`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+
+class StepProfile:
+    def __init__(self, device: torch.device, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.cuda = enabled and device.type == "cuda"
+        self.discard()
+
+    def discard(self) -> None:
+        """Forget what was summed (after a reset: the next commit reports the new world's steps only)."""
+        self.steps = 0
+        self.samples = 0
+        self.compute = self.data = self.step = 0.0
+        self._events: list[tuple[Any, Any]] = []
+        self._t0 = self._t_data = self._t_grads = 0.0
+        self._ev_data: Any = None
+
+    def step_started(self) -> None:
+        if self.enabled:
+            self._t0 = time.perf_counter()
+
+    def data_ready(self) -> None:
+        if not self.enabled:
+            return
+        self._t_data = time.perf_counter()
+        if self.cuda:
+            self._ev_data = torch.cuda.Event(enable_timing=True)
+            self._ev_data.record()
+
+    def grads_ready(self) -> None:
+        if not self.enabled:
+            return
+        self._t_grads = time.perf_counter()
+        if self.cuda and self._ev_data is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((self._ev_data, end))
+            self._ev_data = None
+
+    def step_finished(self, samples: int) -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        self.steps += 1
+        self.samples += samples
+        self.data += self._t_data - self._t0
+        if not self.cuda:
+            self.compute += max(0.0, self._t_grads - self._t_data)
+        self.step += now - self._t0
+
+    def take(self) -> list[float]:
+        """``[steps, compute_seconds, data_seconds, step_seconds, samples]`` since the last take; then zeros."""
+        if self._events:
+            self._events[-1][1].synchronize()
+            self.compute += sum(start.elapsed_time(end) for start, end in self._events) / 1000.0
+        out = [float(self.steps), self.compute, self.data, self.step, float(self.samples)]
+        self.discard()
+        return out

@@ -1,0 +1,314 @@
+"""A hung worker is a failure: heartbeats, the verdict (pure), and what the survivors do about it.
+
+A worker that stops making progress while its process lives (SIGSTOP, a kernel hang, a deadlocked data loader)
+holds every other worker in the next collective, and nothing in Horovod or Gloo ends that before the Gloo timeout:
+the kernel keeps its TCP connections open and even acknowledges them while the process is stopped. So:
+
+* **Heartbeats.** Each worker's watchdog thread writes a tiny file about once a second,
+  ``run_dir/.elastic/heartbeats/<host>-<slot>.json``: its pid, machine (boot id), the time, and where its step
+  stands: ``local`` (taking its batch, computing: work only it can finish), ``waiting`` (its gradients are ready;
+  from here it waits on the others), or ``idle`` (between steps, validation, a reset). A stopped process, or a
+  machine that hangs, writes none; a live process stuck in its own work keeps writing ``local`` with an old start.
+* **The verdict** (:func:`hung_peers`, pure): while this worker has waited ``hang_seconds`` in a step whose own work
+  it has finished, a member of its ring (ranks, hosts and pids gathered after each rendezvous) is hung when its
+  heartbeat is ``hang_seconds`` old, or says ``local`` since ``hang_seconds`` ago. The first step after a
+  rendezvous gets at least ``first_step_seconds`` (imports, loader start-up). A member with no heartbeat here (the
+  run_dir is not shared with its machine) is never judged.
+* **The cure**, by every survivor that reaches the verdict (all idempotent): record it
+  (``run_dir/.elastic/hung-verdict``: the ``failure`` event's reason becomes ``worker_hung``), then SIGKILL the
+  hung process when it runs on this machine (checked by boot id, pid and start time) -- from there the job
+  recovers exactly as after a SIGKILL -- or else evict its host through etcd (a drain: Horovod removes the host,
+  stops its worker, and the watchdog's host-removed path ends the wait).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from discovery.fileio import write_atomic
+from discovery.wire import check_name
+from elastictrain.logconf import get_logger
+
+log = get_logger("elastictrain.hang")
+
+LOCAL, WAITING, IDLE = "local", "waiting", "idle"
+PHASES = (LOCAL, WAITING, IDLE)
+MIN_HANG_SECONDS = 10.0
+HANG_STEPS = 10.0
+FIRST_STEP_SECONDS = 60.0
+BEAT_SECONDS = 1.0
+MAX_BEAT_BYTES = 4096
+
+
+def hang_bound(configured: float | None, typical_step: float) -> float:
+    """``elastic.hang_seconds``, or 10 x the typical step and at least 10 s."""
+    return configured if configured is not None else max(MIN_HANG_SECONDS, HANG_STEPS * typical_step)
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """One rank of the current ring, as gathered after the rendezvous."""
+
+    rank: int
+    host: str
+    slot: int
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Beat:
+    """One worker's heartbeat."""
+
+    pid: int
+    host: str
+    slot: int
+    boot_id: str
+    created: float
+    """The process's start time (with ``boot_id`` and ``pid``: the same process, not a reused pid)."""
+    ts: float
+    phase: str
+    since: float
+    """When the current phase began."""
+    steps: int
+    """Steps completed since its ring formed."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def parse(cls, raw: bytes) -> Beat | None:
+        """A heartbeat read from the run_dir (untrusted), or None when it is not a valid one."""
+        if len(raw) > MAX_BEAT_BYTES:
+            return None
+        try:
+            d = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            return None
+        if not isinstance(d, dict):
+            return None
+        ints, floats = ("pid", "slot", "steps"), ("created", "ts", "since")
+        if any(isinstance(d.get(k), bool) or not isinstance(d.get(k), int) or d[k] < 0 for k in ints):
+            return None
+        if any(not isinstance(d.get(k), int | float) or not math.isfinite(d[k]) for k in floats):
+            return None
+        if d.get("phase") not in PHASES or not isinstance(d.get("boot_id"), str) or not isinstance(d.get("host"), str):
+            return None
+        try:
+            return cls(**{k: d[k] for k in cls.__slots__})  # type: ignore[attr-defined]
+        except (KeyError, TypeError):
+            return None
+
+
+@dataclass(frozen=True, slots=True)
+class Hung:
+    member: Member
+    beat: Beat
+    why: str
+
+
+def hung_peers(
+    *,
+    now: float,
+    me: int,
+    members: Sequence[Member],
+    beats: dict[tuple[str, int], Beat],
+    hang_seconds: float,
+    first_step_seconds: float = FIRST_STEP_SECONDS,
+) -> list[Hung]:
+    """The members of this ring (other than rank ``me``) that are hung by their heartbeats (see the module)."""
+    out = []
+    for m in members:
+        b = beats.get((m.host, m.slot))
+        if m.rank == me or b is None or b.pid != m.pid:
+            continue
+        bound = hang_seconds if b.steps > 0 else max(hang_seconds, first_step_seconds)
+        who = f"host {m.host} rank {m.rank} (pid {m.pid})"
+        if now - b.ts >= bound:
+            out.append(Hung(m, b, f"{who}: no heartbeat for {now - b.ts:.1f}s (stopped, or its machine hangs)"))
+        elif b.phase == LOCAL and now - b.since >= bound:
+            why = f"{who}: stuck in its own part of a step (data loading or compute) for {now - b.since:.1f}s"
+            out.append(Hung(m, b, why))
+    return out
+
+
+def boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+class Heartbeats:
+    """The heartbeat folder of a run: this worker writes its own file, reads its ring's."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def path(self, host: str, slot: int) -> Path:
+        check_name("host", host)
+        return self.folder / f"{host}-{int(slot)}.json"
+
+    def write(self, beat: Beat) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.folder.mkdir(parents=True, exist_ok=True)
+            write_atomic(self.path(beat.host, beat.slot), beat.to_json(), durable=False)
+
+    def read(self, members: Sequence[Member]) -> dict[tuple[str, int], Beat]:
+        out = {}
+        for m in members:
+            try:
+                raw = self.path(m.host, m.slot).read_bytes()
+            except (OSError, ValueError):
+                continue
+            beat = Beat.parse(raw)
+            if beat is not None and beat.host == m.host and beat.slot == m.slot:
+                out[(m.host, m.slot)] = beat
+        return out
+
+
+class HungVerdict:
+    """``run_dir/.elastic/hung-verdict``: the newest hung peer found (``ts`` then the reason, one line)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def record(self, why: str) -> None:
+        with contextlib.suppress(OSError):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(self.path, f"{time.time()} {why.splitlines()[0][:300]}\n", durable=False)
+
+    def since(self, ts: float) -> str | None:
+        """The verdict's reason when it was recorded at or after ``ts``, else None."""
+        try:
+            when, _, why = self.path.read_text()[:400].partition(" ")
+            return why.strip() if float(when) >= ts else None
+        except (OSError, ValueError):
+            return None
+
+
+@dataclass(slots=True)
+class HangDetector:
+    """What the collective watchdog's thread does about hangs: beat, and judge while its step is overdue."""
+
+    heartbeats: Heartbeats
+    verdict: HungVerdict
+    host: Callable[[], str]
+    slot: Callable[[], int]
+    configured_seconds: float | None = None
+    evict: Callable[[str], str] | None = None
+    """Evicts a host of another machine (returns what it did, one line); None: no etcd to do it through."""
+    members: tuple[Member, ...] = ()
+    me: int = 0
+    phase: str = IDLE
+    since: float = 0.0
+    steps: int = 0
+    last_beat: float = 0.0
+    last_check: float = 0.0
+    cured: tuple[int, ...] = ()
+    _identity: tuple[str, float] | None = None
+
+    def set_ring(self, me: int, members: Sequence[Member]) -> None:
+        """After each rendezvous: the ring's members, and a heartbeat at once (a hang may follow quickly)."""
+        self.me, self.members, self.steps, self.cured = me, tuple(members), 0, ()
+        self.set_phase(IDLE)
+        self.beat(time.time())
+
+    def set_phase(self, phase: str) -> None:
+        self.phase, self.since = phase, time.time()
+
+    def step_done(self) -> None:
+        self.steps += 1
+        self.set_phase(IDLE)
+
+    def identity(self) -> tuple[str, float]:
+        if self._identity is None:
+            self._identity = (boot_id(), psutil.Process().create_time())
+        return self._identity
+
+    def beat(self, now: float) -> None:
+        boot, created = self.identity()
+        self.heartbeats.write(
+            Beat(
+                pid=os.getpid(),
+                host=self.host(),
+                slot=self.slot(),
+                boot_id=boot,
+                created=created,
+                ts=now,
+                phase=self.phase,
+                since=self.since,
+                steps=self.steps,
+            )
+        )
+        self.last_beat = now
+
+    def tick(self, now: float, waited: float | None, typical_step: float) -> list[Hung]:
+        """Called by the watchdog's thread on each poll: beat once a second; while this worker has waited in a step
+        whose own work is done, judge its ring once a second and cure what is hung. Returns the peers cured now."""
+        if now - self.last_beat >= BEAT_SECONDS:
+            self.beat(now)
+        bound = hang_bound(self.configured_seconds, typical_step)
+        if waited is None or self.phase != WAITING or waited < bound or now - self.last_check < BEAT_SECONDS:
+            return []
+        self.last_check = now
+        found = [
+            h
+            for h in hung_peers(
+                now=now, me=self.me, members=self.members, beats=self.heartbeats.read(self.members), hang_seconds=bound
+            )
+            if h.member.pid not in self.cured
+        ]
+        for h in found:
+            self.cured = (*self.cured, h.member.pid)
+            self.cure(h)
+        return found
+
+    def cure(self, h: Hung) -> None:
+        """Record the verdict, then SIGKILL the hung process here, or evict its host when it runs elsewhere."""
+        boot, _ = self.identity()
+        if h.beat.boot_id == boot and boot:
+            done = kill_if_same(h.beat.pid, h.beat.created)
+        elif self.evict is not None:
+            done = self.evict(h.member.host)
+        else:
+            done = "no etcd to evict its host through: waiting for the Gloo timeout"
+        self.verdict.record(f"{h.why}; {done}")
+        log.warning("hung peer", why=h.why, action=done)
+
+
+def kill_if_same(pid: int, created: float) -> str:
+    """SIGKILL ``pid`` and its children when it is the process that started at ``created``; say what happened."""
+    try:
+        p = psutil.Process(pid)
+        if abs(p.create_time() - created) >= 1.0:
+            return f"pid {pid} is another process now: not killed"
+        procs = [p, *p.children(recursive=True)]
+    except psutil.Error:
+        return f"pid {pid} is gone"
+    for q in procs:
+        with contextlib.suppress(psutil.Error):
+            q.kill()
+    return f"killed pid {pid} (SIGKILL)"
+
+
+def gathered_members(rows: Sequence[Any]) -> list[Member] | None:
+    """The ring's members from the ``(host, slot, pid)`` each rank gathered (untrusted shapes are refused)."""
+    out = []
+    for rank, row in enumerate(rows):
+        if not (isinstance(row, tuple | list) and len(row) == 3):
+            return None
+        host, slot, pid = row
+        if not isinstance(host, str) or not isinstance(slot, int) or not isinstance(pid, int):
+            return None
+        out.append(Member(rank, host, slot, pid))
+    return out
