@@ -11,6 +11,11 @@ Behaviour:
 - refreshes the lease every ``--heartbeat`` seconds; registers again under a new lease when etcd
   lost the lease (restart on an empty data dir, an outage longer than the TTL);
 - keeps the state an operator set (``elastictrain hosts drain``) when it registers again;
+- readmits an evicted host: when an evictor (rank 0, :func:`discovery.registry.evict`) drained it with a
+  cool-down, the agent marks it ``ready`` again (``drain_reason`` and ``drain_until`` cleared, ``evictions``
+  kept) in its first cycle at or after the wall-clock time ``drain_until``, unless the agent is draining on a
+  signal or the node is cordoned (then an uncordon comes first); registering again under a new lease keeps
+  the eviction and its count, so the cool-down still applies;
 - SIGTERM or SIGINT: marks the host ``draining`` at once (discovery drops it, Horovod removes it
   gracefully), revokes the lease after ``--drain-grace`` seconds and exits 0; a second signal
   skips the rest of the grace period;
@@ -137,6 +142,8 @@ class Action(enum.Enum):
     MARK_DRAINING = "mark_draining"
     DRAIN_CORDONED = "drain_cordoned"
     READY_UNCORDONED = "ready_uncordoned"
+    READMIT = "readmit"
+    """An eviction's cool-down is over: mark the host ready (``drain_until`` reached on the wall clock)."""
     HEARTBEAT = "heartbeat"
     WAIT = "wait"
     REVOKE_AND_EXIT = "revoke_and_exit"
@@ -161,7 +168,13 @@ class AgentState:
 
     lease_id: int | None = None
     wanted_state: str = READY
-    """State to register with: ``ready``, or what an operator or SIGTERM set."""
+    """State to register with: ``ready``, or what an operator, an evictor or SIGTERM set."""
+    drain_reason: str = ""
+    """The eviction's reason in our key (followed with ``wanted_state``), to register with again."""
+    drain_until: float = 0.0
+    """The eviction's end (wall clock) in our key (followed with ``wanted_state``), to register with again."""
+    evictions: int = 0
+    """The eviction count in our key, to register with again."""
     registered: bool = False
     """The key was written under ``lease_id`` (so its absence later means someone deleted it)."""
     drain_requested_at: float | None = None
@@ -179,9 +192,11 @@ class AgentState:
 
 @dataclass(frozen=True, slots=True)
 class Observation:
-    """One cycle's view of etcd, taken at ``now`` (monotonic seconds)."""
+    """One cycle's view of etcd, taken at ``now`` (monotonic seconds) and ``wall_time`` (Unix time)."""
 
     now: float
+    wall_time: float = 0.0
+    """Unix time of the observation: what an eviction's ``drain_until`` is compared with."""
     reachable: bool = True
     lease_alive: bool = False
     """Our lease exists and was just refreshed (False when we hold none)."""
@@ -191,6 +206,10 @@ class Observation:
     """State in our host's key, or None when there is no key."""
     key_lease: int = 0
     key_pid: int = 0
+    key_drain_reason: str = ""
+    key_drain_until: float = 0.0
+    """Unix time at which an evicted host is to be ready again (0: not an eviction)."""
+    key_evictions: int = 0
     error: str = ""
     cordon: str | None = None
     """Why the node is being emptied (the last answer read), or None when it is schedulable or not watched."""
@@ -229,6 +248,8 @@ def decide(cfg: AgentConfig, st: AgentState, obs: Observation) -> Decision:
         state = st.wanted_state
         if obs.cordon is not None and state == READY and st.drain_requested_at is None:
             how, state = f"{how}{obs.cordon}; ", DRAINING
+        if kept_eviction(st):
+            state = f"{state} ({_eviction(st.drain_reason, st.drain_until)})"
         return Decision(
             Action.REGISTER,
             f"{how}registering {cfg.host} ({cfg.slots} slots) as {state} under a new {cfg.ttl_seconds}s lease",
@@ -257,7 +278,30 @@ def decide(cfg: AgentConfig, st: AgentState, obs: Observation) -> Decision:
             return Decision(Action.DRAIN_CORDONED, f"{obs.cordon}; marking host draining until it is uncordoned")
         if obs.cordon is None and st.cordon_drained:
             return Decision(Action.READY_UNCORDONED, "node is schedulable again; marking host ready")
-    return Decision(Action.HEARTBEAT, f"lease {st.lease_id:x} refreshed; host {obs.key_state}")
+        if (
+            obs.cordon is None
+            and obs.key_state == DRAINING
+            and obs.key_drain_until > 0
+            and obs.wall_time >= obs.key_drain_until
+        ):
+            why = f"the {obs.key_drain_reason} eviction" if obs.key_drain_reason else "an eviction"
+            return Decision(
+                Action.READMIT,
+                f"cool-down of {why} over; marking host ready (evictions: {obs.key_evictions})",
+            )
+    host = obs.key_state
+    if obs.key_state == DRAINING and obs.key_drain_until > 0:
+        host = f"{host} ({_eviction(obs.key_drain_reason, obs.key_drain_until)})"
+    return Decision(Action.HEARTBEAT, f"lease {st.lease_id:x} refreshed; host {host}")
+
+
+def kept_eviction(st: AgentState) -> bool:
+    """Whether registering again writes the eviction our key carried (not when a signal drains the host)."""
+    return st.drain_requested_at is None and st.wanted_state == DRAINING and st.drain_until > 0
+
+
+def _eviction(reason: str, until: float) -> str:
+    return f"{reason or 'an'} eviction until {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(until))}"
 
 
 class Signals:
@@ -293,7 +337,7 @@ class Agent:
 
     def observe(self) -> Observation:
         st = self.state
-        now = self.clock()
+        now, wall_time = self.clock(), self.wall_clock()
         if self.signals.count and st.drain_requested_at is None:
             st.drain_requested_at = now
         if self.signals.count > 1:
@@ -309,9 +353,9 @@ class Agent:
                     st.lease_id, st.registered, lease_lost = None, False, True
             try:
                 entry = self.registry.get(self.cfg.host)
-                key = (entry.record.state, entry.lease_id, entry.record.pid) if entry else None
+                key = (entry.record, entry.lease_id) if entry else None
             except MalformedRecord as e:  # garbage under our key: treat it as a foreign key
-                key = (READY, -1, 0)
+                key = (HostRecord(host=self.cfg.host, slots=self.cfg.slots, addr=self.cfg.addr), -1)
                 self._log().warning("malformed value under our key", error=str(e))
         except RegistryError as e:
             if st.unreachable_since is None:
@@ -320,23 +364,31 @@ class Agent:
         st.unreachable_since = None
         if key is None:
             st.blocked_since = None
-            return Observation(now=now, lease_alive=lease_alive, lease_lost=lease_lost, cordon=st.cordon)
-        state, key_lease, pid = key
+            return Observation(
+                now=now, wall_time=wall_time, lease_alive=lease_alive, lease_lost=lease_lost, cordon=st.cordon
+            )
+        record, key_lease = key
         if st.lease_id is not None and key_lease == st.lease_id:
             st.blocked_since = None
             if st.drain_requested_at is None:
-                st.wanted_state = state  # follow an operator's drain / undrain
-                if state == READY:
+                # follow an operator's drain / undrain, an eviction and its readmission
+                st.wanted_state, st.drain_reason, st.drain_until = record.state, record.drain_reason, record.drain_until
+                if record.state == READY:
                     st.cordon_drained = False  # an operator undrained it: an uncordon has nothing to undo
+            st.evictions = record.evictions
         elif st.blocked_since is None:
             st.blocked_since = now
         return Observation(
             now=now,
+            wall_time=wall_time,
             lease_alive=lease_alive,
             lease_lost=lease_lost,
-            key_state=state,
+            key_state=record.state,
             key_lease=key_lease,
-            key_pid=pid,
+            key_pid=record.pid,
+            key_drain_reason=record.drain_reason,
+            key_drain_until=record.drain_until,
+            key_evictions=record.evictions,
             cordon=st.cordon,
         )
 
@@ -376,6 +428,8 @@ class Agent:
                     st.wanted_state, st.cordon_drained = new, cordoned
                 elif not cordoned:  # already ready (an operator undrained it): nothing left to undo
                     st.cordon_drained = False
+            elif decision.action is Action.READMIT:
+                self._readmit()
             elif decision.action is Action.REVOKE_AND_EXIT:
                 if st.lease_id is not None:
                     self.registry.revoke_lease(st.lease_id)
@@ -387,8 +441,23 @@ class Agent:
         if decision.exit_code is not None:
             self.exit_code = decision.exit_code
 
+    def _readmit(self) -> None:
+        """Mark our evicted host ready if its cool-down is still over when read again (compare-and-set: an
+        operator's drain or a new eviction written in between wins, and the next cycle decides again)."""
+        st = self.state
+        entry = self.registry.get(self.cfg.host)
+        if (
+            entry is not None
+            and entry.lease_id == st.lease_id
+            and entry.record.evicted
+            and self.wall_clock() >= entry.record.drain_until
+            and self.registry.compare_and_set(entry, entry.record.with_state(READY))
+        ):
+            st.wanted_state, st.drain_reason, st.drain_until = READY, "", 0.0
+
     def _register(self) -> None:
         st = self.state
+        evicted = kept_eviction(st)
         if st.drain_requested_at is not None:
             st.wanted_state = DRAINING
         elif st.cordon is not None and st.wanted_state == READY:
@@ -401,6 +470,9 @@ class Agent:
             state=st.wanted_state,
             pid=os.getpid(),
             registered_at=self.wall_clock(),
+            drain_reason=st.drain_reason if evicted else "",
+            drain_until=st.drain_until if evicted else 0.0,
+            evictions=st.evictions,
         )
         try:
             created = self.registry.register(record, lease_id)

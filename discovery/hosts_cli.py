@@ -1,8 +1,11 @@
 """``elastictrain hosts``: list, drain, undrain or remove the hosts of a job.
 
 ``drain`` marks a host ``draining`` (discovery stops listing it, Horovod removes it gracefully) and
-``undrain`` marks it ``ready`` again; both compare-and-set on the key's revision and keep its lease.
-``remove`` deletes the key; a live agent sees its key gone while its lease lives and exits.
+``undrain`` marks it ``ready`` again; both compare-and-set on the key's revision and keep its lease. Neither
+is timed: ``drain`` of an evicted host keeps it draining until an ``undrain`` (its cool-down is dropped), and
+``undrain`` of one readmits it at once. ``remove`` deletes the key; a live agent sees its key gone while its
+lease lives and exits. ``list`` shows an evicted host's state as ``draining (<reason>, readmit in <time>,
+evictions <n>)``.
 
 Exit codes: 0 done; 1 etcd unreachable or a concurrent change won; 2 bad flags or unknown host.
 """
@@ -10,12 +13,13 @@ Exit codes: 0 done; 1 etcd unreachable or a concurrent change won; 2 bad flags o
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
 
 from discovery import endpoints
-from discovery.record import DEFAULT_PREFIX, DRAINING, READY, MalformedRecord
+from discovery.record import DEFAULT_PREFIX, DRAINING, READY, HostRecord, MalformedRecord
 from discovery.registry import EtcdRegistry, HostNotFound, HostRegistry, Listing, RegistryError, set_state
 from elastictrain import envnames
 from elastictrain.cliutil import OneLineParser
@@ -35,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=3.0, metavar="SECONDS", help="deadline per etcd request")
     endpoints.add_arguments(p)
     sub = p.add_subparsers(dest="action", metavar="ACTION", required=True, parser_class=OneLineParser)
-    sub.add_parser("list", help="table of hosts: host, slots, state, age")
+    sub.add_parser("list", help="table of hosts: host, slots, state (an eviction's reason and cool-down), age")
     for name, help_ in (
         ("drain", "mark HOST draining: Horovod removes it gracefully"),
         ("undrain", "mark HOST ready again"),
@@ -56,13 +60,23 @@ def format_age(seconds: float) -> str:
     return f"{seconds // 86400}d"
 
 
+def format_state(record: HostRecord, now: float) -> str:
+    """The STATE cell: the state, and for an evicted host its reason, the time left to its readmission (by its
+    agent, at ``drain_until``) and its eviction count."""
+    if not record.evicted:
+        return record.state
+    left = record.drain_until - now
+    when = f"readmit in {format_age(math.ceil(left))}" if left > 0 else "readmit due"
+    return f"{record.state} ({record.drain_reason or 'evicted'}, {when}, evictions {record.evictions})"
+
+
 def format_table(listing: Listing, now: float) -> list[str]:
     """Rows of the ``list`` table, header first, columns aligned."""
     rows = [("HOST", "SLOTS", "STATE", "AGE", "PID", "ADDR")]
     for e in listing.entries:
         r = e.record
         age = format_age(now - r.registered_at) if r.registered_at else "?"
-        rows.append((r.host, str(r.slots), r.state, age, str(r.pid or "?"), r.addr))
+        rows.append((r.host, str(r.slots), format_state(r, now), age, str(r.pid or "?"), r.addr))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
 

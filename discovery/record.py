@@ -8,13 +8,17 @@ from dataclasses import asdict, dataclass, replace
 from discovery.wire import (
     DEFAULT_PREFIX,
     DRAINING,
+    MAX_EVICTIONS,
     MAX_SLOTS,
     READY,
     STATES,
     MalformedRecord,
     check_addr,
+    check_drain_reason,
+    check_evictions,
     check_name,
     check_slots,
+    check_time,
     drop_case_duplicates,
     host_key,
     hosts_prefix,
@@ -24,14 +28,18 @@ from discovery.wire import (
 __all__ = [
     "DEFAULT_PREFIX",
     "DRAINING",
+    "MAX_EVICTIONS",
     "MAX_SLOTS",
     "READY",
     "STATES",
     "HostRecord",
     "MalformedRecord",
     "check_addr",
+    "check_drain_reason",
+    "check_evictions",
     "check_name",
     "check_slots",
+    "check_time",
     "drop_case_duplicates",
     "host_key",
     "hosts_prefix",
@@ -54,6 +62,14 @@ class HostRecord:
     """Pid of the agent that registered it."""
     registered_at: float = 0.0
     """Unix time of registration."""
+    drain_reason: str = ""
+    """Why an evictor drained the host (a short token: ``straggler``, ``hung``); ``""`` for any other drain
+    (an operator's ``hosts drain``, SIGTERM, a cordon) and for a ready host."""
+    drain_until: float = 0.0
+    """Unix time at which the host's agent marks the evicted host ``ready`` again; 0: no automatic readmission."""
+    evictions: int = 0
+    """How many times the host was evicted (an evictor lengthens the next cool-down by it); kept when the host is
+    readmitted or undrained."""
 
     def __post_init__(self) -> None:
         check_name("host", self.host)
@@ -61,13 +77,28 @@ class HostRecord:
             raise ValueError(f"state must be one of {STATES}, got {self.state!r}")
         check_slots(self.slots)
         check_addr(self.addr)
-        if not 0 <= self.registered_at < 1e11:
-            raise ValueError(f"registered_at must be a finite Unix time >= 0, got {self.registered_at!r}")
+        check_time("registered_at", self.registered_at)
+        check_drain_reason(self.drain_reason)
+        check_time("drain_until", self.drain_until)
+        check_evictions(self.evictions)
+
+    @property
+    def evicted(self) -> bool:
+        """Draining with a cool-down, so its agent makes it ready again at ``drain_until``."""
+        return self.state == DRAINING and self.drain_until > 0
 
     def with_state(self, state: str) -> HostRecord:
-        return replace(self, state=state)
+        """This record in ``state``, as an operator, a signal or a cordon sets it: not an eviction, so with no
+        ``drain_reason`` and no ``drain_until`` (``evictions`` is kept)."""
+        return replace(self, state=state, drain_reason="", drain_until=0.0)
+
+    def evicted_until(self, reason: str, drain_until: float) -> HostRecord:
+        """This record drained by an evictor for ``reason`` until ``drain_until``, one more eviction counted."""
+        evictions = min(self.evictions + 1, MAX_EVICTIONS - 1)
+        return replace(self, state=DRAINING, drain_reason=reason, drain_until=drain_until, evictions=evictions)
 
     def to_json(self) -> bytes:
+        """The stored value: compact JSON of every field but ``host``, keys sorted."""
         data = asdict(self)
         del data["host"]  # the key names the host
         return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()

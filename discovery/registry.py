@@ -19,8 +19,10 @@ from typing import Any, TypeVar
 from discovery.endpoints import EtcdAccess, parse_endpoints
 from discovery.record import (
     DEFAULT_PREFIX,
+    DRAINING,
     HostRecord,
     MalformedRecord,
+    check_drain_reason,
     check_name,
     drop_case_duplicates,
     host_key,
@@ -72,8 +74,8 @@ class HostRegistry(abc.ABC):
 
     An agent calls :meth:`grant_lease`, then :meth:`register` under that lease, then
     :meth:`keep_alive` every heartbeat; a dead agent's key disappears when its lease runs out.
-    State changes (drain, undrain) go through :meth:`compare_and_set` so that concurrent writers
-    (the agent and an operator) never overwrite each other blindly.
+    State changes (drain, undrain, an eviction and its readmission) go through :meth:`compare_and_set` so that
+    concurrent writers (the agent, an operator, an evicting rank 0) never overwrite each other blindly.
     """
 
     def __init__(self, job: str, prefix: str = DEFAULT_PREFIX) -> None:
@@ -155,18 +157,58 @@ class HostRegistry(abc.ABC):
 
 
 def set_state(registry: HostRegistry, host: str, state: str, attempts: int = 5) -> tuple[str, str]:
-    """Set a host's state with compare-and-set, re-reading on conflict up to ``attempts`` times.
+    """Set a host's state as an operator does (``hosts drain`` / ``undrain``), with compare-and-set, re-reading
+    on conflict up to ``attempts`` times.
 
-    Returns ``(old_state, new_state)``. Raises :class:`HostNotFound` or :class:`RegistryError`.
+    The result is never a timed eviction: ``drain_reason`` and ``drain_until`` are cleared (``evictions`` is
+    kept), so ``undrain`` of an evicted host readmits it at once and ``drain`` of one keeps it draining until
+    an ``undrain``. Returns ``(old_state, new_state)``. Raises :class:`HostNotFound` or :class:`RegistryError`.
     """
     for _ in range(attempts):
         entry = registry.get(host)
         if entry is None:
             raise HostNotFound(f"no host {host!r} in job {registry.job!r}")
-        if entry.record.state == state:
+        wanted = entry.record.with_state(state)
+        if entry.record == wanted:
             return state, state
-        if registry.compare_and_set(entry, entry.record.with_state(state)):
+        if registry.compare_and_set(entry, wanted):
             return entry.record.state, state
+    raise RegistryError(f"host {host!r} changed concurrently {attempts} times; try again")
+
+
+def evict(
+    registry: HostRegistry, host: str, *, reason: str, cooldown_seconds: float, now: float, attempts: int = 5
+) -> HostRecord:
+    """Drain a ready host for ``cooldown_seconds`` (a straggler, a hung worker); return its record as it is now.
+
+    Call from the process that decided the eviction (rank 0), any number of times: the host is set, with
+    compare-and-set (re-reading on conflict up to ``attempts`` times, keeping the key's lease), to
+    ``state=draining, drain_reason=reason, drain_until=now + cooldown_seconds, evictions + 1``. Discovery
+    stops listing it at once, so Horovod removes it as it removes a host on a spot notice; the host's own
+    agent marks it ``ready`` again once the wall clock reaches ``drain_until``, whether or not the evicting
+    process still runs. ``now`` is the caller's Unix time (``time.time()``).
+
+    A host already draining is returned unchanged: the same eviction asked again (several workers may ask at
+    once), another eviction not yet readmitted by its agent, or a drain that is not an eviction (an operator's,
+    SIGTERM's, a cordon's: those are never turned into a timed one).
+
+    Raises ``ValueError`` for a ``reason`` that is not a token of 1 to 32 of ``[a-z0-9_-]`` or a
+    ``cooldown_seconds`` that is not finite and > 0, and :class:`HostNotFound` or :class:`RegistryError` as
+    :func:`set_state` does.
+    """
+    if not check_drain_reason(reason):
+        raise ValueError("drain_reason of an eviction must not be empty")
+    if not 0 < cooldown_seconds < float("inf"):
+        raise ValueError(f"cooldown_seconds must be finite and > 0, got {cooldown_seconds!r}")
+    for _ in range(attempts):
+        entry = registry.get(host)
+        if entry is None:
+            raise HostNotFound(f"no host {host!r} in job {registry.job!r}")
+        if entry.record.state == DRAINING:
+            return entry.record
+        evicted = entry.record.evicted_until(reason, now + cooldown_seconds)
+        if registry.compare_and_set(entry, evicted):
+            return evicted
     raise RegistryError(f"host {host!r} changed concurrently {attempts} times; try again")
 
 

@@ -1,5 +1,14 @@
 """Key layout and value format of host records, with no imports beyond ``json``.
 
+A host's value is a JSON object: ``slots`` (required, integer in [1, 4096]), ``addr`` (host name or IP
+address; default the host), ``state`` (``ready`` or ``draining``; default ``ready``), ``pid`` (integer in
+[0, 2**32); default 0), ``registered_at`` (Unix time; default 0), and an eviction's fields:
+``drain_reason`` (``""``, or up to 32 of ``[a-z0-9_-]`` such as ``straggler`` when an evictor drained the
+host; default ``""``), ``drain_until`` (Unix time at which the host's agent marks it ready again; 0, the
+default, means never by itself) and ``evictions`` (how many times the host was evicted; default 0). Absent
+fields take their defaults, so values written before a field existed still parse; unknown fields are
+ignored. Anything else is a :class:`MalformedRecord` with a one-line message naming the field.
+
 ``discover.sh`` runs every second, so its Python path (``discover.py`` and this module) avoids even
 ``dataclasses``, ``re`` and ``urllib``: each costs milliseconds of start-up on a small machine.
 """
@@ -32,6 +41,11 @@ MAX_NAME_LENGTH = 253
 """Longest job, host or address (a DNS name's limit)."""
 MAX_SLOTS = 4096
 """Most slots one host may advertise (an upper bound against a garbage value, far above any machine)."""
+MAX_DRAIN_REASON_LENGTH = 32
+"""Longest ``drain_reason`` (a short token such as ``straggler`` or ``hung``)."""
+_DRAIN_REASON_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_-")
+MAX_EVICTIONS = 1 << 31
+"""Bound of ``evictions`` (exclusive), against a garbage value."""
 
 
 class MalformedRecord(InputError):
@@ -79,6 +93,32 @@ def check_slots(value: object) -> int:
     return value
 
 
+def check_drain_reason(value: object) -> str:
+    """Return ``value`` if it is a valid ``drain_reason`` (``""`` or a short token), else raise ``ValueError``."""
+    if not isinstance(value, str) or len(value) > MAX_DRAIN_REASON_LENGTH or not _DRAIN_REASON_CHARS.issuperset(value):
+        raise ValueError(
+            f"drain_reason must be at most {MAX_DRAIN_REASON_LENGTH} of [a-z0-9_-], got {ascii(value)[:40]}"
+        )
+    return value
+
+
+def check_time(field: str, value: object) -> float:
+    """Return ``value`` as a float if it is a finite Unix time >= 0, else raise ``ValueError`` naming ``field``.
+
+    ``json.loads`` accepts NaN and Infinity; a non-finite time would make every comparison false.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < _MAX_TIME:
+        raise ValueError(f"{field} must be a finite Unix time >= 0, got {ascii(value)[:40]}")
+    return float(value)
+
+
+def check_evictions(value: object) -> int:
+    """Return ``value`` if it is an integer in ``[0, MAX_EVICTIONS)``, else raise ``ValueError``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_EVICTIONS:
+        raise ValueError(f"evictions must be an integer in [0, 2**31), got {ascii(value)[:40]}")
+    return value
+
+
 def hosts_prefix(prefix: str, job: str) -> str:
     """``<prefix>/<job>/hosts/``: every host key of ``job`` starts with this."""
     return f"{prefix.rstrip('/')}/{job}/hosts/"
@@ -111,23 +151,23 @@ def parse_value(host: str, raw: bytes | str) -> dict[str, Any]:
     pid = data.get("pid", 0)
     if isinstance(pid, bool) or not isinstance(pid, int) or not 0 <= pid < 1 << 32:
         raise MalformedRecord(f"host {host!r}: pid must be an integer in [0, 2**32), got {ascii(pid)[:40]}")
-    registered_at = data.get("registered_at", 0.0)
-    # json.loads accepts NaN and Infinity; a non-finite time would make every comparison false.
-    if (
-        isinstance(registered_at, bool)
-        or not isinstance(registered_at, int | float)
-        or not 0 <= registered_at < _MAX_TIME
-    ):
-        raise MalformedRecord(
-            f"host {host!r}: registered_at must be a finite Unix time >= 0, got {ascii(registered_at)[:40]}"
-        )
+    try:
+        registered_at = check_time("registered_at", data.get("registered_at", 0.0))
+        drain_reason = check_drain_reason(data.get("drain_reason", ""))
+        drain_until = check_time("drain_until", data.get("drain_until", 0.0))
+        evictions = check_evictions(data.get("evictions", 0))
+    except ValueError as e:
+        raise MalformedRecord(f"host {host!r}: {e}") from None
     return {
         "host": host,
         "slots": slots,
         "addr": addr,
         "state": state,
         "pid": pid,
-        "registered_at": float(registered_at),
+        "registered_at": registered_at,
+        "drain_reason": drain_reason,
+        "drain_until": drain_until,
+        "evictions": evictions,
     }
 
 

@@ -11,8 +11,9 @@ the kernel keeps its TCP connections open and even acknowledges them while the p
   machine that hangs, writes none; a live process stuck in its own work keeps writing ``local`` with an old start.
 * **The verdict** (:func:`hung_peers`, pure): while this worker has waited ``hang_seconds`` in a step whose own work
   it has finished, a member of its ring (ranks, hosts and pids gathered after each rendezvous) is hung when its
-  heartbeat is ``hang_seconds`` old, or says ``local`` since ``hang_seconds`` ago. The first step after a
-  rendezvous gets at least ``first_step_seconds`` (imports, loader start-up). A member with no heartbeat here (the
+  heartbeat is ``hang_seconds`` old, or says ``local`` since ``hang_seconds`` ago. Until the judge has completed a
+  step in its ring (and so has every member: a step is synchronous), the bound is at least ``first_step_seconds``
+  (imports, loader start-up of a worker that just joined). A member with no heartbeat here (the
   run_dir is not shared with its machine) is never judged.
 * **The cure**, by every survivor that reaches the verdict (all idempotent): record it
   (``run_dir/.elastic/hung-verdict``: the ``failure`` event's reason becomes ``worker_hung``), then SIGKILL the
@@ -123,15 +124,17 @@ def hung_peers(
     members: Sequence[Member],
     beats: dict[tuple[str, int], Beat],
     hang_seconds: float,
+    ring_steps: int,
     first_step_seconds: float = FIRST_STEP_SECONDS,
 ) -> list[Hung]:
-    """The members of this ring (other than rank ``me``) that are hung by their heartbeats (see the module)."""
+    """The members of this ring (other than rank ``me``) that are hung by their heartbeats (see the module);
+    ``ring_steps``: steps the judge completed since its ring formed."""
     out = []
+    bound = hang_seconds if ring_steps > 0 else max(hang_seconds, first_step_seconds)
     for m in members:
         b = beats.get((m.host, m.slot))
         if m.rank == me or b is None or b.pid != m.pid:
             continue
-        bound = hang_seconds if b.steps > 0 else max(hang_seconds, first_step_seconds)
         who = f"host {m.host} rank {m.rank} (pid {m.pid})"
         if now - b.ts >= bound:
             out.append(Hung(m, b, f"{who}: no heartbeat for {now - b.ts:.1f}s (stopped, or its machine hangs)"))
@@ -264,7 +267,12 @@ class HangDetector:
         found = [
             h
             for h in hung_peers(
-                now=now, me=self.me, members=self.members, beats=self.heartbeats.read(self.members), hang_seconds=bound
+                now=now,
+                me=self.me,
+                members=self.members,
+                beats=self.heartbeats.read(self.members),
+                hang_seconds=bound,
+                ring_steps=self.steps,
             )
             if h.member.pid not in self.cured
         ]

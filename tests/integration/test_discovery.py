@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from discovery.record import HostRecord
-from discovery.registry import EtcdRegistry
+from discovery.registry import EtcdRegistry, evict
 from tests.fixtures.etcd import EtcdServer
 from tests.fixtures.procs import REPO, VENV_BIN, ProcessGroup, wait_until
 
@@ -191,6 +191,35 @@ def test_operator_drains_undrains_and_removes_a_host(
     assert hosts(etcd_server, "remove", "node-a").returncode == 0
     assert agent.wait(timeout=10) == 0, "the agent exits when its host is removed"
     assert states(etcd_server) == {}
+
+
+def test_an_evicted_host_leaves_discovery_at_once_and_its_agent_readmits_it_after_the_cooldown(
+    etcd_server: EtcdServer, procs: ProcessGroup, tmp_path: Path
+) -> None:
+    log, cache = tmp_path / "agent.log", tmp_path / "cache.json"
+    start_agent(procs, etcd_server, "node-a", log=log)
+    wait_until(lambda: states(etcd_server) == {"node-a": "ready"}, 15, what="node-a registered")
+    assert discover(etcd_server.endpoint, cache).stdout == "node-a:1\n"
+    lease = lease_of(etcd_server, "node-a")
+
+    with EtcdRegistry(etcd_server.endpoint, JOB, timeout_seconds=1.0) as registry:  # what rank 0 does
+        evicted = evict(registry, "node-a", reason="straggler", cooldown_seconds=3, now=time.time())
+        assert evict(registry, "node-a", reason="straggler", cooldown_seconds=3, now=time.time()) == evicted
+    assert (evicted.state, evicted.drain_reason, evicted.evictions) == ("draining", "straggler", 1)
+    out = discover(etcd_server.endpoint, cache)
+    assert (out.returncode, out.stdout) == (0, ""), "discover.sh stops listing the host at once"
+    listed = hosts(etcd_server, "list")
+    assert listed.returncode == 0 and "draining (straggler, readmit in " in listed.stdout, listed.stdout
+
+    wait_until(lambda: discover(etcd_server.endpoint, cache).stdout == "node-a:1\n", 3 + 5, interval=0.2,
+               what="node-a listed again after its 3 s cool-down")  # fmt: skip
+    assert time.time() >= evicted.drain_until, "not readmitted before the cool-down was over"
+    with EtcdRegistry(etcd_server.endpoint, JOB, timeout_seconds=1.0) as registry:
+        entry = registry.get("node-a")
+    assert entry is not None and entry.lease_id == lease, "the eviction and the readmission kept the lease"
+    r = entry.record
+    assert (r.state, r.drain_reason, r.drain_until, r.evictions) == ("ready", "", 0.0, 1)
+    assert decisions(log, "cool-down of the straggler eviction over; marking host ready (evictions: 1)")
 
 
 def test_agent_gives_up_with_one_line_when_etcd_is_unreachable_at_startup(tmp_path: Path) -> None:

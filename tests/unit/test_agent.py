@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import signal
+from dataclasses import replace
 
 import pytest
 
 from discovery.agent import Action, Agent, AgentState, Observation, decide, main
 from discovery.record import DRAINING, READY, HostRecord
-from discovery.registry import InMemoryRegistry, set_state
+from discovery.registry import InMemoryRegistry, evict, set_state
 from tests.fixtures.agent import agent_config as cfg
 from tests.fixtures.clock import FakeClock
 
@@ -82,6 +83,56 @@ def test_a_foreign_key_blocks_registration_until_the_deadline() -> None:
     assert d.action is Action.EXIT and d.exit_code == 1
 
 
+# -- readmission after an eviction's cool-down (decide) ------------------------------------------------
+
+EVICTED = AgentState(lease_id=0x10, registered=True, wanted_state=DRAINING, drain_reason="straggler",
+                     drain_until=1000.0, evictions=2)  # fmt: skip
+COOLED = Observation(now=50.0, wall_time=1000.0, lease_alive=True, key_state=DRAINING, key_lease=0x10,
+                     key_drain_reason="straggler", key_drain_until=1000.0, key_evictions=2)  # fmt: skip
+
+
+def test_an_evicted_host_is_readmitted_once_the_wall_clock_reaches_drain_until() -> None:
+    d = decide(cfg(), EVICTED, COOLED)
+    assert d.action is Action.READMIT and d.exit_code is None
+    assert d.reason == "cool-down of the straggler eviction over; marking host ready (evictions: 2)"
+    later = replace(COOLED, now=0.0, wall_time=5000.0)  # the monotonic clock plays no part
+    assert decide(cfg(), EVICTED, later).action is Action.READMIT
+
+
+@pytest.mark.parametrize(
+    ("st", "obs", "action"),
+    [
+        (EVICTED, replace(COOLED, wall_time=999.9), Action.HEARTBEAT),  # cool-down not over
+        (EVICTED, replace(COOLED, key_drain_until=0.0, key_drain_reason=""), Action.HEARTBEAT),  # an operator's drain
+        (EVICTED, replace(COOLED, key_state=READY), Action.HEARTBEAT),  # already ready (an operator undrained it)
+        (EVICTED, replace(COOLED, key_lease=0x99), Action.WAIT),  # not our key
+        (EVICTED, replace(COOLED, lease_alive=False), Action.WAIT),  # our lease is not alive
+        (EVICTED, replace(COOLED, reachable=False), Action.WAIT),  # etcd unreachable
+        (EVICTED, replace(COOLED, cordon="node node-a is cordoned"), Action.HEARTBEAT),  # the node is cordoned
+        (replace(EVICTED, drain_requested_at=45.0), COOLED, Action.HEARTBEAT),  # SIGTERM: draining to leave
+    ],
+    ids=["before-drain-until", "untimed-drain", "ready", "foreign-key", "lease-dead", "unreachable", "cordoned",
+         "sigterm"],
+)  # fmt: skip
+def test_no_readmission_unless_every_condition_holds(st: AgentState, obs: Observation, action: Action) -> None:
+    assert decide(cfg(), st, obs).action is action
+
+
+def test_a_heartbeat_on_an_evicted_host_says_until_when() -> None:
+    d = decide(cfg(), EVICTED, replace(COOLED, wall_time=999.0))
+    assert d.reason == "lease 10 refreshed; host draining (straggler eviction until 1970-01-01T00:16:40Z)"
+
+
+def test_a_lost_lease_registers_again_with_the_eviction() -> None:
+    st = replace(EVICTED, lease_id=None, registered=False)
+    d = decide(cfg(), st, Observation(now=5.0, wall_time=900.0, lease_lost=True))
+    assert d.action is Action.REGISTER
+    assert d.reason == (
+        "lease lost; registering node-a (2 slots) as draining (straggler eviction until 1970-01-01T00:16:40Z) "
+        "under a new 9s lease"
+    )
+
+
 # -- timing rules ---------------------------------------------------------------------------------
 
 
@@ -125,11 +176,18 @@ def test_cli_misuse_exits_2_with_one_line(argv: list[str], match: str, capsys: p
 # -- the agent against an in-memory store ------------------------------------------------------------
 
 
+WALL = 1.7e9
+"""Unix time of the harness's start; its wall clock moves with its monotonic one."""
+
+
 class Harness:
     def __init__(self, **kw: object) -> None:
         self.clock = FakeClock(100.0)
         self.registry = InMemoryRegistry("job1", clock=self.clock)
-        self.agent = Agent(cfg(**kw), self.registry, clock=self.clock, wall_clock=lambda: 1.7e9)
+        self.agent = Agent(cfg(**kw), self.registry, clock=self.clock, wall_clock=self.wall)
+
+    def wall(self) -> float:
+        return WALL + self.clock.now - 100.0
 
     def cycle(self, advance: float = 0.0) -> str:
         self.clock.advance(advance)
@@ -138,6 +196,11 @@ class Harness:
     def state(self) -> str | None:
         entry = self.registry.get("node-a")
         return entry.record.state if entry else None
+
+    def record(self) -> HostRecord:
+        entry = self.registry.get("node-a")
+        assert entry is not None
+        return entry.record
 
 
 def test_agent_registers_heartbeats_and_keeps_its_host_past_the_ttl() -> None:
@@ -216,3 +279,108 @@ def test_agent_gives_up_when_etcd_never_answers_at_startup() -> None:
     h.agent.sleep = h.clock.advance
     assert h.agent.run() == 1
     assert h.agent.last_decision is not None and "past the retry deadline" in h.agent.last_decision.reason
+
+
+# -- evictions: the agent readmits its host ----------------------------------------------------------
+
+
+def test_agent_readmits_its_evicted_host_after_the_cooldown_and_keeps_the_count() -> None:
+    h = Harness()
+    h.cycle()
+    for n in (1, 2):
+        evicted = evict(h.registry, "node-a", reason="straggler", cooldown_seconds=10, now=h.wall())
+        assert (evicted.evictions, evicted.drain_until) == (n, h.wall() + 10)
+        assert h.agent.run_cycle().reason.startswith(
+            f"lease {0x1000:x} refreshed; host draining (straggler eviction until"
+        )
+        assert h.agent.state.wanted_state == DRAINING, "the agent follows the eviction"
+        assert h.cycle(3.0).startswith(f"lease {0x1000:x} refreshed; host draining (straggler")
+        assert h.cycle(6.0).startswith(f"lease {0x1000:x} refreshed; host draining"), "9 s of 10: not yet"
+        assert h.cycle(1.0) == f"cool-down of the straggler eviction over; marking host ready (evictions: {n})"
+        r = h.record()
+        assert (r.state, r.drain_reason, r.drain_until, r.evictions) == (READY, "", 0.0, n)
+        assert h.agent.state.wanted_state == READY
+        assert h.cycle(3.0).endswith("refreshed; host ready")
+        h.clock.advance(3.0)
+
+
+def test_agent_never_readmits_an_operator_drain() -> None:
+    h = Harness()
+    h.cycle()
+    set_state(h.registry, "node-a", DRAINING)
+    for _ in range(20):
+        assert h.cycle(3.0).endswith("refreshed; host draining")
+    assert h.state() == DRAINING
+
+
+def test_an_operator_undrain_during_the_cooldown_readmits_at_once_and_keeps_the_count() -> None:
+    h = Harness()
+    h.cycle()
+    evict(h.registry, "node-a", reason="hung", cooldown_seconds=600, now=h.wall())
+    h.cycle(3.0)
+    set_state(h.registry, "node-a", READY)
+    assert h.cycle(3.0).endswith("refreshed; host ready")
+    assert (h.record().evictions, h.agent.state.wanted_state) == (1, READY)
+
+
+def test_a_readmission_rereads_the_key_and_leaves_a_drain_written_since_alone() -> None:
+    h = Harness()
+    h.cycle()
+    evict(h.registry, "node-a", reason="straggler", cooldown_seconds=3, now=h.wall())
+    h.clock.advance(3.0)
+    obs = h.agent.observe()
+    decision = decide(h.agent.cfg, h.agent.state, obs)
+    assert decision.action is Action.READMIT
+    set_state(h.registry, "node-a", DRAINING)  # an operator drains it between the cycle's read and its write
+    h.agent.apply(decision)
+    assert h.state() == DRAINING and not h.record().evicted
+    assert h.cycle(3.0).endswith("refreshed; host draining")
+
+
+def test_agent_keeps_the_eviction_when_it_registers_under_a_new_lease() -> None:
+    h = Harness()
+    h.cycle()
+    evict(h.registry, "node-a", reason="straggler", cooldown_seconds=20, now=h.wall())
+    h.cycle(3.0)
+    h.registry.lose_everything()  # etcd lost its data: the agent registers again
+    assert h.cycle(3.0).startswith("lease lost; registering node-a (2 slots) as draining (straggler eviction until")
+    r = h.record()
+    assert (r.state, r.drain_reason, r.drain_until, r.evictions) == (DRAINING, "straggler", WALL + 20, 1)
+    reasons = [h.cycle(3.0) for _ in range(5)]  # wall clock at +21 s in the last one
+    assert reasons[-2].endswith("Z)") and reasons[-1].startswith("cool-down of the straggler eviction over")
+    assert (h.record().state, h.record().evictions) == (READY, 1)
+
+
+def test_agent_draining_on_sigterm_never_readmits_its_evicted_host() -> None:
+    h = Harness()
+    h.cycle()
+    evict(h.registry, "node-a", reason="straggler", cooldown_seconds=3, now=h.wall())
+    h.agent.signals.handler(signal.SIGTERM, None)
+    for _ in range(3):
+        assert h.agent.run_cycle().action is not Action.READMIT
+        assert h.state() == DRAINING
+        h.clock.advance(3.0)
+    assert h.cycle(1.0).startswith("drain grace of 10s over") and h.state() is None
+
+
+class FakeNode:
+    """A Kubernetes node as ``--drain-when-cordoned`` reads it: ``reason`` is None while it is schedulable."""
+
+    reason: str | None = None
+
+    def drain_reason(self) -> str | None:
+        return self.reason
+
+
+def test_a_cordon_holds_the_readmission_until_the_node_is_uncordoned() -> None:
+    h = Harness(drain_when_cordoned="node-a")
+    h.agent.node_watch = node = FakeNode()
+    h.cycle()
+    evict(h.registry, "node-a", reason="hung", cooldown_seconds=3, now=h.wall())
+    node.reason = "node node-a is cordoned"
+    for _ in range(3):
+        assert h.agent.run_cycle().action is Action.HEARTBEAT
+        h.clock.advance(3.0)
+    assert h.state() == DRAINING
+    node.reason = None
+    assert h.agent.run_cycle().action is Action.READMIT and h.state() == READY

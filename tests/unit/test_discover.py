@@ -216,3 +216,29 @@ def test_hosts_table_has_host_slots_state_age() -> None:
     assert lines[0].split() == ["HOST", "SLOTS", "STATE", "AGE", "PID", "ADDR"]
     assert lines[1].split() == ["node-a", "4", "draining", "2h02m", "9", "10.0.0.1"]
     assert [format_age(s) for s in (5, 300, 200000)] == ["5s", "5m", "2d"]
+
+
+def test_hosts_table_shows_an_evictions_reason_and_the_time_to_readmission() -> None:
+    base = dict(slots=1, addr="10.0.0.1", pid=9, registered_at=1000.0)
+    evicted = HostRecord(
+        host="node-a", state=DRAINING, drain_reason="straggler", drain_until=1300.0, evictions=1, **base
+    )
+    due = HostRecord(host="node-b", state=DRAINING, drain_reason="hung", drain_until=1000.0, evictions=3, **base)
+    readmitted = HostRecord(host="node-c", evictions=2, **base)
+    lines = format_table(Listing([Entry(r, 5, 1) for r in (evicted, due, readmitted)]), now=1200.0)
+    assert lines[0].index("AGE") == lines[1].index("3m") == lines[3].index("3m"), "columns stay aligned"
+    assert "draining (straggler, readmit in 100s, evictions 1)  3m" in lines[1]
+    assert "draining (hung, readmit due, evictions 3)" in lines[2]
+    assert lines[3].split()[:4] == ["node-c", "1", "ready", "3m"], "a ready host shows its state alone"
+
+
+def test_discover_skips_a_host_whose_eviction_fields_are_malformed(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str]
+) -> None:
+    evicted = b'{"slots": 1, "state": "draining", "drain_reason": "hung", "drain_until": 1.7e9, "evictions": 1}'
+    readmitted = b'{"slots": 2, "state": "ready", "drain_reason": "", "drain_until": 0, "evictions": 4}'
+    fake_etcd(monkeypatch, [(PREFIX + "a", evicted), (PREFIX + "b", readmitted),
+                            (PREFIX + "c", b'{"slots": 1, "drain_until": NaN}')])  # fmt: skip
+    code, out, err = discover.run(env)
+    assert (code, out) == (0, ["b:2"])
+    assert len(err) == 1 and "'c'" in err[0] and "drain_until must be a finite Unix time" in err[0]

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from discovery.record import DRAINING, READY, HostRecord, MalformedRecord
 from discovery.registry import (
+    Entry,
     HostNotFound,
     InMemoryRegistry,
     LeaseLost,
+    RegistryError,
     RegistryUnavailable,
+    evict,
     set_state,
 )
 from tests.fixtures.clock import FakeClock
@@ -209,3 +214,156 @@ def test_record_round_trips_through_json() -> None:
 def test_invalid_host_names_are_rejected(bad: str) -> None:
     with pytest.raises(ValueError, match="invalid host name"):
         rec(bad)
+
+
+# -- evictions: the record's fields and evict() -------------------------------------------------------
+
+
+def test_a_value_written_before_the_eviction_fields_parses_with_their_defaults() -> None:
+    r = HostRecord.from_json("node-a", b'{"slots": 2, "addr": "10.0.0.1", "state": "draining", "pid": 3}')
+    assert (r.drain_reason, r.drain_until, r.evictions) == ("", 0.0, 0)
+    assert not r.evicted, "an untimed drain (an operator's) is not an eviction"
+
+
+def test_eviction_fields_round_trip_through_compact_json() -> None:
+    evicted = replace(rec(state=DRAINING), drain_reason="straggler", drain_until=1.7e9 + 300, evictions=2)
+    raw = evicted.to_json()
+    assert b" " not in raw and b'"drain_reason":"straggler"' in raw and b'"evictions":2' in raw
+    assert HostRecord.from_json("node-a", raw) == evicted and evicted.evicted
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "complaint"),
+    [
+        ("drain_reason", "7", "drain_reason must be at most 32 of [a-z0-9_-]"),
+        ("drain_reason", '"Straggler"', "drain_reason must be at most 32 of [a-z0-9_-]"),
+        ("drain_reason", '"slow host"', "drain_reason must be at most 32 of [a-z0-9_-]"),
+        ("drain_reason", '"\\u001b[31mred"', "drain_reason must be at most 32 of [a-z0-9_-]"),
+        ("drain_reason", '"' + "x" * 33 + '"', "drain_reason must be at most 32 of [a-z0-9_-]"),
+        ("drain_reason", "null", "drain_reason must be at most 32"),
+        ("drain_until", "NaN", "drain_until must be a finite Unix time >= 0"),
+        ("drain_until", "Infinity", "drain_until must be a finite Unix time >= 0"),
+        ("drain_until", "-1", "drain_until must be a finite Unix time >= 0"),
+        ("drain_until", "1e300", "drain_until must be a finite Unix time >= 0"),
+        ("drain_until", '"soon"', "drain_until must be a finite Unix time >= 0"),
+        ("drain_until", "true", "drain_until must be a finite Unix time >= 0"),
+        ("evictions", "-1", "evictions must be an integer in [0, 2**31)"),
+        ("evictions", "1.5", "evictions must be an integer in [0, 2**31)"),
+        ("evictions", "100000000000000000000000", "evictions must be an integer in [0, 2**31)"),
+        ("evictions", "false", "evictions must be an integer in [0, 2**31)"),
+        ("evictions", '"2"', "evictions must be an integer in [0, 2**31)"),
+    ],
+)
+def test_malformed_eviction_fields_are_rejected_with_a_one_line_message_naming_the_field(
+    registry: InMemoryRegistry, field: str, value: str, complaint: str
+) -> None:
+    registry.put_raw("evil", f'{{"slots": 1, "addr": "10.0.0.1", "state": "draining", "{field}": {value}}}'.encode())
+    listing = registry.list_hosts()
+    assert listing.entries == []
+    (message,) = listing.malformed
+    assert complaint in message and "'evil'" in message
+    assert message.isprintable()
+    with pytest.raises(MalformedRecord, match=field):
+        registry.get("evil")
+
+
+def test_eviction_fields_at_their_bounds_are_accepted(registry: InMemoryRegistry) -> None:
+    reason = "a-" + "z" * 29 + "_"
+    registry.put_raw(
+        "edge", f'{{"slots": 1, "drain_reason": "{reason}", "drain_until": 0, "evictions": 2147483647}}'.encode()
+    )
+    (entry,) = registry.list_hosts().entries
+    assert (entry.record.drain_reason, entry.record.drain_until, entry.record.evictions) == (reason, 0.0, 2**31 - 1)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"drain_reason": "Hung"}, {"drain_reason": "x" * 33}, {"drain_until": float("nan")}, {"drain_until": -1.0},
+     {"evictions": -1}, {"evictions": 2**31}, {"evictions": True}],
+)  # fmt: skip
+def test_a_writer_cannot_build_an_eviction_readers_would_refuse(kwargs: dict) -> None:
+    with pytest.raises(ValueError):
+        HostRecord(**{"host": "h", "slots": 1, "addr": "10.0.0.1", **kwargs})
+
+
+NOW = 1.7e9
+
+
+@pytest.fixture
+def live(registry: InMemoryRegistry) -> int:
+    """node-a registered ready under a 10 s lease; returns the lease."""
+    lease = registry.grant_lease(10)
+    registry.register(rec(), lease)
+    return lease
+
+
+def test_evict_drains_for_the_cooldown_counts_and_keeps_the_lease(registry: InMemoryRegistry, live: int) -> None:
+    r = evict(registry, "node-a", reason="straggler", cooldown_seconds=300, now=NOW)
+    assert (r.state, r.drain_reason, r.drain_until, r.evictions) == (DRAINING, "straggler", NOW + 300, 1)
+    entry = registry.get("node-a")
+    assert entry is not None and entry.record == r and entry.lease_id == live
+    assert (entry.record.slots, entry.record.pid, entry.record.registered_at) == (2, 42, 1.0), "the rest is kept"
+
+
+def test_evict_is_idempotent_while_the_eviction_is_in_force(registry: InMemoryRegistry, live: int) -> None:
+    first = evict(registry, "node-a", reason="straggler", cooldown_seconds=300, now=NOW)
+    revision = registry.store.revision
+    for late in (0.0, 1.0, 299.0):  # several workers ask for the same eviction at once
+        assert evict(registry, "node-a", reason="straggler", cooldown_seconds=300, now=NOW + late) == first
+    assert registry.store.revision == revision, "nothing written"
+
+
+def test_evict_never_overwrites_another_drain(registry: InMemoryRegistry, live: int) -> None:
+    set_state(registry, "node-a", DRAINING)  # an operator's drain: never turned into a timed one
+    operator = evict(registry, "node-a", reason="straggler", cooldown_seconds=300, now=NOW)
+    assert (operator.state, operator.drain_reason, operator.drain_until, operator.evictions) == (DRAINING, "", 0.0, 0)
+    set_state(registry, "node-a", READY)
+    hung = evict(registry, "node-a", reason="hung", cooldown_seconds=60, now=NOW)
+    assert evict(registry, "node-a", reason="straggler", cooldown_seconds=300, now=NOW) == hung, "another eviction"
+    entry = registry.get("node-a")
+    assert entry is not None and (entry.record.drain_reason, entry.record.evictions) == ("hung", 1)
+
+
+def test_evict_counts_every_eviction_across_readmissions(registry: InMemoryRegistry, live: int) -> None:
+    for n in (1, 2, 3):
+        assert evict(registry, "node-a", reason="straggler", cooldown_seconds=10, now=NOW).evictions == n
+        assert set_state(registry, "node-a", READY) == (DRAINING, READY)  # `hosts undrain`, or its agent readmits
+        entry = registry.get("node-a")
+        assert entry is not None
+        assert (entry.record.drain_reason, entry.record.drain_until, entry.record.evictions) == ("", 0.0, n)
+
+
+def test_operator_drain_of_an_evicted_host_drops_its_cooldown(registry: InMemoryRegistry, live: int) -> None:
+    evict(registry, "node-a", reason="hung", cooldown_seconds=10, now=NOW)
+    assert set_state(registry, "node-a", DRAINING) == (DRAINING, DRAINING)
+    entry = registry.get("node-a")
+    assert entry is not None and not entry.record.evicted and entry.record.evictions == 1
+
+
+def test_evict_rereads_on_a_concurrent_write(registry: InMemoryRegistry, live: int) -> None:
+    real = registry.compare_and_set
+    calls: list[Entry] = []
+
+    def racing(entry: Entry, record: HostRecord) -> bool:
+        if not calls:  # someone else writes between our read and our write
+            registry.store.put(registry.key("node-a"), rec(slots=4).to_json(), live)
+        calls.append(entry)
+        return real(entry, record)
+
+    registry.compare_and_set = racing  # type: ignore[method-assign]
+    r = evict(registry, "node-a", reason="straggler", cooldown_seconds=5, now=NOW)
+    assert len(calls) == 2 and r.slots == 4 and r.evictions == 1
+
+
+def test_evict_refuses_unknown_hosts_bad_reasons_and_cooldowns(registry: InMemoryRegistry, live: int) -> None:
+    with pytest.raises(HostNotFound):
+        evict(registry, "node-x", reason="straggler", cooldown_seconds=5, now=NOW)
+    for reason in ("", "Slow", "x" * 33):
+        with pytest.raises(ValueError, match="drain_reason"):
+            evict(registry, "node-a", reason=reason, cooldown_seconds=5, now=NOW)
+    for cooldown in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="cooldown_seconds must be finite and > 0"):
+            evict(registry, "node-a", reason="hung", cooldown_seconds=cooldown, now=NOW)
+    registry.compare_and_set = lambda entry, record: False  # type: ignore[method-assign]
+    with pytest.raises(RegistryError, match="changed concurrently 5 times"):
+        evict(registry, "node-a", reason="hung", cooldown_seconds=5, now=NOW)
