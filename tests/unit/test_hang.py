@@ -1,0 +1,140 @@
+"""The hung-peer verdict (pure, with chosen times), heartbeats read back from disk, and the cure on a real process."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from elastictrain.hang import (
+    IDLE,
+    LOCAL,
+    WAITING,
+    Beat,
+    HangDetector,
+    Heartbeats,
+    HungVerdict,
+    Member,
+    gathered_members,
+    hang_bound,
+    hung_peers,
+    kill_if_same,
+)
+
+NOW = 1000.0
+MEMBERS = [Member(0, "a", 0, 10), Member(1, "b", 0, 11), Member(2, "c", 0, 12)]
+
+
+def beat(host: str, pid: int, *, ts: float = NOW, phase: str = WAITING, since: float = NOW, steps: int = 5) -> Beat:
+    return Beat(pid=pid, host=host, slot=0, boot_id="boot", created=1.0, ts=ts, phase=phase, since=since, steps=steps)
+
+
+def verdict(beats: dict, *, me: int = 0, ring_steps: int = 3, hang: float = 10.0):
+    return hung_peers(now=NOW, me=me, members=MEMBERS, beats=beats, hang_seconds=hang, ring_steps=ring_steps)
+
+
+def test_the_bound_is_configured_or_ten_typical_steps_and_at_least_ten_seconds() -> None:
+    assert hang_bound(None, 0.05) == 10.0
+    assert hang_bound(None, 3.0) == 30.0
+    assert hang_bound(4.0, 3.0) == 4.0
+
+
+def test_a_peer_without_a_heartbeat_for_the_bound_is_hung() -> None:
+    beats = {("b", 0): beat("b", 11, ts=NOW - 12), ("c", 0): beat("c", 12)}
+    (h,) = verdict(beats)
+    assert h.member.rank == 1 and "no heartbeat for 12.0s" in h.why
+
+
+def test_a_live_peer_stuck_in_its_own_part_of_a_step_is_hung_and_one_waiting_is_not() -> None:
+    beats = {("b", 0): beat("b", 11, phase=LOCAL, since=NOW - 11), ("c", 0): beat("c", 12, since=NOW - 50)}
+    (h,) = verdict(beats)
+    assert h.member.rank == 1 and "stuck in its own part" in h.why
+    assert not verdict({("b", 0): beat("b", 11, phase=IDLE, since=NOW - 50)}), "idle (validation, a reset) is no hang"
+
+
+def test_nothing_is_judged_below_the_bound_for_another_pid_or_without_a_heartbeat() -> None:
+    assert not verdict({("b", 0): beat("b", 11, ts=NOW - 9)})
+    assert not verdict({("b", 0): beat("b", 99, ts=NOW - 100)}), "an older process of that slot"
+    assert not verdict({}), "a member whose heartbeats this machine cannot see"
+    assert not verdict({("a", 0): beat("a", 10, ts=NOW - 100)}), "the judge itself"
+
+
+def test_before_the_judge_completed_a_step_in_its_ring_the_first_steps_bound_applies() -> None:
+    beats = {("b", 0): beat("b", 11, ts=NOW - 30, steps=0)}
+    assert not verdict(beats, ring_steps=0)
+    assert verdict({("b", 0): beat("b", 11, ts=NOW - 61, steps=0)}, ring_steps=0)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"not json",
+        b"[]",
+        b'{"pid": -1}',
+        b"x" * 5000,
+        b'{"pid":1,"host":"b","slot":0,"boot_id":"x","created":1,"ts":NaN,"phase":"waiting","since":1,"steps":0}',
+        b'{"pid":1,"host":"b","slot":0,"boot_id":"x","created":1,"ts":1,"phase":"sleeping","since":1,"steps":0}',
+        b'{"pid":true,"host":"b","slot":0,"boot_id":"x","created":1,"ts":1,"phase":"idle","since":1,"steps":0}',
+    ],
+)
+def test_a_malformed_heartbeat_is_ignored(raw: bytes) -> None:
+    assert Beat.parse(raw) is None
+
+
+def test_heartbeats_round_trip_and_only_the_members_files_are_read(tmp_path: Path) -> None:
+    hb = Heartbeats(tmp_path / "hb")
+    b = beat("b", 11)
+    hb.write(b)
+    (tmp_path / "hb" / "c-0.json").write_text("garbage")
+    assert hb.read(MEMBERS) == {("b", 0): b}
+    with pytest.raises(ValueError):
+        hb.path("../etc", 0)
+
+
+def test_gathered_members_refuse_a_malformed_row() -> None:
+    assert gathered_members([("a", 0, 10), ["b", 0, 11]]) == MEMBERS[:2]
+    assert gathered_members([("a", 0)]) is None
+    assert gathered_members([("a", "0", 10)]) is None
+
+
+def test_the_verdict_file_answers_only_for_a_hang_found_since_the_given_time(tmp_path: Path) -> None:
+    v = HungVerdict(tmp_path / "hung-verdict")
+    assert v.since(0) is None
+    before = time.time()
+    v.record("host b rank 1: no heartbeat\nsecond line")
+    assert v.since(before) == "host b rank 1: no heartbeat"
+    assert v.since(time.time() + 1) is None
+
+
+def test_a_stopped_process_on_this_machine_is_sigkilled_by_the_detector(tmp_path: Path) -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        p = psutil.Process(child.pid)
+        p.send_signal(signal.SIGSTOP)
+        hb = Heartbeats(tmp_path / "hb")
+        det = HangDetector(hb, HungVerdict(tmp_path / "v"), host=lambda: "a", slot=lambda: 0, configured_seconds=2)
+        boot, _ = det.identity()
+        stale = Beat(child.pid, "b", 0, boot, p.create_time(), time.time() - 5, LOCAL, time.time() - 5, 3)
+        hb.write(stale)
+        det.set_ring(0, [Member(0, "a", 0, 1), Member(1, "b", 0, child.pid)])
+        det.steps = 3
+        det.set_phase(WAITING)
+        found = det.tick(time.time() + 1.5, waited=3.0, typical_step=0.1)
+        assert [h.member.pid for h in found] == [child.pid]
+        assert child.wait(10) == -signal.SIGKILL
+        assert "killed pid" in (HungVerdict(tmp_path / "v").since(0) or "")
+        assert det.tick(time.time() + 3, waited=5.0, typical_step=0.1) == [], "cured once"
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def test_a_reused_pid_is_not_killed() -> None:
+    me = psutil.Process()
+    assert "another process" in kill_if_same(me.pid, me.create_time() - 100)
