@@ -105,7 +105,7 @@ class Beat:
         if d.get("phase") not in PHASES or not isinstance(d.get("boot_id"), str) or not isinstance(d.get("host"), str):
             return None
         try:
-            return cls(**{k: d[k] for k in cls.__slots__})  # type: ignore[attr-defined]
+            return cls(**{k: d[k] for k in cls.__slots__})
         except (KeyError, TypeError):
             return None
 

@@ -243,10 +243,9 @@ def plan_eviction(
     second than all of them with it, and the world stays at least ``policy.min_np``."""
     hosts = sorted(windows)
     world = sum(windows[h].slots for h in hosts)
-    kw = {"global_batch": global_batch, "per_worker_batch": per_worker_batch}
-    now = predicted_samples_per_sec(windows, hosts, **kw)
+    now = predicted_samples_per_sec(windows, hosts, global_batch=global_batch, per_worker_batch=per_worker_batch)
     rest = [h for h in hosts if h != slow]
-    without = predicted_samples_per_sec(windows, rest, **kw)
+    without = predicted_samples_per_sec(windows, rest, global_batch=global_batch, per_worker_batch=per_worker_batch)
     if world - windows[slow].slots < policy.min_np:
         return EvictionPlan("keep", f"draining it would leave {world - windows[slow].slots} < min_np", now, without)
     if without <= now:
@@ -404,12 +403,12 @@ def straggler_summary(events: Sequence[Event]) -> dict[str, object]:
 
 
 def format_slowest(summary: dict[str, object]) -> str:
-    """``h3 1.52x (named slow; drained at step 140)`` or ``-``: one line for ``status`` and ``report``."""
+    """``h3 1.52x (named slow; drain at step 140)`` or ``-``: one line for ``status`` and ``report``."""
     slowest = summary.get("slowest")
     if not isinstance(slowest, dict):
         return "-"
     host = slowest["host"]
-    text = f"{host} {float(slowest['ratio']):.2f}x"  # type: ignore[arg-type]
+    text = f"{host} {float(slowest['ratio']):.2f}x"
     notes = []
     if host in summary.get("named", []):  # type: ignore[operator]
         notes.append("named slow")

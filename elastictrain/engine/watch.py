@@ -40,7 +40,7 @@ def arm_watchdog(
     state.on_failure_notice = lambda: watchdog.idle()
     if hang is not None:
         verdict = hang.verdict
-        state.failure_cause = lambda since: verdict.since(since)  # type: ignore[attr-defined]
+        state.failure_cause = lambda since: verdict.since(since)
     watchdog = CollectiveWatchdog(
         marker,
         host_removed=lambda: removal_pending(host_messages(state)),
