@@ -9,6 +9,8 @@ with ``--run-dir``). The job is ``--job NAME`` or the one whose launcher wrote `
     python -m chaos kill-agent HOST --run-dir D       # the agent only: the host leaves at lease expiry
     python -m chaos preempt-host HOST --run-dir D     # SIGTERM to its agent: drain
     python -m chaos freeze-worker --rank R --seconds S --run-dir D
+    python -m chaos slow-worker (--rank R | --host H) --slowdown 0.5 [--seconds S] --run-dir D  # stop/cont cycle
+    python -m chaos hang-worker (--rank R | --host H) --run-dir D    # SIGSTOP, never continued
     python -m chaos etcd-outage --seconds S --run-dir D [--etcd-pid PID]
     python -m chaos kill-during-checkpoint --run-dir D
     python -m chaos kill-during-commit --run-dir D
@@ -29,6 +31,7 @@ import argparse
 import random
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -50,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
         a.add_argument("--events", help="chaos events file (default run_dir/chaos.jsonl)")
         return a
 
+    def worker_target(a: argparse.ArgumentParser) -> None:
+        g = a.add_mutually_exclusive_group(required=True)
+        g.add_argument("--rank", type=int, help="0 = the current rank 0; others: the rank the worker started with")
+        g.add_argument("--host", help="the (first) worker on this host")
+
     a = action("kill-worker", "signal one worker")
     g = a.add_mutually_exclusive_group(required=True)
     g.add_argument("--rank", type=int, help="0 = the current rank 0; others: the rank the worker started with")
@@ -65,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     a = action("freeze-worker", "SIGSTOP a worker, SIGCONT after --seconds")
     a.add_argument("--rank", type=int, required=True)
     a.add_argument("--seconds", type=float, required=True)
+    a = action("slow-worker", "slow one worker down by a SIGSTOP/SIGCONT duty cycle")
+    worker_target(a)
+    a.add_argument("--slowdown", type=float, required=True, help="0.5: 50%% slower (stopped 1/3 of the time)")
+    a.add_argument("--seconds", type=float, default=None, help="how long (default: until the worker exits or Ctrl-C)")
+    a.add_argument("--period-seconds", type=float, default=0.1, help="length of one stop-and-run cycle")
+    a = action("hang-worker", "SIGSTOP one worker and never continue it (a hung worker)")
+    worker_target(a)
     a = action("etcd-outage", "suspend the job's etcd for --seconds")
     a.add_argument("--seconds", type=float, required=True)
     a.add_argument("--etcd-pid", type=int, default=None, help="etcd's pid (default: from run_dir/launch.json)")
@@ -117,6 +132,14 @@ def _run(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+def _stop_on_signals() -> threading.Event:
+    """An event that Ctrl-C or SIGTERM sets (the handlers only set it; the fault ends its cycle and cleans up)."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.action == "run":
@@ -143,6 +166,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             faults.preempt_host(job, log, args.host)
         elif args.action == "freeze-worker":
             faults.freeze_worker(job, log, rank=args.rank, seconds=args.seconds)
+        elif args.action == "slow-worker":
+            faults.slow_worker(
+                job,
+                log,
+                host=args.host,
+                rank=args.rank,
+                slowdown=args.slowdown,
+                seconds=args.seconds,
+                period_seconds=args.period_seconds,
+                stop=_stop_on_signals(),
+            )
+        elif args.action == "hang-worker":
+            faults.hang_worker(job, log, host=args.host, rank=args.rank)
         elif args.action == "etcd-outage":
             faults.etcd_outage(job, log, seconds=args.seconds, etcd_pid=args.etcd_pid)
         elif args.action == "kill-during-checkpoint":

@@ -2,7 +2,8 @@
 
 Every function takes a :class:`~chaos.procs.JobRef` and a :class:`ChaosLog`, does one thing and
 returns the record it logged (``ts``, ``action``, ``job``, what was hit). Durational faults (freeze,
-etcd outage, partition) undo themselves in ``finally`` and log a second line with ``phase: "end"``.
+slowdown, etcd outage, partition) undo themselves in ``finally`` and log a second line with ``phase: "end"``;
+a hang (:func:`hang_worker`) is never undone.
 Waiting is polling against a deadline, never a sleep that stands in for an event.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import random
 import signal
@@ -151,13 +153,7 @@ def freeze_worker(
     job: JobRef, log: ChaosLog, *, rank: int | None, seconds: float, rng: Chooser | None = None
 ) -> dict[str, Any]:
     """SIGSTOP one worker (and its helpers) for ``seconds``; SIGCONT in ``finally``."""
-    if rank is None:
-        candidates = [w for w in job.workers() if w != job.rank0()] or job.workers()
-        if not candidates:
-            raise JobNotFound(f"job {job.job!r} has no live worker")
-        target: Worker = (rng or random.Random()).choice(candidates)
-    else:
-        target = job.worker_by_rank(rank)
+    target = target_worker(job, rank=rank, rng=rng)
     procs = tree(target.proc)
     record = log.log("freeze-worker", job=job.job, seconds=seconds, **target.describe())
     try:
@@ -167,6 +163,207 @@ def freeze_worker(
         _signal(procs, signal.SIGCONT)
         log.log("freeze-worker", phase="end", job=job.job, pid=target.pid)
     return record
+
+
+def hang_worker(
+    job: JobRef, log: ChaosLog, *, host: str | None = None, rank: int | None = None, rng: Chooser | None = None
+) -> dict[str, Any]:
+    """SIGSTOP one worker's training process and its helpers, and never SIGCONT them: a hung worker.
+
+    Whoever ends the job must SIGKILL it (a stopped process ignores SIGTERM until it is continued). The
+    record names the stopped training process (``pid``) and every pid stopped (``pids``: its helpers too).
+    """
+    target = target_worker(job, host=host, rank=rank, rng=rng)
+    procs = tree(target.proc)
+    record = log.log("hang-worker", job=job.job, pids=[p.pid for p in procs], **target.describe())
+    _signal(procs, signal.SIGSTOP)
+    return record
+
+
+def slow_worker(
+    job: JobRef,
+    log: ChaosLog,
+    *,
+    host: str | None = None,
+    rank: int | None = None,
+    slowdown: float,
+    seconds: float | None = None,
+    period_seconds: float = 0.1,
+    stop: threading.Event | None = None,
+    rng: Chooser | None = None,
+) -> dict[str, Any]:
+    """Make one worker ``slowdown`` slower (0.5: it may run 2/3 of the time) with :func:`duty_cycle` on its
+    training process and helpers, until ``seconds`` have passed (None: no limit), ``stop`` is set, or the worker
+    exits (a drain ends it); they are continued at the end. The target is as in :func:`target_worker`.
+
+    Returns the ``phase: "end"`` record: the achieved ``stopped_fraction`` (of the wall time), ``stopped_seconds``,
+    ``elapsed_seconds``, ``cycles``, ``reason`` (``seconds elapsed`` | ``stopped`` | ``worker exited``) and the
+    start line's ``ts`` as ``start_ts``.
+    """
+    check_duty_cycle(slowdown, seconds, period_seconds)
+    target = target_worker(job, host=host, rank=rank, rng=rng)
+    start = log.log(
+        "slow-worker",
+        job=job.job,
+        slowdown=slowdown,
+        seconds=seconds,
+        period_seconds=period_seconds,
+        target_stopped_fraction=round(stopped_share(slowdown), 4),
+        **target.describe(),
+    )
+    result = None
+    try:
+        result = duty_cycle([target.proc], slowdown, stop, seconds=seconds, period_seconds=period_seconds, helpers=True)
+    finally:
+        figures = result.record() if result is not None else {"reason": "interrupted"}
+        end = log.log("slow-worker", phase="end", job=job.job, **figures, start_ts=start["ts"], **target.describe())
+    return end
+
+
+MIN_PERIOD_SECONDS = 0.01
+"""Shorter duty cycles are lost in the scheduler's noise on a loaded machine (a wake-up is often 1 ms late)."""
+TREE_REFRESH_SECONDS = 1.0
+"""How often :func:`duty_cycle` looks for new helpers of its processes (a scan of /proc costs milliseconds)."""
+
+
+def stopped_share(slowdown: float) -> float:
+    """The share of the wall time a process ``slowdown`` slower is stopped: ``s / (1 + s)`` (0.5 -> 1/3)."""
+    return slowdown / (1.0 + slowdown)
+
+
+def check_duty_cycle(slowdown: float, seconds: float | None, period_seconds: float) -> None:
+    """:class:`ValueError` naming the flag, for a slowdown, duration or period :func:`duty_cycle` cannot run."""
+    if not (math.isfinite(slowdown) and slowdown > 0):
+        raise ValueError(f"--slowdown {slowdown:g}: must be > 0 (0.5 = 50% slower)")
+    if seconds is not None and not seconds > 0:
+        raise ValueError(f"--seconds {seconds:g}: must be > 0")
+    if not (math.isfinite(period_seconds) and period_seconds >= MIN_PERIOD_SECONDS):
+        raise ValueError(f"--period-seconds {period_seconds:g}: must be >= {MIN_PERIOD_SECONDS:g}")
+
+
+@dataclass(frozen=True, slots=True)
+class DutyCycle:
+    """What a :func:`duty_cycle` did."""
+
+    reason: str
+    """``seconds elapsed`` | ``stopped`` (the event was set) | ``worker exited`` (every process was gone)."""
+    target_fraction: float
+    stopped_seconds: float
+    elapsed_seconds: float
+    cycles: int
+    """Cycles with a stop (a cycle whose share was already made up has none)."""
+
+    @property
+    def stopped_fraction(self) -> float:
+        return self.stopped_seconds / self.elapsed_seconds if self.elapsed_seconds > 0 else 0.0
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "reason": self.reason,
+            "stopped_fraction": round(self.stopped_fraction, 4),
+            "target_stopped_fraction": round(self.target_fraction, 4),
+            "stopped_seconds": round(self.stopped_seconds, 3),
+            "elapsed_seconds": round(self.elapsed_seconds, 3),
+            "cycles": self.cycles,
+        }
+
+
+def duty_cycle(
+    procs: Sequence[psutil.Process],
+    slowdown: float,
+    stop: threading.Event | None = None,
+    *,
+    seconds: float | None = None,
+    period_seconds: float = 0.1,
+    helpers: bool = False,
+) -> DutyCycle:
+    """SIGSTOP ``procs`` (with ``helpers``: their descendants too, looked up every second) for
+    ``slowdown / (1 + slowdown)`` of every ``period_seconds`` and SIGCONT them for the rest, until ``seconds`` have
+    passed (None: no limit), ``stop`` is set, or none of ``procs`` is alive; every process stopped is continued
+    in ``finally``. Call it in a thread of its own to slow a process while doing something else.
+
+    Each cycle's stop lasts until the stopped time so far reaches the target share of the time up to the cycle's
+    end, on the monotonic clock: a late wake-up on a loaded machine is made up in the next cycles, never added up.
+    This is the share of the wall time the processes may run. A process that has a core to itself is then
+    ``slowdown`` slower; where processes share cores, the others take up the time a stopped one leaves, and a
+    CPU-bound one is slowed less.
+    """
+    check_duty_cycle(slowdown, seconds, period_seconds)
+    fraction = stopped_share(slowdown)
+    touched: dict[int, psutil.Process] = {p.pid: p for p in procs}
+    targets: list[psutil.Process] = list(procs)
+    stopped = 0.0
+    cycles = 0
+    reason = "seconds elapsed"
+    t0 = time.monotonic()
+    end = t0 + seconds if seconds is not None else math.inf
+    try:
+        looked_at = -math.inf
+        k = 0
+        while True:
+            now = time.monotonic()
+            if stop is not None and stop.is_set():
+                reason = "stopped"
+                break
+            if not any(is_alive(p) for p in procs):
+                reason = "worker exited"
+                break
+            if now >= end:
+                break
+            if helpers and now - looked_at >= TREE_REFRESH_SECONDS:  # a helper may start later (checkpoint writer)
+                targets, looked_at = [q for p in procs for q in tree(p)], now
+                touched.update((q.pid, q) for q in targets)
+            k = max(k, int((now - t0) / period_seconds))  # skip the cycles this process overslept
+            cycle_end = min(t0 + (k + 1) * period_seconds, end)
+            owed = fraction * (cycle_end - t0) - stopped
+            if owed > 0:
+                stopped_at = time.monotonic()
+                _signal(targets, signal.SIGSTOP)
+                try:
+                    _sleep_until(min(stopped_at + owed, cycle_end), stop)
+                finally:
+                    _signal(targets, signal.SIGCONT)
+                    stopped += time.monotonic() - stopped_at
+                cycles += 1
+            _sleep_until(cycle_end, stop)
+            k += 1
+    finally:
+        _signal(list(touched.values()), signal.SIGCONT)
+    return DutyCycle(reason, fraction, stopped, time.monotonic() - t0, cycles)
+
+
+def target_worker(
+    job: JobRef, *, host: str | None = None, rank: int | None = None, rng: Chooser | None = None
+) -> Worker:
+    """The worker a fault aims at: started as ``rank`` (0 = the current rank 0), else the first (by rank) on
+    ``host``, else one drawn by ``rng`` among all but the current rank 0. :class:`JobNotFound` when there is none."""
+    if host is not None and rank is not None:
+        raise ValueError("name the worker by --rank or by --host, not both")
+    if rank is not None:
+        return job.worker_by_rank(rank)
+    workers = job.workers()
+    if host is not None:
+        on_host = [w for w in workers if w.host == host]
+        if not on_host:
+            raise JobNotFound(f"job {job.job!r} has no live worker on host {host!r}")
+        return on_host[0]
+    r0 = job.rank0()
+    candidates = [w for w in workers if w != r0] or workers
+    if not candidates:
+        raise JobNotFound(f"job {job.job!r} has no live worker")
+    chosen: Worker = (rng or random.Random()).choice(candidates)
+    return chosen
+
+
+def _sleep_until(deadline: float, stop: threading.Event | None) -> None:
+    """Sleep to a monotonic ``deadline`` in one wait (returns early when ``stop`` is set)."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return
+    if stop is not None:
+        stop.wait(left)
+    else:
+        time.sleep(left)
 
 
 def _hold(seconds: float) -> None:
@@ -360,7 +557,16 @@ def partition_host(log: ChaosLog, job: JobRef, host: str, *, seconds: float, vet
 
 
 # ---------------------------------------------------------------------------------------------- schedules
-LOOP_ACTIONS = ("kill-worker", "kill-host", "preempt-host", "freeze-worker", "etcd-outage", "kill-during-checkpoint")
+LOOP_ACTIONS = (
+    "kill-worker",
+    "kill-host",
+    "preempt-host",
+    "freeze-worker",
+    "etcd-outage",
+    "kill-during-checkpoint",
+    "slow-worker",
+    "hang-worker",
+)
 
 
 @dataclass(slots=True)
@@ -436,6 +642,10 @@ def default_action(job: JobRef, log: ChaosLog, action: str, rng: random.Random) 
         return etcd_outage(job, log, seconds=10.0)
     if action == "kill-during-checkpoint":
         return kill_during_checkpoint(job, log, timeout=60.0)
+    if action == "slow-worker":
+        return slow_worker(job, log, slowdown=0.5, seconds=30.0, rng=rng)
+    if action == "hang-worker":
+        return hang_worker(job, log, rng=rng)
     raise ValueError(f"unknown action {action!r}")
 
 

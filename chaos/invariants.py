@@ -15,7 +15,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastictrain.audit import SampleAudit
-from elastictrain.events import Event, Metrics, Reset, Start, lifecycle, of_kind, training_completed
+from elastictrain.events import (
+    Event,
+    Eviction,
+    Metrics,
+    Reset,
+    Start,
+    Straggler,
+    lifecycle,
+    of_kind,
+    training_completed,
+)
 
 LOSS_ABS_TOLERANCE = 0.1
 LOSS_REL_TOLERANCE = 0.1
@@ -125,7 +135,8 @@ def check_no_leftovers(leftovers: Sequence[str], *, name: str = "no process of t
 # ---------------------------------------------------------------------------------------------- recovery
 FAULT_ACTIONS = frozenset(
     {"kill-worker", "kill-host", "preempt-host", "freeze-worker", "etcd-outage", "kill-during-checkpoint",
-     "kill-during-commit", "kill-job", "partition-host", "kill-agent", "kill-rank0-spare-writer"}
+     "kill-during-commit", "kill-job", "partition-host", "kill-agent", "kill-rank0-spare-writer", "slow-worker",
+     "hang-worker"}
 )  # fmt: skip
 
 
@@ -138,6 +149,8 @@ EXPECTED_REASONS: dict[str, tuple[str, ...]] = {
     "kill-during-checkpoint": ("worker_failed",),
     "kill-during-commit": ("worker_failed",),
     "kill-rank0-spare-writer": ("worker_failed",),
+    "hang-worker": ("worker_hung",),
+    "slow-worker": ("hosts_removed",),
 }
 
 
@@ -214,9 +227,10 @@ def recovery_stats(recs: Sequence[Recovery], actions: set[str]) -> dict[str, flo
 
 RESET_EXPECTED = frozenset(
     {"kill-worker", "kill-host", "preempt-host", "kill-during-checkpoint", "kill-during-commit", "kill-job",
-     "kill-agent", "kill-rank0-spare-writer"}
+     "kill-agent", "kill-rank0-spare-writer", "hang-worker"}
 )  # fmt: skip
-"""Faults that must be followed by a reset or relaunch; a short freeze or etcd outage need not be."""
+"""Faults that must be followed by a reset or relaunch; a short freeze, a slowdown (evicted only with
+``elastic.stragglers: evict``) or an etcd outage need not be."""
 
 
 def check_recovered(
@@ -263,6 +277,83 @@ def check_rejoined(faults: Sequence[Mapping[str, Any]], events: Sequence[Event])
             late = rejoin.ts - ts
             parts.append(f"{host}: in the ring {late:.1f}s later (step {rejoin.step}, {rejoin.world_size} workers)")
     return Check(name, ok, "; ".join(parts))
+
+
+def check_hang_detected(recs: Sequence[Recovery], gloo_timeout_seconds: float) -> Check:
+    """Every ``hang-worker`` fault was followed by a ``worker_hung`` reset whose recovery took less than the Gloo
+    timeout: the hang was detected, not waited out (a Gloo timeout would have made it ``worker_failed``)."""
+    name = f"hung worker detected (worker_hung, recovery < Gloo timeout {gloo_timeout_seconds:g}s)"
+    hangs = [r for r in recs if r.action == "hang-worker"]
+    if not hangs:
+        return Check(name, False, "no hang-worker fault recorded")
+    parts, ok = [], True
+    for r in hangs:
+        if r.reset_reason is None or r.seconds_to_reset is None:
+            ok = False
+            parts.append("no reset after the SIGSTOP")
+            continue
+        fast = r.recovery_seconds is not None and r.recovery_seconds < gloo_timeout_seconds
+        ok = ok and r.reset_reason == "worker_hung" and fast
+        rec = f"{r.recovery_seconds:.2f}s" if r.recovery_seconds is not None else "not measured"
+        parts.append(f"reset {r.reset_reason} {r.seconds_to_reset:.1f}s after the SIGSTOP, recovery {rec}")
+    return Check(name, ok, "; ".join(parts), [r.recovery_seconds for r in hangs])
+
+
+def check_processes_gone(pids: Sequence[int], leftovers: Sequence[str], *, name: str) -> Check:
+    """None of ``pids`` is among ``leftovers`` (``"<pid> <command line>"``, as the runner lists them)."""
+    if not pids:
+        return Check(name, False, "no pid recorded")
+    wanted = {str(p) for p in pids}
+    left = [x for x in leftovers if x.split(" ", 1)[0] in wanted]
+    detail = f"pids {sorted(pids)} gone" if not left else f"still alive after the job: {'; '.join(left[:4])}"
+    return Check(name, not left, detail, len(left))
+
+
+def check_evicted(
+    fault: Mapping[str, Any] | None,
+    events: Sequence[Event],
+    end: Mapping[str, Any] | None = None,
+) -> Check:
+    """The host of the ``slow-worker`` ``fault`` was drained (an ``eviction`` with ``action: drain`` after the fault
+    began), and no other host was. ``end``: the fault's ``phase: "end"`` record (its achieved stopped fraction)."""
+    name = "slowed host evicted (drain), no other host"
+    if fault is None:
+        return Check(name, False, "no slow-worker fault recorded")
+    host, t = fault.get("host"), float(fault["ts"])
+    drains = [e for e in of_kind(events, Eviction) if e.action == "drain" and e.ts >= t]
+    mine = [e for e in drains if e.host == host]
+    others = sorted({str(e.host) for e in drains if e.host != host})
+    named = [e for e in of_kind(events, Straggler) if e.slow and e.host == host and e.ts >= t]
+    if mine:
+        e = mine[0]
+        detail = f"{host} drained {e.ts - t:.1f}s after the slowdown began (step {e.step}, ratio {e.ratio})"
+    else:
+        detail = f"{host} not drained"
+    detail += f"; {len(named)} straggler event(s) named it"
+    if end is not None:
+        detail += f"; stopped {end.get('stopped_fraction')} of the time (target {end.get('target_stopped_fraction')})"
+    if others:
+        detail += f"; also drained: {', '.join(others)}"
+    return Check(name, bool(mine) and not others, detail)
+
+
+def check_readmitted(fault: Mapping[str, Any] | None, events: Sequence[Event]) -> Check:
+    """Informational: whether the evicted host was back in the ring (a later ``reset`` lists it) before the end."""
+    name = "evicted host back after its cool-down"
+    drain = next(
+        (
+            e
+            for e in of_kind(events, Eviction)
+            if fault is not None and e.action == "drain" and e.host == fault.get("host") and e.ts >= float(fault["ts"])
+        ),
+        None,
+    )
+    if drain is None:
+        return Check(name, None, "no eviction")
+    back = next((e for e in of_kind(events, Reset) if e.ts > drain.ts and drain.host in (e.hosts or [])), None)
+    if back is None:
+        return Check(name, None, f"not back before the end (cool-down {drain.cooldown_seconds}s)")
+    return Check(name, None, f"back {back.ts - drain.ts:.1f}s after the drain (cool-down {drain.cooldown_seconds}s)")
 
 
 def check_no_step_lost(recs: Sequence[Recovery]) -> Check:

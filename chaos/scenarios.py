@@ -105,6 +105,9 @@ class Scenario:
     nodes: int = 0
     """0: the local tier (logical hosts of this machine, embedded etcd). N: the multi-node tier, N network
     namespaces with sshd and an agent each (:mod:`chaos.netns`)."""
+    must_reset: frozenset[str] = frozenset()
+    """Fault actions that must be followed by a reset in this scenario beyond :data:`chaos.invariants.RESET_EXPECTED`
+    (a freeze longer than the Gloo timeout, a slowdown under ``elastic.stragglers: evict``)."""
 
 
 Inject = Callable[[Run, bool], None]
@@ -214,10 +217,92 @@ def _preempt_host(r: Run, quick: bool) -> None:
     faults.preempt_host(r.job(), r.log, r.victim_host())
 
 
-@scenario("frozen-worker", "a worker SIGSTOPped longer than the Gloo timeout", ci=False)
+@scenario(
+    "frozen-worker",
+    "a worker SIGSTOPped longer than the Gloo timeout",
+    ci=False,
+    must_reset=frozenset({"freeze-worker"}),
+)
 def _frozen_worker(r: Run, quick: bool) -> None:
     r.wait_step(20)
     faults.freeze_worker(r.job(), r.log, rank=None, seconds=GLOO_TIMEOUT_SECONDS + 5, rng=_NotRank0(r))
+
+
+FOUR_WORKERS = 4
+"""The straggler and hang scenarios run 4 workers (the local tier's 4 logical hosts). A drain of a host 1.5 times
+slower pays off only from 4 workers on: the 3 left then take 4/3 of the work each (1.33 < 1.5); from 3 workers
+the 2 left would take 3/2 each, no faster than keeping it."""
+
+
+def _four_workers(epochs: int) -> dict[str, Any]:
+    cfg = base_config(epochs=epochs)
+    cfg["elastic"] = {**cfg["elastic"], "max_np": FOUR_WORKERS}
+    return cfg
+
+
+def _wait_four_workers(r: Run) -> None:
+    """Until all 4 workers train and at least step 20, 5 steps past the last resize (the first step after a
+    rendezvous has a longer hang bound, and a host's window of step times starts there)."""
+    r.wait_world(FOUR_WORKERS)
+    r.wait_step(max(20, r.step() + 5))
+
+
+SLOWDOWN = 1.5
+"""The slowed worker may run 1 / 2.5 of the wall time. 4 workers share the 2 cores of the machine this runs on, so
+while it is stopped the others take up the time it leaves, and it then runs alone while they wait for it: a 50%
+duty cycle makes its compute per step only slightly slower than theirs, under ``elastic.slow_ratio`` 1.3. At 1.5
+its steps take about twice theirs: named slow, and worth draining (which pays off above 4/3 with 4 workers)."""
+STRAGGLER_WINDOW_STEPS = 30
+"""``elastic.window_steps`` of the ``slow-worker`` job (default 100): judged after 15 slow steps, not 50."""
+STRAGGLER_COOLDOWN_SECONDS = 10.0
+"""``elastic.straggler_cooldown_seconds`` of the ``slow-worker`` job, so the host may come back before the end."""
+
+
+def _slow_worker_config(quick: bool) -> dict[str, Any]:
+    # 240 steps (4 epochs): the slowdown begins at step 20 with 4 workers, the window is judged 15-30 steps later,
+    # and the job must run on well past the drain.
+    cfg = _four_workers(epochs=4)
+    cfg["elastic"] = {
+        **cfg["elastic"],
+        "stragglers": "evict",
+        "window_steps": STRAGGLER_WINDOW_STEPS,
+        "straggler_cooldown_seconds": STRAGGLER_COOLDOWN_SECONDS,
+    }
+    return cfg
+
+
+@scenario(
+    "slow-worker",
+    "a worker slowed by a SIGSTOP/SIGCONT duty cycle under elastic.stragglers: evict: its host is drained",
+    ci=False,
+    graceful=True,
+    cfg=_slow_worker_config,
+    must_reset=frozenset({"slow-worker"}),
+)
+def _slow_worker(r: Run, quick: bool) -> None:
+    """Slow one worker (not rank 0's) once all 4 train, until it exits (drained, or the job ends)."""
+    _wait_four_workers(r)
+    faults.slow_worker(r.job(), r.log, host=r.victim_host(), slowdown=SLOWDOWN, seconds=SLOW_WORKER_MAX_SECONDS)
+
+
+SLOW_WORKER_MAX_SECONDS = 240.0
+"""The slowdown ends when its worker exits (drained, or the job is done); this bounds it if neither happens."""
+
+
+def _hang_worker_config(quick: bool) -> dict[str, Any]:
+    return _four_workers(epochs=2)  # the default elastic.hang_seconds: max(10 s, 10 x the typical step)
+
+
+@scenario(
+    "hang-worker",
+    "a worker SIGSTOPped for good: detected as hung before the Gloo timeout, the job goes on without it",
+    ci=False,
+    cfg=_hang_worker_config,
+)
+def _hang_worker(r: Run, quick: bool) -> None:
+    """SIGSTOP one worker (not rank 0) and its helpers once all 4 train; nothing continues them."""
+    _wait_four_workers(r)
+    faults.hang_worker(r.job(), r.log, rng=_NotRank0(r))
 
 
 @scenario("etcd-outage", "etcd suspended 20 s while training continues", ci=False, expect_reset=False)
@@ -477,7 +562,7 @@ def check_run(
     if tier_leftovers is not None:
         checks.append(inv.check_no_leftovers(tier_leftovers, name="nothing of the multi-node tier left"))
     recs = inv.recoveries(chaos_events, events)
-    required = inv.RESET_EXPECTED | ({"freeze-worker"} if scenario.name == "frozen-worker" else set())
+    required = inv.RESET_EXPECTED | scenario.must_reset
     if scenario.nodes:
         required |= {"partition-host"}  # cut off longer than the lease TTL: the node must leave the ring
     checks.append(inv.check_recovered(recs, expect_reset=scenario.expect_reset, required=required))
@@ -498,6 +583,15 @@ def check_run(
                 else "no kill recorded",
             )
         )
+    if scenario.name == "slow-worker":
+        slowed = next((f for f in chaos_events if f.get("action") == "slow-worker" and "phase" not in f), None)
+        end = next((f for f in chaos_events if f.get("action") == "slow-worker" and f.get("phase") == "end"), None)
+        checks.append(inv.check_evicted(slowed, events, end))
+        checks.append(inv.check_readmitted(slowed, events))
+    if scenario.name == "hang-worker":
+        checks.append(inv.check_hang_detected(recs, GLOO_TIMEOUT_SECONDS))
+        hung = [int(p) for f in chaos_events if f.get("action") == "hang-worker" for p in f.get("pids") or ()]
+        checks.append(inv.check_processes_gone(hung, leftovers, name="the hung worker is gone"))
     if scenario.name == "kill-rank0-spare-writer":
         checks.extend(
             inv.check_orphan_writer(next((f for f in chaos_events if f.get("action") == "orphan-writer"), None))

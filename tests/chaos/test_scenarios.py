@@ -62,12 +62,21 @@ def test_short_scenario_keeps_every_invariant(name: str, chaos_root: Path) -> No
     run_and_check(name, chaos_root)
 
 
+SCENARIO_ROWS = {
+    "slow-worker": ("slowed host evicted (drain), no other host", "no step lost (graceful)"),
+    "hang-worker": ("hung worker detected (worker_hung", "the hung worker is gone", "recovery seconds per fault"),
+}
+"""Rows (by the start of their name) that a scenario's table must have and pass, not merely not fail."""
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(not LONG, reason="chaos scenario of `make chaos` (ELASTICTRAIN_CHAOS_LONG=1)")
 @pytest.mark.parametrize("name", scenario_params(ci=False))
 def test_long_scenario_keeps_every_invariant(name: str, chaos_root: Path) -> None:
-    run_and_check(name, chaos_root)
+    result = run_and_check(name, chaos_root)
+    for row in SCENARIO_ROWS.get(name, ()):
+        assert any(c.name.startswith(row) and c.ok for c in result.checks), f"{row!r} did not pass\n{result.table}"
 
 
 def tier_traces() -> set[str]:

@@ -233,3 +233,66 @@ def test_orphan_writer_checks_fail_when_latest_moved_back_or_the_writer_survived
     newer = {**ok, "latest_after": "step-00000050", "latest_before_kept": False}  # pruned by keep_last: fine
     assert all(c.ok for c in inv.check_orphan_writer(newer))
     assert [c.ok for c in inv.check_orphan_writer(None)] == [False]
+
+
+def test_a_hang_is_matched_with_its_worker_hung_reset_and_must_beat_the_gloo_timeout() -> None:
+    chaos = [{"ts": 10.0, "action": "hang-worker", "pid": 41, "pids": [41, 42]}]
+    detected = [
+        ev(21.0, "reset", 30, reason="worker_hung", recovery_seconds=11.2, lost_steps=0),
+        ev(24.0, "reset", 35, reason="hosts_added", recovery_seconds=2.0, lost_steps=0),
+    ]
+    (rec,) = inv.recoveries(chaos, detected)
+    assert (rec.reset_reason, rec.recovery_seconds, rec.seconds_to_reset) == ("worker_hung", 11.2, 11.0)
+    assert inv.check_recovered([rec]).ok, "a hang must be followed by a reset: it is in RESET_EXPECTED"
+    check = inv.check_hang_detected([rec], 15)
+    assert check.ok and "reset worker_hung 11.0s after the SIGSTOP, recovery 11.20s" in check.detail
+    waited_out = [ev(26.0, "reset", 30, reason="worker_failed", recovery_seconds=16.0, lost_steps=1)]
+    assert not inv.check_hang_detected(inv.recoveries(chaos, waited_out), 15).ok, "the Gloo timeout fired first"
+    slow = [ev(21.0, "reset", 30, reason="worker_hung", recovery_seconds=15.5, lost_steps=0)]
+    assert not inv.check_hang_detected(inv.recoveries(chaos, slow), 15).ok
+    assert not inv.check_hang_detected(inv.recoveries(chaos, []), 15).ok
+    assert not inv.check_hang_detected([], 15).ok, "no hang recorded"
+
+
+def test_the_hung_processes_must_be_gone_once_the_job_has_ended() -> None:
+    assert inv.check_processes_gone([41, 42], ["7 etcd", "410 elastictrain train"], name="gone").ok
+    check = inv.check_processes_gone([41, 42], ["42 python -c helper"], name="gone")
+    assert not check.ok and "42 python -c helper" in check.detail
+    assert not inv.check_processes_gone([], [], name="gone").ok
+
+
+def test_a_slowed_host_must_be_drained_and_no_other_one() -> None:
+    fault = {"ts": 10.0, "action": "slow-worker", "host": "vm", "pid": 5}
+    end = {"ts": 30.0, "action": "slow-worker", "phase": "end", "stopped_fraction": 0.6, "target_stopped_fraction": 0.6}
+    named = ev(14.0, "straggler", 40, host="vm", slow=True, ratio=2.1)
+    drain = ev(15.0, "eviction", 41, host="vm", action="drain", reason="straggler", ratio=2.1, cooldown_seconds=10.0)
+    check = inv.check_evicted(fault, [named, drain], end)
+    assert check.ok, check.detail
+    assert "vm drained 5.0s after the slowdown began (step 41, ratio 2.1)" in check.detail
+    assert "1 straggler event(s)" in check.detail and "stopped 0.6 of the time" in check.detail
+    early = ev(9.0, "eviction", 10, host="vm", action="drain")
+    kept = ev(15.0, "eviction", 41, host="vm", action="keep", reason="not faster without it")
+    assert not inv.check_evicted(fault, [early, kept]).ok, "a keep, or a drain before the slowdown, is no eviction"
+    other = ev(16.0, "eviction", 44, host="localhost", action="drain")
+    c = inv.check_evicted(fault, [drain, other])
+    assert not c.ok and "also drained: localhost" in c.detail
+    assert not inv.check_evicted(None, [drain]).ok
+
+
+def test_a_slowed_hosts_drain_counts_as_its_recovery_and_its_return_is_reported() -> None:
+    chaos = [{"ts": 10.0, "action": "slow-worker", "host": "vm"}, {"ts": 30.0, "action": "slow-worker", "phase": "end"}]
+    drain = ev(15.0, "eviction", 41, host="vm", action="drain", cooldown_seconds=10.0)
+    events = [
+        drain,
+        ev(16.0, "reset", 42, reason="hosts_removed", recovery_seconds=0.5, lost_steps=0, hosts=["a", "b", "c"]),
+        ev(27.0, "reset", 60, reason="hosts_added", recovery_seconds=3.0, lost_steps=0, hosts=["a", "b", "c", "vm"]),
+    ]
+    (rec,) = inv.recoveries(chaos, events)
+    assert (rec.reset_reason, rec.lost_steps) == ("hosts_removed", 0)
+    assert inv.check_recovered([rec]).ok, "a slowdown need not cause a reset in general"
+    assert inv.check_recovered([rec], required=inv.RESET_EXPECTED | {"slow-worker"}).ok
+    assert inv.check_no_step_lost([rec]).ok
+    back = inv.check_readmitted(chaos[0], events)
+    assert back.ok is None and "back 12.0s after the drain (cool-down 10.0s)" in back.detail
+    assert "not back before the end" in inv.check_readmitted(chaos[0], events[:2]).detail
+    assert inv.check_readmitted(chaos[0], events[1:]).detail == "no eviction"
