@@ -186,7 +186,7 @@ class ElasticConfig:
     slow_ratio: float = 1.3
     """A host is slow when its median compute time per step is at least this many times the others' median."""
     window_steps: int = 100
-    """Steps in each host's rolling window of compute times (a host is judged once half of it is filled)."""
+    """Steps in each host's rolling window of compute times (a host is judged once it is filled)."""
     straggler_cooldown_seconds: float = 300.0
     """How long an evicted host stays out; doubled for each earlier eviction of the same host (probation)."""
     hang_seconds: float | None = None

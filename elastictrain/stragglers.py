@@ -8,7 +8,7 @@ every rank's figures at the same commit, and no collective is added to a step.
 - :class:`HostWindow` keeps a host's last ``window_steps`` steps as per-sample figures, so a window stays
   comparable when the world size (and so a worker's share of a fixed global batch) changes.
 - :func:`judge` (pure): a host is **slow** when its median compute time per sample is at least ``slow_ratio`` x the
-  median of the other hosts' medians, judged once half its window is filled; a host named slow is cleared when its
+  median of the other hosts' medians, judged once its window is filled; a host named slow is cleared when its
   ratio falls below halfway between 1 and ``slow_ratio`` (no flapping at the threshold).
 - :func:`plan_eviction` (pure): with ``elastic.stragglers: evict``, drain a slow host only when the job is
   predicted faster without it: throughput (samples/s) at ``N - slots`` workers, the others' per-sample times and the
@@ -174,10 +174,10 @@ class Judgement:
 def judge(windows: dict[str, HostWindow], policy: StragglerPolicy) -> dict[str, Judgement]:
     """Every judged host's ratio: its median compute time per sample over the others' median (pure).
 
-    A host is judged once its window holds half of ``window_steps``; the others' median takes the hosts judged.
-    With fewer than two judged hosts nobody is judged.
+    A host is judged once its window holds ``window_steps`` steps (a few noisy steps name nobody); the others'
+    median takes the hosts judged. With fewer than two judged hosts nobody is judged.
     """
-    ready = {h: w for h, w in windows.items() if w.steps >= max(1, policy.window_steps // 2)}
+    ready = {h: w for h, w in windows.items() if w.steps >= policy.window_steps}
     medians = {h: w.median("compute_per_sample") for h, w in ready.items()}
     out: dict[str, Judgement] = {}
     for host, w in ready.items():

@@ -87,20 +87,22 @@ def test_report_names_a_worker_slowed_by_half_and_status_shows_it(jobs, tmp_path
     cfg = job_config(
         tmp_path / "run",
         training__epochs=1,
-        data__num_samples=4800,
-        elastic__window_steps=20,
+        data__num_samples=7200,
+        data__image_size=32,
+        elastic__window_steps=30,
         elastic__commit_every_steps=2,
     )
     job = ElasticJob(tmp_path, cfg, HOSTS[:3], min_np=3, max_np=3, gloo_timeout=GLOO_TIMEOUT)
     jobs.append(job)
     job.start()
-    job.wait_step(12)
+    job.wait_step(40)  # windows filled: a fault-free stretch that must name nobody
     victim = job.worker(rank=2)
     host = victim.environ().get("HOROVOD_HOSTNAME")
     start = job.step()
     with slowed(victim, SLOWDOWN):
         named = job.wait_event(Straggler, lambda e: bool(e.slow), timeout=240, what="a straggler event")
     assert named.host == host, (named, host)
+    assert [e.host for e in job.events(Straggler) if e.slow][0] == host, "a host was named before the slowdown"
     assert named.ratio is not None and named.ratio >= 1.3
     assert named.step - start <= 100, f"named {named.step - start} steps after the slowdown"
     assert job.wait(timeout=300) == 0, job.tail()
@@ -118,7 +120,8 @@ def _launch_config(tmp_path: Path, hosts: list[str]) -> Path:
         job="evict",
         training__epochs=1,
         data__num_samples=6000,
-        elastic__window_steps=20,
+        data__image_size=32,
+        elastic__window_steps=30,
         elastic__commit_every_steps=2,
         elastic__stragglers="evict",
         elastic__min_np=2,
@@ -153,7 +156,7 @@ def test_evict_drains_a_slowed_worker_through_etcd_with_no_step_lost(procs: Proc
             return []
 
     wait_until(
-        lambda: any(e.name == "metrics" and e.step >= 12 and e.world_size == 3 for e in evs()), 240, what="training"
+        lambda: any(e.name == "metrics" and e.step >= 40 and e.world_size == 3 for e in evs()), 240, what="training"
     )
     worker = target_worker(JobRef.resolve("evict", run_dir), rng=None)  # any worker but the current rank 0
     target = worker.host

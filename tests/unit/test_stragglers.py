@@ -47,8 +47,8 @@ def test_a_host_half_again_as_slow_is_judged_slow_and_the_others_are_not() -> No
     assert all(judged[h].ratio < 1.3 for h in HOSTS[:3])
 
 
-def test_nobody_is_judged_before_half_the_window_is_filled_or_without_another_host() -> None:
-    assert judge({"a": window(1.0), "d": window(9.0, steps=40)}, POLICY) == {}
+def test_nobody_is_judged_before_the_window_is_filled_or_without_another_host() -> None:
+    assert judge({"a": window(1.0), "d": window(9.0, steps=90)}, POLICY) == {}
     assert judge({"d": window(9.0)}, POLICY) == {}
 
 
