@@ -270,8 +270,9 @@ class StragglerMonitor:
     evictor: Evictor | None = None
     windows: dict[str, HostWindow] = field(default_factory=dict)
     named: set[str] = field(default_factory=set)
-    decided: set[str] = field(default_factory=set)
-    """Hosts rank 0 already decided about while they stay slow (one ``eviction`` event each)."""
+    decided: dict[str, tuple[str, float]] = field(default_factory=dict)
+    """Hosts rank 0 decided about while they stay slow: (action, ratio then). A kept host is planned again once its
+    ratio has grown by a tenth (a slowdown that worsens), a drained one never while it is in the world."""
     threads: list[threading.Thread] = field(default_factory=list)
 
     def observe(
@@ -296,7 +297,7 @@ class StragglerMonitor:
         for gone in set(self.windows) - set(rank_hosts):
             del self.windows[gone]
             self.named.discard(gone)
-            self.decided.discard(gone)
+            self.decided.pop(gone, None)
         slots = {h: rank_hosts.count(h) for h in set(rank_hosts)}
         for host, figures in by_host.items():
             entry = host_entry(figures)
@@ -316,13 +317,15 @@ class StragglerMonitor:
                 log.warning("straggler", host=host, ratio=round(j.ratio, 3), window_steps=j.window_steps)
             elif host in self.named and j.ratio < self.policy.clear_ratio:
                 self.named.discard(host)
-                self.decided.discard(host)
+                self.decided.pop(host, None)
                 self._emit_straggler(j, first_rank, False, step, epoch, world)
-            if host in self.named and host not in self.decided and self.policy.mode == "evict":
-                self.decided.add(host)
+            last = self.decided.get(host)
+            again = last is None or (last[0] == "keep" and j.ratio >= 1.1 * last[1])
+            if host in self.named and again and self.policy.mode == "evict":
                 plan = plan_eviction(
                     self.windows, host, self.policy, global_batch=global_batch, per_worker_batch=per_worker_batch
                 )
+                self.decided[host] = (plan.action, j.ratio)
                 self._act(host, j, plan, step, epoch, world)
 
     def slowest(self) -> Judgement | None:

@@ -171,6 +171,23 @@ def test_the_monitor_names_a_host_slowed_mid_run_within_the_window_and_drains_it
     assert "d" not in monitor.windows
 
 
+def test_a_kept_host_is_planned_again_when_its_slowdown_worsens() -> None:
+    emitted: list = []
+    evictor = FakeEvictor()
+    monitor = StragglerMonitor(POLICY, emit=emitted.append, evictor=evictor)
+    for step in range(10, 110, 10):
+        feed(monitor, {h: 1.0 for h in HOSTS}, step)
+    for step in range(110, 300, 10):
+        feed(monitor, {"a": 1.0, "b": 1.0, "c": 1.0, "d": 1.31}, step)
+    assert [e.action for e in emitted if isinstance(e, Eviction)] == ["keep"]
+    for step in range(300, 500, 10):
+        feed(monitor, {"a": 1.0, "b": 1.0, "c": 1.0, "d": 2.5}, step)
+    for t in monitor.threads:
+        t.join(5)
+    assert [e.action for e in emitted if isinstance(e, Eviction)] == ["keep", "drain"]
+    assert len(evictor.calls) == 1
+
+
 def test_report_names_but_never_drains_and_a_recovered_host_is_cleared() -> None:
     emitted: list = []
     evictor = FakeEvictor()
