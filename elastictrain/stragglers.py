@@ -11,8 +11,9 @@ every rank's figures at the same commit, and no collective is added to a step.
   median of the other hosts' medians, judged once its window is filled; a host named slow is cleared when its
   ratio falls below halfway between 1 and ``slow_ratio`` (no flapping at the threshold).
 - :func:`plan_eviction` (pure): with ``elastic.stragglers: evict``, drain a slow host only when the job is
-  predicted faster without it: throughput (samples/s) at ``N - slots`` workers, the others' per-sample times and the
-  measured per-step overhead, above throughput at ``N`` with it; never below ``min_np``.
+  predicted faster without it: throughput (samples/s) at ``N - slots`` workers (the measured step time scaled by the
+  slowest remaining worker's per-sample work x its new share) above throughput at ``N`` with it; never below
+  ``min_np``.
 - :class:`StragglerMonitor`: fed at every commit on every rank (so a new rank 0 keeps the history); rank 0 writes
   the ``straggler`` and ``eviction`` events and asks its :class:`Evictor` to drain (in the background: training
   never waits on etcd). The drain is a spot notice's path: the host's etcd record goes ``draining`` with a
@@ -215,9 +216,10 @@ class EvictionPlan:
 def predicted_samples_per_sec(
     windows: dict[str, HostWindow], hosts: Sequence[str], *, global_batch: int | None, per_worker_batch: int
 ) -> float:
-    """Predicted throughput of ``hosts``: each worker's share of the global batch (fixed, or per worker) times its
-    host's per-sample time, the slowest worker deciding the step, plus the per-step overhead measured now (step time
-    less the slowest worker's compute and data)."""
+    """Predicted throughput of ``hosts``: the step time measured now (every host of ``windows``), scaled by the
+    critical worker's work: the largest per-sample time x share of the global batch (fixed, or per worker), with
+    ``hosts`` against with every host now. A step is synchronous, so it runs at the pace of its slowest worker, all
+    of it (a worker slowed down is slow in its part of the allreduce and the commit too, not only in its compute)."""
     workers = sum(windows[h].slots for h in hosts)
     if workers == 0:
         return 0.0
@@ -225,9 +227,10 @@ def predicted_samples_per_sec(
     batch = global_batch if global_batch is not None else per_worker_batch * workers
     per_sample = {h: windows[h].median("compute_per_sample") + windows[h].median("data_per_sample") for h in windows}
     now_step = _median([windows[h].median("step_seconds") for h in windows])
-    now_busy = max(per_sample[h] * windows[h].median("samples_per_step") for h in windows)
-    overhead = max(0.0, now_step - now_busy)
-    step = max(per_sample[h] * share for h in hosts) + overhead
+    now_work = max(per_sample[h] * windows[h].median("samples_per_step") for h in windows)
+    if not now_work > 0:
+        return 0.0
+    step = now_step * max(per_sample[h] * share for h in hosts) / now_work
     return batch / step if step > 0 else 0.0
 
 

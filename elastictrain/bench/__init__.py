@@ -43,6 +43,8 @@ MEASUREMENTS: dict[str, str] = {
     "kill_distribution": "recovery over 32 SIGKILLs (rank 0, others, pairs) in one 4-worker job (quick: 8)",
     "goodput": "productive step time / wall time under a seeded SIGKILL every 60 s for 10 min (quick: 30 s, 2 min), "
     "hot join and rollback none",
+    "stragglers": "a worker 50% slower in 4: steps until named, seconds until drained, samples/s before / during / "
+    "after vs fault-free 3 and 4 workers; SIGSTOP -> next completed step",
 }
 
 __all__ = ["MEASUREMENTS", "main", "parse_only"]

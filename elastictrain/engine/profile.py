@@ -4,8 +4,12 @@ Per step: ``step_started`` (before the batch is taken from the loader), ``data_r
 ``grads_ready`` (the backward passes are done: from here the step waits on the other workers' gradients), and
 ``step_finished``. Compute time is data_ready -> grads_ready, which excludes the time spent waiting for slower
 peers in the allreduce; that is what makes a slow host stand out (every rank's *step* lasts as long as the
-slowest's). On a CUDA device compute time is taken from CUDA events (the host returns from ``backward`` before
-the GPU has finished); they are read at :meth:`take`, at a commit, never in a step.
+slowest's). On the CPU it also excludes the time the training thread was runnable but waited for a core that
+another process of the same machine held (Linux's run-queue delay, ``/proc/thread-self/schedstat``): workers that
+share cores (logical hosts, an oversubscribed node) are compared by their own work, not by who got the cores
+first, while a worker that is stopped, throttled off its core or blocked is still slow. On a CUDA device compute
+time is taken from CUDA events (the host returns from ``backward`` before the GPU has finished); they are read at
+:meth:`take`, at a commit, never in a step.
 
 :meth:`take` returns the sums in the order of :data:`elastictrain.stragglers.FIGURES` and starts again; they
 travel with the commit's existing collective (:meth:`ElasticTrainingState.check_host_updates`).
@@ -13,6 +17,7 @@ travel with the commit's existing collective (:meth:`ElasticTrainingState.check_
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -23,6 +28,9 @@ class StepProfile:
     def __init__(self, device: torch.device, enabled: bool = True) -> None:
         self.enabled = enabled
         self.cuda = enabled and device.type == "cuda"
+        self._sched: int | None = None
+        """A descriptor of the training thread's ``schedstat`` (-1: not available), opened by that thread."""
+        self._rq_data = 0.0
         self.discard()
 
     def discard(self) -> None:
@@ -38,10 +46,26 @@ class StepProfile:
         if self.enabled:
             self._t0 = time.perf_counter()
 
+    def run_delay(self) -> float:
+        """Seconds the calling thread has waited runnable for a CPU (0 where Linux does not say)."""
+        if self._sched is None:
+            try:
+                self._sched = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+            except OSError:
+                self._sched = -1
+        if self._sched < 0:
+            return 0.0
+        try:
+            return int(os.pread(self._sched, 128, 0).split()[1]) / 1e9
+        except (OSError, ValueError, IndexError):
+            return 0.0
+
     def data_ready(self) -> None:
         if not self.enabled:
             return
         self._t_data = time.perf_counter()
+        if not self.cuda:
+            self._rq_data = self.run_delay()
         if self.cuda:
             self._ev_data = torch.cuda.Event(enable_timing=True)
             self._ev_data.record()
@@ -50,6 +74,8 @@ class StepProfile:
         if not self.enabled:
             return
         self._t_grads = time.perf_counter()
+        if not self.cuda:
+            self._t_grads -= self.run_delay() - self._rq_data
         if self.cuda and self._ev_data is not None:
             end = torch.cuda.Event(enable_timing=True)
             end.record()

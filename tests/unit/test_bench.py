@@ -17,7 +17,7 @@ import pytest
 
 from elastictrain import bench, envnames
 from elastictrain._testing.procs import wait_until
-from elastictrain.bench import commit, goodput, hotjoin, runs
+from elastictrain.bench import commit, goodput, hotjoin, runs, stragglers
 from elastictrain.bench.core import (
     SCHEMA,
     BenchContext,
@@ -38,7 +38,7 @@ from elastictrain.bench.core import (
     write_results,
 )
 from elastictrain.bench.cpu import TreeCpuMonitor, read_steal
-from elastictrain.events import Metrics, Reset
+from elastictrain.events import Commit, Eviction, Metrics, Reset, Straggler
 
 
 def test_contenders_run_interleaved_a_b_b_a_and_each_gets_its_repeat_index() -> None:
@@ -309,3 +309,62 @@ def test_cpu_monitor_counts_a_busy_child_and_keeps_it_after_it_exits(tmp_path: P
         parent.wait()
     steal, total = read_steal()
     assert total > 0 and 0 <= steal <= total
+
+
+def test_stragglers_window_throughput_counts_the_intervals_closed_after_the_first_event_in_the_window() -> None:
+    events = [Metrics(step=s, epoch=0, ts=100.0 + s / 2, world_size=4, steps=2) for s in range(2, 22, 2)]  # 2 steps/s
+    w = stragglers.window_throughput(events, 101.0, 105.5, batch=16)
+    # events at 101 .. 105 (steps 2 .. 10): 4 intervals of 2 steps x 16 x 4 workers over 4 s
+    assert w is not None and w["samples"] == 4 * 2 * 16 * 4 and w["seconds"] == pytest.approx(4.0)
+    assert w["samples_per_sec"] == pytest.approx(128.0) and w["steps"] == 8 and w["world_sizes"] == [4]
+    assert stragglers.window_throughput(events, 101.0, 101.4) is None  # one event: no window
+    assert stragglers.metrics_samples(metrics_event(4, 1.0, 0.0, world_size=3), batch=16) == 10 * 16 * 3
+
+
+def test_stragglers_seconds_lost_are_the_reference_rate_seconds_not_delivered() -> None:
+    assert stragglers.seconds_lost(samples=800.0, seconds=10.0, reference_rate=100.0) == pytest.approx(2.0)
+    assert stragglers.seconds_lost(samples=1000.0, seconds=10.0, reference_rate=100.0) == pytest.approx(0.0)
+
+
+def test_stragglers_steps_until_named_counts_from_the_step_at_the_slowdown_to_the_naming() -> None:
+    events = [
+        metrics_event(40, 100.0, 50.0, world_size=4),
+        Commit(step=45, epoch=0, ts=102.0, world_size=4),
+        Straggler(step=46, epoch=0, ts=102.5, world_size=4, host="b", slow=True, ratio=2.0),  # before: not it
+        Straggler(step=90, epoch=0, ts=120.0, world_size=4, host="a", slow=False),
+        Straggler(step=97, epoch=0, ts=124.0, world_size=4, host="a", slow=True, ratio=1.6, window_steps=100),
+    ]
+    got = stragglers.steps_until_named(events, 102.1, "a")
+    assert got == {
+        "start_step": 45,
+        "named_step": 97,
+        "steps": 52,
+        "seconds": pytest.approx(21.9),
+        "ratio": 1.6,
+        "window_steps": 100,
+        "named_before": False,
+    }
+    assert stragglers.steps_until_named(events, 102.1, "c") is None
+    assert stragglers.step_at(events, 99.0) == 0
+    # "b" was named by noise before the slowdown and not cleared: named at 0 steps, flagged
+    assert stragglers.named_hosts(events) == {"a", "b"} and stragglers.named_hosts(events[:4]) == {"b"}
+    before = stragglers.steps_until_named(events, 110.0, "b")
+    assert before is not None and before["steps"] == 0 and before["named_before"] is True
+
+
+def test_stragglers_false_positives_name_hosts_and_the_highest_slowest_ratio() -> None:
+    clean = [Metrics(step=2, epoch=0, ts=1.0, world_size=3, slowest_host="a", slowest_ratio=1.12)]
+    clean += [Metrics(step=4, epoch=0, ts=2.0, world_size=3, slowest_host="b", slowest_ratio=1.21)]
+    assert stragglers.false_positives(clean) == {"hosts_named": [], "evictions": [], "max_slowest_ratio": 1.21}
+    noisy = [*clean, Straggler(step=5, epoch=0, ts=3.0, world_size=3, host="b", slow=True)]
+    noisy += [Eviction(step=6, epoch=0, ts=3.5, world_size=3, host="b", action="drain")]
+    assert stragglers.false_positives(noisy)["hosts_named"] == ["b"]
+    assert stragglers.false_positives(noisy)["evictions"] == ["b"]
+    assert stragglers.false_positives([])["max_slowest_ratio"] is None
+
+
+def test_stragglers_jobs_run_the_evict_policy_with_the_default_window_and_hang_bound() -> None:
+    cfg = stragglers.job_config(Path("/r"), "j")
+    assert cfg["elastic"]["stragglers"] == "evict" and cfg["elastic"]["max_np"] == stragglers.WORKERS == 4
+    assert "window_steps" not in cfg["elastic"] and "hang_seconds" not in cfg["elastic"]
+    assert stragglers.GOAL_NAMED_STEPS.target == 100 and stragglers.GOAL_HANG_SECONDS.target == 15
