@@ -22,6 +22,10 @@ samples/s after the eviction >= 0.95 x the fault-free 3-worker job's; the slowdo
 throughput (samples not processed from the slowdown to the end of the measurement, over the fault-free 4-worker
 rate); SIGSTOP -> next completed step <= 15 s (median). The straggler profile's own cost (per-step timings on
 the commit's collective) is inside ``elastic_overhead``'s ratio, whose job runs the default policy (``report``).
+
+Size: four contenders of one measurement (three ``launch`` jobs and a hang job), the slowdown's escalation, and the
+pure figures they are read by (throughput in a time window, steps until named, seconds lost), which
+``tests/unit/test_bench.py`` checks on synthetic events; split, the contenders would share all of it through imports.
 """
 
 from __future__ import annotations

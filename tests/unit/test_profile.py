@@ -6,10 +6,12 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import torch
 
 from elastictrain.engine.profile import StepProfile
+from tests.fixtures.procs import wait_until
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="run-queue delay is read from Linux's schedstat")
@@ -17,7 +19,8 @@ def test_compute_time_leaves_out_the_time_busy_neighbours_held_the_cores() -> No
     profile = StepProfile(torch.device("cpu"))
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
     try:
-        time.sleep(0.2)  # the neighbours are running before the step starts
+        for p in busy:  # the neighbours hold the cores before the step starts
+            wait_until(lambda p=p: sum(psutil.Process(p.pid).cpu_times()[:2]) > 0.05, 10, what="a busy neighbour")
         profile.step_started()
         profile.data_ready()
         wall0, cpu0 = time.perf_counter(), time.thread_time()
