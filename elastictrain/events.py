@@ -157,6 +157,24 @@ class Reset(Event):
     new_size: int | None = _doc("")
     reason: str | None = _doc("as in `failure`")
     lost_steps: int | None = _doc("optimizer steps rolled back: 0 with `elastic.rollback: none`")
+    detect_seconds: float | None = _doc("part of the recovery: from the failure/notice to the step being left")
+    rendezvous_seconds: float | None = _doc(
+        "part: Horovod's reset (hvd.shutdown + hvd.init: the driver's assignment, the rendezvous, the Gloo contexts)"
+    )
+    sync_seconds: float | None = _doc("part: the state sync from the most advanced rank (0 when skipped)")
+    prologue_seconds: float | None = _doc("part: the training function's start (reset plan, rank-0 services)")
+    first_step_seconds: float | None = _doc("part: the first step at the new size (the parts are rank 0's view)")
+
+    def fields(self) -> dict[str, Any]:
+        out = Event.fields(self)
+        for part in RESET_PARTS:  # a part not measured is left out, as lines were before these fields
+            if out[part] is None:
+                del out[part]
+        return out
+
+
+RESET_PARTS = ("detect_seconds", "rendezvous_seconds", "sync_seconds", "prologue_seconds", "first_step_seconds")
+"""The fields of a ``reset`` that split its ``recovery_seconds`` (:data:`elastictrain.engine.reset.PAUSE_PARTS`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -63,6 +63,9 @@ class ElasticTrainingState(State):
         """Called on a host-change interrupt (the watchdog stands down before the rendezvous)."""
         self.failure_cause: Callable[[float], str | None] = lambda since: None
         """Why a failed collective failed, when a hung peer was found since the given time (``worker_hung``)."""
+        self.marks: dict[str, float] = {}
+        """When this worker passed each point of the current reset (:data:`elastictrain.engine.reset.PAUSE_MARKS`);
+        the trainer takes and clears them at the start of the training function."""
         super().__init__(
             bcast_object=lambda obj: collective.broadcast_object(obj, 0, name="state"), get_rank=collective.rank
         )
@@ -80,6 +83,7 @@ class ElasticTrainingState(State):
         """
         if self.stop_requested():
             raise StopRequested
+        self.marks.setdefault("caught", time.time())
         self.on_failure()
         if self.failure is None:
             error = sys.exc_info()[1]  # restore() runs inside the loop's `except HorovodInternalError`
@@ -106,6 +110,7 @@ class ElasticTrainingState(State):
             if self.stop_requested():
                 raise StopRequested from None
             self.on_failure_notice()
+            self.marks.setdefault("caught", time.time())
             self.failure = ("hosts_removed" if e.skip_sync else "hosts_changed", time.time())
             self.failure_error = ""
             raise
@@ -135,7 +140,16 @@ class ElasticTrainingState(State):
         if newest > prev:
             raise HostsUpdatedInterrupt(update == HostUpdateResult.removed)
 
+    def reset(self) -> None:
+        """Horovod calls this after its reset (``hvd.shutdown`` and ``hvd.init``), before the sync."""
+        self.marks["reset"] = time.time()
+
     def sync(self) -> None:
+        self.marks["sync_start"] = time.time()
+        self._sync()
+        self.marks["sync_end"] = time.time()
+
+    def _sync(self) -> None:
         c, collective = self.committed, self.collective
         # The most advanced commit: the epoch-end commit adds no step, so a step tie goes to the later epoch.
         reached = c.counters.step if self.reached_step is None else self.reached_step

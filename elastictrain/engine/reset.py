@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from elastictrain.config import ElasticConfig
+from elastictrain.events import RESET_PARTS
 from elastictrain.policy import ScaleRamp, lr_scale
 
 
@@ -66,3 +67,41 @@ def plan_reset(
     new_ramp = ScaleRamp(ramp.at(step), target, step, elastic.lr_ramp_steps)
     reason, ts = failure or ("hosts_changed", now)
     return ResetPlan(False, PendingReset(committed_size, new_size, reason, ts, lost_steps), new_ramp)
+
+
+PAUSE_PARTS = tuple(field.removesuffix("_seconds") for field in RESET_PARTS)
+"""The parts of a reset's pause, in order; they add up to its ``recovery_seconds``:
+
+- ``detect``: from the failure (the failed step's start) or the host notice to this worker leaving the step;
+- ``rendezvous``: Horovod's reset (``hvd.shutdown`` and ``hvd.init``: the driver's new assignment, the
+  rendezvous and the Gloo contexts);
+- ``sync``: the state sync from the most advanced rank (0 when Horovod skips it: hosts removed only);
+- ``prologue``: the training function's start (reset plan, rank-0 services, LR, the ring's host list);
+- ``first_step``: the first step at the new size.
+"""
+
+PAUSE_MARKS = ("caught", "reset", "sync_start", "sync_end", "prologue_end")
+"""What :func:`pause_parts` reads, as ``time.time()`` values a worker records through a reset."""
+
+
+def pause_parts(failure_ts: float, marks: dict[str, float], now: float) -> dict[str, float | None]:
+    """The parts (:data:`PAUSE_PARTS`) of a reset's pause in seconds, from this worker's marks (:data:`PAUSE_MARKS`).
+
+    A part whose marks this worker did not see (a worker that started during the reset has no ``caught`` or
+    ``reset``) is None; a skipped sync is 0. Negative spans (clocks read on different threads) count as 0.
+    """
+
+    def span(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None else round(max(0.0, b - a), 3)
+
+    caught, reset = marks.get("caught"), marks.get("reset")
+    sync_start, sync_end = marks.get("sync_start"), marks.get("sync_end")
+    synced = sync_start is not None and sync_end is not None and reset is not None and sync_start >= reset
+    prologue_end = marks.get("prologue_end")
+    return {
+        "detect": span(failure_ts, caught),
+        "rendezvous": span(caught, reset),
+        "sync": span(sync_start, sync_end) if synced else (0.0 if reset is not None else None),
+        "prologue": span(sync_end if synced else reset, prologue_end),
+        "first_step": span(prologue_end, now),
+    }

@@ -43,7 +43,7 @@ from elastictrain.engine.collective import Collective
 from elastictrain.engine.elastic_state import ElasticTrainingState, StopRequested
 from elastictrain.engine.metrics import MetricsWindow
 from elastictrain.engine.profile import StepProfile
-from elastictrain.engine.reset import PendingReset, plan_reset
+from elastictrain.engine.reset import PendingReset, pause_parts, plan_reset
 from elastictrain.engine.resume import resume_inputs, resume_latest
 from elastictrain.engine.services import Rank0Services
 from elastictrain.engine.validation import validate
@@ -124,6 +124,8 @@ class Trainer:
         """World size recorded in the checkpoint this process resumed from (rank 0)."""
         self.pending_reset: PendingReset | None = None
         """The reset to report after the first step it allows (see :mod:`elastictrain.engine.reset`)."""
+        self.pause_marks: dict[str, float] = {}
+        """This worker's marks of the reset being reported (taken from the state's at the training function's start)."""
         self.hosts: list[str] = []
         self.rank_hosts: list[str] = []
         """The host of each rank of the current world."""
@@ -211,6 +213,7 @@ class Trainer:
             # the size before this reset (a 2 -> 1 shrink right after a 3 -> 2 reset is not 3 -> 1).
             state.save()
         self.pending_reset = r = plan.reset
+        self.pause_marks, state.marks = state.marks, {}
         if r is not None:
             self.services.events.emit(  # by whoever holds rank 0 now (the one that saw it may be dead), at its time
                 Failure(
@@ -256,11 +259,14 @@ class Trainer:
             cursor=self.sampler.cursor,
             lr=self.optimizer.param_groups[0]["lr"],
         )
+        self.pause_marks["prologue_end"] = time.time()
 
     def _emit_reset(self) -> None:
         r, self.pending_reset = self.pending_reset, None
         assert r is not None
-        recovery = max(0.0, time.time() - r.failure_ts)
+        now = time.time()
+        recovery = max(0.0, now - r.failure_ts)
+        parts = pause_parts(r.failure_ts, self.pause_marks, now)
         self.counters.resets += 1
         hosts = self.hosts  # gathered by every rank in _after_sync: no collective on only some ranks
         self.services.events.emit(
@@ -274,6 +280,7 @@ class Trainer:
                 new_size=r.new_size,
                 reason=r.reason,
                 lost_steps=r.lost_steps,
+                **{f"{part}_seconds": seconds for part, seconds in parts.items()},
             )
         )
         self.services.tracker.log_metrics({"recovery_seconds": recovery}, step=self.counters.step)

@@ -6,7 +6,7 @@ Horovod 0.28.1's elastic driver runs ``--host-discovery-script`` every second th
 interpreter that re-imports the ``horovodrun`` script, every second, for the whole job (what that costs:
 docs/decisions.md).
 
-This entry point is horovodrun itself (same flags, same driver, same rendezvous) with two repairs:
+This entry point is horovodrun itself (same flags, same driver, same rendezvous) with three repairs:
 
 1. **Discovery by fork.** :func:`run_discovery_script` runs the script with ``subprocess`` in its own
    session, kills that session when the script outlives :data:`DISCOVERY_TIMEOUT_SECONDS`, and fails on a
@@ -22,8 +22,14 @@ This entry point is horovodrun itself (same flags, same driver, same rendezvous)
    started again. An exit counts for its own process only: the late exit of a slot's older process does
    not mark the slot's live one dead.
 
-Both repairs replace private methods of Horovod 0.28.1's runner; on any other Horovod version this entry
+The repairs replace private methods of Horovod 0.28.1's runner; on any other Horovod version this entry
 point exits 2 with one line.
+
+3. **Every loopback address is this machine.** Horovod runs a host locally only when its address is one that
+   an interface lists (``network.get_local_host_addresses``), and over ssh otherwise. Linux answers on all of
+   ``127.0.0.0/8`` through ``lo`` while listing only ``127.0.0.1``, so a job of more logical hosts than this
+   machine's four names (:func:`elastictrain.launcher.hosts.local_logical_hosts`: ``127.0.0.2``, ...) would
+   ssh to itself. :func:`install` makes Horovod's check count every loopback address as local.
 
 ``elastictrain launch`` and the benchmarks start horovodrun this way.
 """
@@ -40,6 +46,7 @@ import threading
 from typing import Any
 
 from elastictrain.errors import ElastictrainError
+from elastictrain.launcher.hosts import is_loopback
 
 DISCOVERY_TIMEOUT_SECONDS = 30.0
 """A discovery script that hangs this long is killed (with everything it started) and counts as failed."""
@@ -108,8 +115,15 @@ class _SlotProcesses:
             return set(self._exited)
 
 
+class LocalAddresses(set[str]):
+    """This machine's interface addresses, and every loopback address (``in`` says so for ``127.0.0.0/8``)."""
+
+    def __contains__(self, address: object) -> bool:
+        return super().__contains__(address) or (isinstance(address, str) and is_loopback(address))
+
+
 def install() -> None:
-    """Apply both repairs to Horovod's runner classes (in this process). Idempotent.
+    """Apply the three repairs to Horovod's runner (in this process). Idempotent.
 
     Raises :class:`UnsupportedHorovod` on any Horovod but :data:`HOROVOD_VERSION`.
     """
@@ -123,6 +137,16 @@ def install() -> None:
         )
     from horovod.runner.elastic import discovery
     from horovod.runner.elastic.driver import ElasticDriver
+    from horovod.runner.util import network
+
+    if not getattr(network, "_elastictrain_repaired", False):
+        interface_addresses = network.get_local_host_addresses
+
+        def get_local_host_addresses() -> LocalAddresses:
+            return LocalAddresses(interface_addresses())
+
+        network.get_local_host_addresses = get_local_host_addresses
+        network._elastictrain_repaired = True
 
     def _execute_discovery_script(self: discovery.HostDiscoveryScript) -> str:
         return run_discovery_script(self._discovery_script)

@@ -22,7 +22,7 @@ from discovery.endpoints import EtcdAccess
 from elastictrain.cliutil import OneLineParser
 from elastictrain.config import JobConfig, load_config
 from elastictrain.launcher.errors import LaunchError
-from elastictrain.launcher.hosts import local_addresses, local_logical_hosts, resolve
+from elastictrain.launcher.hosts import is_local, local_logical_hosts
 
 PROG = "elastictrain launch"
 
@@ -215,16 +215,15 @@ def parse(argv: Sequence[str]) -> tuple[LaunchOptions, JobConfig]:
             "(the embedded etcd listens on loopback without TLS or auth)"
         )
     else:
-        local = local_addresses()
         if args.hosts is not None:
             hosts = tuple(h.strip() for h in args.hosts.split(",") if h.strip())
             for h in hosts:
-                if resolve(h) not in local:
+                if not is_local(h):
                     raise LaunchError(f"--hosts: {h!r} does not resolve to this machine (the embedded mode is local)")
             if len(set(hosts)) != len(hosts):
                 raise LaunchError(f"--hosts: duplicate names in {args.hosts!r}")
         else:
-            hosts = tuple(local_logical_hosts()[: max(max_np, 1)])
+            hosts = tuple(local_logical_hosts(max(max_np, 1)))
     opts = LaunchOptions(
         config=Path(args.config),
         overrides=tuple(overrides),

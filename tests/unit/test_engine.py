@@ -13,7 +13,7 @@ from elastictrain.audit import audit_run_dir
 from elastictrain.checkpoint import LocalStorage, load_latest
 from elastictrain.config import JobConfig
 from elastictrain.engine.collective import LocalCollective
-from elastictrain.engine.reset import PendingReset, plan_reset
+from elastictrain.engine.reset import PAUSE_PARTS, PendingReset, pause_parts, plan_reset
 from elastictrain.engine.services import Rank0Services
 from elastictrain.engine.trainer import Trainer, run_trainer
 from elastictrain.events import Commit, Done, EpochEnd, Failure, Reset, Start, TrackingClosed, of_kind, read_events
@@ -132,6 +132,38 @@ def test_a_removal_notice_shrinks_the_world_without_a_failure(tmp_path):
     resets = of_kind(read_events(cfg.run_path / "events.jsonl"), Reset)
     assert [(r.old_size, r.new_size, r.reason) for r in resets] == [(1, 2, "hosts_changed"), (2, 1, "hosts_removed")]
     exactly_once(cfg)
+
+
+def test_each_reset_reports_the_parts_of_its_pause_and_they_add_up_to_the_recovery(tmp_path):
+    cfg = small_job(tmp_path / "run")
+    world = ScriptedWorld({3: Act(notice=ADDED, world=(0, 2)), 7: Act(fail=True), 9: Act(notice=REMOVED, world=(0, 1))})
+    code, _ = train(cfg, world)
+    assert code == 0
+    resets = of_kind(read_events(cfg.run_path / "events.jsonl"), Reset)
+    assert [r.reason for r in resets] == ["hosts_changed", "worker_failed", "hosts_removed"]
+    for r in resets:
+        parts = [getattr(r, f"{p}_seconds") for p in PAUSE_PARTS]
+        assert all(p is not None and p >= 0 for p in parts), (r.reason, parts)
+        assert sum(parts) == pytest.approx(r.recovery_seconds, abs=0.01), (r.reason, parts)
+    assert resets[2].sync_seconds == 0.0, "Horovod skips the sync when hosts were only removed"
+
+
+def test_pause_parts_split_the_recovery_at_the_marks_and_leave_unseen_parts_out():
+    marks = {"caught": 11.0, "reset": 14.5, "sync_start": 14.5, "sync_end": 15.0, "prologue_end": 15.25}
+    assert pause_parts(10.0, marks, 16.0) == {
+        "detect": 1.0,
+        "rendezvous": 3.5,
+        "sync": 0.5,
+        "prologue": 0.25,
+        "first_step": 0.75,
+    }
+    # a sync from before the reset (the job's start) is not this reset's: skipped, 0
+    skipped = {"caught": 11.0, "reset": 12.0, "sync_start": 5.0, "sync_end": 6.0, "prologue_end": 12.5}
+    assert pause_parts(10.0, skipped, 13.0)["sync"] == 0.0
+    assert pause_parts(10.0, skipped, 13.0)["prologue"] == 0.5
+    # a worker started during the reset saw neither the failure nor Horovod's reset
+    joined = pause_parts(10.0, {"sync_start": 14.0, "sync_end": 14.5, "prologue_end": 15.0}, 16.0)
+    assert joined["detect"] is None and joined["rendezvous"] is None and joined["first_step"] == 1.0
 
 
 # ------------------------------------------------------------------------------------- the reset plan (pure)

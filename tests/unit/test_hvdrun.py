@@ -204,3 +204,22 @@ def test_another_horovod_version_fails_with_one_line(monkeypatch, capsys) -> Non
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1
     assert "0.28.1" in err and "0.29.0" in err
+
+
+def test_loopback_hosts_run_locally_after_install_and_other_addresses_still_over_ssh() -> None:
+    """Horovod's own check (gloo_run's and the driver's ``filter_local_addresses``) after the third repair."""
+    pytest.importorskip("horovod.runner.util.network")
+    from horovod.runner.util import network
+
+    from elastictrain.launcher import hvdrun
+    from elastictrain.launcher.hosts import local_addresses
+
+    assert "127.0.0.7" not in local_addresses(), "what stock Horovod compares with: it would ssh to 127.0.0.7"
+    hvdrun.install()
+    assert network.filter_local_addresses(["127.0.0.7", "127.0.0.1", "localhost"]) == []
+    assert "127.0.0.33" in network.get_local_host_addresses()
+    assert "192.0.2.200" not in network.get_local_host_addresses()
+    assert network.filter_local_addresses(["203.0.113.9"]) == ["203.0.113.9"]
+    hvdrun.install()  # idempotent: not wrapped twice
+    assert isinstance(network.get_local_host_addresses(), hvdrun.LocalAddresses)
+    assert not isinstance(next(iter(network.get_local_host_addresses())), hvdrun.LocalAddresses)

@@ -144,7 +144,7 @@ def test_a_host_that_is_not_this_machine_is_refused_in_the_embedded_mode(monkeyp
 
 
 def test_more_min_np_than_local_logical_hosts_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(options, "local_logical_hosts", lambda: ["localhost", "127.0.0.1"])
+    monkeypatch.setattr(options, "local_logical_hosts", lambda count=None: ["localhost", "127.0.0.1"][:count])
     with pytest.raises(LaunchError, match="needs 3 logical hosts but this machine has 2"):
         options.parse(["--config", str(DEMO), "--min-np", "3"])
 
@@ -152,7 +152,9 @@ def test_more_min_np_than_local_logical_hosts_is_refused(monkeypatch: pytest.Mon
 def test_defaults_come_from_the_config_and_flags_after_double_dash_pass_through(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(options, "local_logical_hosts", lambda: ["localhost", "127.0.0.1", "h", "10.0.0.1"])
+    monkeypatch.setattr(
+        options, "local_logical_hosts", lambda count=None: ["localhost", "127.0.0.1", "h", "10.0.0.1"][:count]
+    )
     opts, cfg = options.parse(["--config", str(DEMO), "--job", "other", "--", "--verbose", "--start-timeout", "60"])
     assert (opts.min_np, opts.max_np) == (cfg.elastic.min_np, cfg.elastic.max_np) == (2, 3)
     assert cfg.job == "other" and "job=other" in opts.overrides
@@ -161,7 +163,7 @@ def test_defaults_come_from_the_config_and_flags_after_double_dash_pass_through(
 
 
 def test_min_np_above_the_configs_max_np_raises_the_default_max(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(options, "local_logical_hosts", lambda: ["a", "b", "c", "d"])
+    monkeypatch.setattr(options, "local_logical_hosts", lambda count=None: ["a", "b", "c", "d"][:count])
     opts, _ = options.parse(["--config", str(DEMO), "--min-np", "4"])
     assert (opts.min_np, opts.max_np) == (4, 4)
 
@@ -180,6 +182,30 @@ def test_local_logical_hosts_resolve_to_this_machine() -> None:
     assert all(hosts.resolve(h) in local for h in names)
     if hosts.resolve(socket.gethostname()) in local:
         assert socket.gethostname() in names
+
+
+def test_more_logical_hosts_than_names_come_from_the_loopback_network() -> None:
+    if not hosts.loopback_aliases_work():
+        pytest.skip("this kernel does not answer on 127.0.0.2")
+    named = hosts.local_logical_hosts()
+    many = hosts.local_logical_hosts(32)
+    assert len(many) == len(set(many)) == 32
+    assert many[: len(named)] == named, "the named hosts first, in the same order"
+    extra = many[len(named) :]
+    assert all(hosts.is_loopback(h) and hosts.is_local(h) for h in extra)
+    assert "127.0.0.1" not in extra and len({hosts.resolve(h) for h in many}) >= 32 - len(named) + 1
+    assert hosts.local_logical_hosts(2) == named[:2]
+
+
+def test_launch_starts_agents_for_max_np_logical_hosts_beyond_the_four_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if not hosts.loopback_aliases_work():
+        pytest.skip("this kernel does not answer on 127.0.0.2")
+    opts, _ = options.parse(["--config", str(DEMO), "--min-np", "4", "--max-np", "12"])
+    assert len(opts.hosts) == 12 and len(set(opts.hosts)) == 12
+    opts, _ = options.parse(["--config", str(DEMO), "--hosts", "127.0.0.9,127.0.0.10", "--min-np", "2"])
+    assert opts.hosts == ("127.0.0.9", "127.0.0.10")
 
 
 # ------------------------------------------------------------------------------------------ decisions
@@ -392,7 +418,7 @@ def test_hot_join_and_the_task_trial_are_on_without_flags_and_each_has_an_off_sw
 ) -> None:
     from elastictrain.launcher.commands import ZYGOTE_CLIENT, config_validate_command, worker_command
 
-    monkeypatch.setattr(options, "local_logical_hosts", lambda: ["localhost", "127.0.0.1"])
+    monkeypatch.setattr(options, "local_logical_hosts", lambda count=None: ["localhost", "127.0.0.1"][:count])
     opts, _ = options.parse(["--config", str(DEMO)])
     assert opts.hot_join and opts.task_trial and opts.task_trial_seconds == 60
     assert tuple(worker_command(opts, "/py")[1:5]) == ZYGOTE_CLIENT

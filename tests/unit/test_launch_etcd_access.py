@@ -79,6 +79,6 @@ def test_the_embedded_mode_ignores_inherited_etcd_settings(
     tls_files: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("ELASTICTRAIN_ETCD_CACERT", tls_files["ca.pem"])
-    monkeypatch.setattr(options, "local_logical_hosts", lambda: ["localhost", "127.0.0.1"])
+    monkeypatch.setattr(options, "local_logical_hosts", lambda count=None: ["localhost", "127.0.0.1"][:count])
     opts, _ = options.parse(["--config", str(DEMO)])
     assert opts.embedded and opts.etcd_access is None
