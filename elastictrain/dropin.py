@@ -52,7 +52,7 @@ from torch import nn
 from elastictrain import envnames
 from elastictrain.engine.collective import Collective, HorovodCollective
 from elastictrain.engine.horovod_private import discard_pending_allreduces
-from elastictrain.engine.sync import sync_modules_and_optimizers
+from elastictrain.engine.sync import receive_state
 from elastictrain.engine.watch import arm_watchdog
 from elastictrain.sampler import ExactlyOncePlanner, SamplerState
 from elastictrain.state import (
@@ -263,16 +263,19 @@ class ElasticState(State):
         collective = self._collective
         counts = collective.allgather_object(self.commits, name="elastictrain.dropin.commits")
         root = max(range(len(counts)), key=lambda r: (counts[r], -r))
-        sync_modules_and_optimizers(collective, root, self._modules, self._optimizers)
-        small: dict[str, Any] = collective.broadcast_object(
-            {
+        apply, small = receive_state(
+            collective,
+            root,
+            self._modules,
+            self._optimizers,
+            staged=False,
+            extra={
                 "stateful": {name: obj.state_dict() for name, obj in self._stateful.items()},
                 "values": {name: getattr(self, name) for name in self._values},
                 "commits": self.commits,
             },
-            root,
-            name="elastictrain.dropin.small",
         )
+        apply()
         for name, obj in self._stateful.items():
             load_stateful(obj, small["stateful"][name], self._devices())
         for name, value in small["values"].items():

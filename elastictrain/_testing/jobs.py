@@ -79,7 +79,11 @@ class ElasticJob:
     def start(self) -> ElasticJob:
         self.workdir.mkdir(parents=True, exist_ok=True)
         cfg_path = self.workdir / "job.yaml"
-        cfg_path.write_text(yaml.safe_dump(self.config))
+        text = yaml.safe_dump(self.config)
+        # Written only when it differs: warm zygotes of this job (bench.hotjoin) may have read it already, and a
+        # zygote that sees its config's mtime change refuses to fork and re-warms (the workers would start cold).
+        if not cfg_path.exists() or cfg_path.read_text() != text:
+            cfg_path.write_text(text)
         self.set_hosts(self.hosts)
         script = self.workdir / "discover.sh"
         script.write_text(f"#!/bin/sh\ncat {self.workdir / 'hosts.txt'}\n")

@@ -27,7 +27,7 @@ from elastictrain.engine.horovod_private import (
     last_host_update,
     set_last_host_update,
 )
-from elastictrain.engine.sync import receive_modules_and_optimizers
+from elastictrain.engine.sync import receive_state
 from elastictrain.state import CommittedState, reseed
 
 
@@ -63,6 +63,10 @@ class ElasticTrainingState(State):
         """Called on a host-change interrupt (the watchdog stands down before the rendezvous)."""
         self.failure_cause: Callable[[float], str | None] = lambda since: None
         """Why a failed collective failed, when a hung peer was found since the given time (``worker_hung``)."""
+        self.member: Callable[[], object] = lambda: None
+        """Who this worker is in the ring (host, slot, pid), gathered with the sync's positions."""
+        self.members: list[object] | None = None
+        """Every rank's :attr:`member`, in rank order, from the last sync (None until the trainer takes them)."""
         self.marks: dict[str, float] = {}
         """When this worker passed each point of the current reset (:data:`elastictrain.engine.reset.PAUSE_MARKS`);
         the trainer takes and clears them at the start of the training function."""
@@ -153,13 +157,15 @@ class ElasticTrainingState(State):
         c, collective = self.committed, self.collective
         # The most advanced commit: the epoch-end commit adds no step, so a step tie goes to the later epoch.
         reached = c.counters.step if self.reached_step is None else self.reached_step
-        positions = collective.allgather_object((c.counters.step, c.sampler.epoch, reached), name="sync.positions")
-        root = max(range(len(positions)), key=lambda r: (tuple(positions[r][:2]), -r))
-        apply = receive_modules_and_optimizers(
-            collective, root, {"model": c.model}, {"opt": c.optimizer}, staged=not c.keeps_copy
+        positions = collective.allgather_object(
+            (c.counters.step, c.sampler.epoch, reached, self.member()), name="sync.positions"
         )
-        small = collective.broadcast_object(c.small_state(), root, name="sync.small")
+        root = max(range(len(positions)), key=lambda r: (tuple(positions[r][:2]), -r))
+        apply, small = receive_state(
+            collective, root, {"model": c.model}, {"opt": c.optimizer}, staged=not c.keeps_copy, extra=c.small_state()
+        )
         apply()
+        self.members = [p[3] for p in positions]
         c.load_small_state(small)
         self.lost_steps = max(0, max(int(p[2]) for p in positions) - c.counters.step)
         self.reached_step = None

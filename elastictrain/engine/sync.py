@@ -10,33 +10,23 @@ import torch
 from elastictrain.engine.collective import Collective
 
 
-def sync_modules_and_optimizers(
-    collective: Collective,
-    root: int,
-    modules: dict[str, torch.nn.Module],
-    optimizers: dict[str, torch.optim.Optimizer],
-) -> None:
-    """Make every rank's modules and optimizers equal to ``root``'s, in place (a collective: every rank calls it).
-
-    Tensors are overwritten as they arrive: a failure midway leaves a mix, which a rollback to the last
-    commit repairs. Without a commit to go back to, use :func:`receive_modules_and_optimizers` staged.
-    """
-    receive_modules_and_optimizers(collective, root, modules, optimizers, staged=False)()
-
-
-def receive_modules_and_optimizers(
+def receive_state(
     collective: Collective,
     root: int,
     modules: dict[str, torch.nn.Module],
     optimizers: dict[str, torch.optim.Optimizer],
     *,
     staged: bool,
-) -> Callable[[], None]:
-    """Receive ``root``'s modules and optimizers (a collective: every rank calls it); returns ``apply()``.
+    extra: Any = None,
+) -> tuple[Callable[[], None], Any]:
+    """Receive ``root``'s modules, optimizers and ``extra`` object (a collective: every rank calls it); returns
+    ``(apply, root's extra)``.
 
-    Optimizer state layout (which params have which buffers) comes from the root first, so a rank that has
-    not stepped yet allocates the buffers; then every tensor is broadcast, then the param-group
-    hyper-parameters. Keys name the objects in the broadcasts, identically on every rank.
+    Two broadcasts whatever the number of optimizers: first one object from the root (every optimizer's state
+    layout: which params have which buffers, so that a rank that has not stepped yet allocates them; every
+    param group's hyper-parameters; ``extra``), then every tensor. Each collective costs a round over the whole
+    world, so their number, not their size, is what a reset of a large world pays. Keys name the tensors in
+    the broadcast, identically on every rank.
 
     Call ``apply()`` (local, cannot fail) once every collective of the sync has completed. ``staged``: a
     receiving rank takes the tensors into copies of its own and changes nothing of its own until ``apply()``,
@@ -45,6 +35,18 @@ def receive_modules_and_optimizers(
     tensors are overwritten in place as they arrive, and ``apply()`` sets the param groups.
     """
     receiving = staged and collective.rank() != root
+    meta: dict[str, Any] = collective.broadcast_object(
+        {
+            "layouts": {prefix: _layout(opt) for prefix, opt in optimizers.items()},
+            "groups": {
+                prefix: [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+                for prefix, opt in optimizers.items()
+            },
+            "extra": extra,
+        },
+        root,
+        name="sync.meta",
+    )
     tensors: dict[str, torch.Tensor] = {}
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # staged: (live tensor, received buffer)
     for prefix, module in modules.items():
@@ -56,19 +58,7 @@ def receive_modules_and_optimizers(
     new_states: list[tuple[torch.optim.Optimizer, dict[torch.Tensor, dict[str, Any]]]] = []
     for prefix, opt in optimizers.items():
         params = [p for g in opt.param_groups for p in g["params"]]
-        layout: dict[int, dict[str, Any]] = collective.broadcast_object(
-            {
-                i: {
-                    k: (tuple(v.shape), v.dtype, v.device.type == "cpu")
-                    if isinstance(v, torch.Tensor)
-                    else ("value", v)
-                    for k, v in opt.state.get(p, {}).items()
-                }
-                for i, p in enumerate(params)
-            },
-            root,
-            name=f"sync.{prefix}_layout",
-        )
+        layout: dict[int, dict[str, Any]] = meta["layouts"][prefix]
         states: dict[torch.Tensor, dict[str, Any]] = {}
         for i, entries in layout.items():
             p = params[i]
@@ -99,14 +89,7 @@ def receive_modules_and_optimizers(
                 if not layout.get(i):
                     opt.state.pop(p, None)
     collective.broadcast_(tensors, root)
-    groups = {
-        prefix: collective.broadcast_object(
-            [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
-            root,
-            name=f"sync.{prefix}_groups",
-        )
-        for prefix, opt in optimizers.items()
-    }
+    groups = meta["groups"]
 
     def apply() -> None:
         if copies:
@@ -122,4 +105,16 @@ def receive_modules_and_optimizers(
             for g, saved in zip(opt.param_groups, groups[prefix], strict=True):
                 g.update(saved)
 
-    return apply
+    return apply, meta["extra"]
+
+
+def _layout(opt: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
+    """Which state each param of ``opt`` has: a tensor's (shape, dtype, on the CPU) or a plain value."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return {
+        i: {
+            k: (tuple(v.shape), v.dtype, v.device.type == "cpu") if isinstance(v, torch.Tensor) else ("value", v)
+            for k, v in opt.state.get(p, {}).items()
+        }
+        for i, p in enumerate(params)
+    }

@@ -113,6 +113,7 @@ class Trainer:
         self.optimizer, self.planner = parts.optimizer, parts.planner
         self.stop_requested = False
         self.state = ElasticTrainingState(self.committed, cfg.training.seed, lambda: self.stop_requested, collective)
+        self.state.member = self.member
         self.services = services or Rank0Services(cfg, parts.planner, self._on_checkpoint_event)
         self.watchdog: CollectiveWatchdog | NullWatchdog = watchdog or NullWatchdog()
         self.config_hash = cfg.digest()
@@ -181,6 +182,10 @@ class Trainer:
             log.info("run already complete; nothing to train", step=self.counters.step, epoch=self.sampler.epoch)
 
     # ------------------------------------------------------------------------------------ after a sync
+    def member(self) -> tuple[str, int, int]:
+        """This worker in the ring: (host, slot, pid); every rank gathers them after each rendezvous (the ring)."""
+        return (os.environ.get("HOROVOD_HOSTNAME", self.ctx.host), self.collective.local_rank(), os.getpid())
+
     def _after_sync(self) -> None:
         """Start of ``train`` after a (re)start: the reset plan, rank-0 services, LR, start or failure event."""
         self.ctx.refresh(self.collective)
@@ -230,9 +235,9 @@ class Trainer:
         self._apply_lr()
         self.metrics.start()
         self.profile.discard()
-        members = self.collective.allgather_object(  # every rank: the ring, for host lists, stragglers, hangs
-            (self.ctx.host, self.ctx.local_rank, os.getpid()), name="hosts"
-        )
+        members, state.members = state.members, None  # gathered with the sync's positions when it ran
+        if members is None:  # Horovod skips the sync when hosts were only removed
+            members = self.collective.allgather_object(self.member(), name="hosts")
         self.rank_hosts = [str(m[0]) for m in members]
         self.hosts = sorted(set(self.rank_hosts))
         ring = gathered_members(members)

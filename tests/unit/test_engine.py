@@ -148,6 +148,40 @@ def test_each_reset_reports_the_parts_of_its_pause_and_they_add_up_to_the_recove
     assert resets[2].sync_seconds == 0.0, "Horovod skips the sync when hosts were only removed"
 
 
+class CountingWorld(ScriptedWorld):
+    """Records the name of every object collective (a round over the whole world each, whatever its size)."""
+
+    def __init__(self, script: dict[int, Act]) -> None:
+        super().__init__(script)
+        self.rounds: list[str] = []
+
+    def allgather_object(self, obj, name):
+        self.rounds.append(f"allgather:{name}")
+        return super().allgather_object(obj, name)
+
+    def broadcast_object(self, obj, root, name):
+        self.rounds.append(f"broadcast:{name}")
+        return super().broadcast_object(obj, root, name)
+
+    def broadcast_(self, tensors, root):
+        self.rounds.append("broadcast:tensors")
+        return super().broadcast_(tensors, root)
+
+
+def test_a_reset_costs_three_collectives_from_its_rendezvous_to_its_first_step(tmp_path):
+    """Each collective is a round over the whole world; at 32 workers sharing cores one costs about a step, so the
+    sync and the training function's start must not add rounds per optimizer, per object or per host list."""
+    cfg = small_job(tmp_path / "run")
+    world = CountingWorld({7: Act(fail=True)})
+    code, _ = train(cfg, world)
+    assert code == 0
+    # the job's start and the reset after the failure: each one sync, nothing else before the first step
+    syncs = [r for r in world.rounds if r.startswith("allgather:sync.positions")]
+    assert len(syncs) == 2
+    per_sync = ["allgather:sync.positions", "broadcast:sync.meta", "broadcast:tensors"]
+    assert [r for r in world.rounds if not r.startswith("allgather:val")] == per_sync * 2, world.rounds
+
+
 def test_pause_parts_split_the_recovery_at_the_marks_and_leave_unseen_parts_out():
     marks = {"caught": 11.0, "reset": 14.5, "sync_start": 14.5, "sync_end": 15.0, "prologue_end": 15.25}
     assert pause_parts(10.0, marks, 16.0) == {

@@ -128,8 +128,9 @@ class RootIsRankOne(LocalCollective):
         return [obj, obj + 1]
 
     def broadcast_object(self, obj: Any, root: int, name: str) -> Any:
-        if name == "elastictrain.dropin.small":
-            obj = {**obj, "stateful": {**obj["stateful"], "scaler": trained_scaler_state()}}
+        if name == "sync.meta":  # the root's layouts, param groups and the drop-in's small state
+            small = obj["extra"]
+            obj = {**obj, "extra": {**small, "stateful": {**small["stateful"], "scaler": trained_scaler_state()}}}
         return obj
 
 

@@ -107,10 +107,12 @@ class _JoinerCollective(LocalCollective):
 
     def allgather_object(self, obj, name):
         # rank 0 is ahead (step, epoch, step reached): it is the root, this process (rank 1) receives
-        return [(10, 0, 10), obj]
+        return [(10, 0, 10, ("root", 0, 1)), obj]
 
     def broadcast_object(self, obj, root, name):
-        return self.root_layout if name == "sync.opt_layout" else obj
+        if name == "sync.meta":  # the root's layouts; this joiner's own groups and small state stand in for the root's
+            return {**obj, "layouts": {"opt": self.root_layout}}
+        return obj
 
     def broadcast_(self, tensors, root):
         self.broadcasts.update({name: t.device for name, t in tensors.items()})
