@@ -6,7 +6,7 @@ Horovod 0.28.1's elastic driver runs ``--host-discovery-script`` every second th
 interpreter that re-imports the ``horovodrun`` script, every second, for the whole job (what that costs:
 docs/decisions.md).
 
-This entry point is horovodrun itself (same flags, same driver, same rendezvous) with three repairs:
+This entry point is horovodrun itself (same flags, same driver, same rendezvous) with four repairs:
 
 1. **Discovery by fork.** :func:`run_discovery_script` runs the script with ``subprocess`` in its own
    session, kills that session when the script outlives :data:`DISCOVERY_TIMEOUT_SECONDS`, and fails on a
@@ -30,6 +30,13 @@ point exits 2 with one line.
    ``127.0.0.0/8`` through ``lo`` while listing only ``127.0.0.1``, so a job of more logical hosts than this
    machine's four names (:func:`elastictrain.launcher.hosts.local_logical_hosts`: ``127.0.0.2``, ...) would
    ssh to itself. :func:`install` makes Horovod's check count every loopback address as local.
+
+4. **The rendezvous server takes every connection.** Horovod's rendezvous is an HTTP key-value store in the
+   driver (``RendezvousHTTPServer``), and each worker's Gloo store polls it for every missing key every 10 ms,
+   a new TCP connection per request. Its listen backlog is Python's default of 5: at 32 workers the queue
+   overflows, the kernel drops SYNs, and each dropped client waits for a SYN retransmit (1 s, then 3 s, 7 s, ...),
+   which made one reset's rendezvous take a minute at 32 workers (``ListenOverflows`` in ``/proc/net/netstat``
+   counted the drops). :func:`install` gives the server a backlog of :data:`RENDEZVOUS_BACKLOG`.
 
 ``elastictrain launch`` and the benchmarks start horovodrun this way.
 """
@@ -77,6 +84,9 @@ def run_discovery_script(script: str, timeout: float = DISCOVERY_TIMEOUT_SECONDS
     return out
 
 
+RENDEZVOUS_BACKLOG = 4096
+"""Listen backlog of Horovod's rendezvous server (the kernel caps it at ``net.core.somaxconn``)."""
+
 HOROVOD_VERSION = "0.28.1"
 """The only Horovod whose elastic driver :func:`install` knows: it replaces private methods of that release."""
 
@@ -123,7 +133,7 @@ class LocalAddresses(set[str]):
 
 
 def install() -> None:
-    """Apply the three repairs to Horovod's runner (in this process). Idempotent.
+    """Apply the four repairs to Horovod's runner (in this process). Idempotent.
 
     Raises :class:`UnsupportedHorovod` on any Horovod but :data:`HOROVOD_VERSION`.
     """
@@ -137,7 +147,10 @@ def install() -> None:
         )
     from horovod.runner.elastic import discovery
     from horovod.runner.elastic.driver import ElasticDriver
+    from horovod.runner.http.http_server import RendezvousHTTPServer
     from horovod.runner.util import network
+
+    RendezvousHTTPServer.request_queue_size = RENDEZVOUS_BACKLOG
 
     if not getattr(network, "_elastictrain_repaired", False):
         interface_addresses = network.get_local_host_addresses

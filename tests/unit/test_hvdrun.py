@@ -223,3 +223,27 @@ def test_loopback_hosts_run_locally_after_install_and_other_addresses_still_over
     hvdrun.install()  # idempotent: not wrapped twice
     assert isinstance(network.get_local_host_addresses(), hvdrun.LocalAddresses)
     assert not isinstance(next(iter(network.get_local_host_addresses())), hvdrun.LocalAddresses)
+
+
+def test_the_rendezvous_server_listens_with_a_backlog_that_a_large_world_does_not_overflow() -> None:
+    """32 workers' Gloo stores poll the driver's HTTP store every 10 ms; a backlog of 5 dropped their SYNs."""
+    pytest.importorskip("horovod.runner.http.http_server")
+    import shutil
+    import subprocess
+
+    from horovod.runner.http.http_server import RendezvousServer
+
+    from elastictrain.launcher import hvdrun
+
+    hvdrun.install()
+    server = RendezvousServer()
+    port = server.start()
+    try:
+        if shutil.which("ss") is None:
+            pytest.skip("needs ss to read the listen backlog")
+        out = subprocess.run(["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True, check=True).stdout
+        backlog = int(out.split()[2])  # State Recv-Q Send-Q ...: a listening socket's Send-Q is its backlog
+        somaxconn = int(Path("/proc/sys/net/core/somaxconn").read_text())
+        assert backlog == min(hvdrun.RENDEZVOUS_BACKLOG, somaxconn) > 5
+    finally:
+        server.stop()
