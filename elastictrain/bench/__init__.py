@@ -43,8 +43,12 @@ MEASUREMENTS: dict[str, str] = {
     "kill_distribution": "recovery over 32 SIGKILLs (rank 0, others, pairs) in one 4-worker job (quick: 8)",
     "goodput": "productive step time / wall time under a seeded SIGKILL every 60 s for 10 min (quick: 30 s, 2 min), "
     "hot join and rollback none",
+    "scale_world": "world sizes 4, 8, 16, 32 (quick: 4, 8) on logical hosts: SIGKILL -> next step, hot and cold "
+    "scale-up N-1 -> N, start-up, the parts of each pause, PSS per worker hot vs cold, growth 32 / 4",
     "stragglers": "a worker 50% slower in 4: steps until named, seconds until drained, samples/s before / during / "
     "after vs fault-free 3 and 4 workers; SIGSTOP -> next completed step",
+    "peers": "elastictrain vs stock Horovod elastic, torchrun and TorchFT on one task: samples/s, SIGKILL recovery, "
+    "scale-up pause, steps redone, goodput, exactly once (torchrun and TorchFT need `make peers-env`)",
 }
 
 __all__ = ["MEASUREMENTS", "main", "parse_only"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from horovod.common.elastic import State
@@ -63,9 +64,9 @@ class ElasticTrainingState(State):
         """Called on a host-change interrupt (the watchdog stands down before the rendezvous)."""
         self.failure_cause: Callable[[float], str | None] = lambda since: None
         """Why a failed collective failed, when a hung peer was found since the given time (``worker_hung``)."""
-        self.member: Callable[[], object] = lambda: None
+        self.member: Callable[[], Any] = lambda: None
         """Who this worker is in the ring (host, slot, pid), gathered with the sync's positions."""
-        self.members: list[object] | None = None
+        self.members: list[Any] | None = None
         """Every rank's :attr:`member`, in rank order, from the last sync (None until the trainer takes them)."""
         self.marks: dict[str, float] = {}
         """When this worker passed each point of the current reset (:data:`elastictrain.engine.reset.PAUSE_MARKS`);

@@ -285,7 +285,11 @@ class Trainer:
                 new_size=r.new_size,
                 reason=r.reason,
                 lost_steps=r.lost_steps,
-                **{f"{part}_seconds": seconds for part, seconds in parts.items()},
+                detect_seconds=parts["detect"],
+                rendezvous_seconds=parts["rendezvous"],
+                sync_seconds=parts["sync"],
+                prologue_seconds=parts["prologue"],
+                first_step_seconds=parts["first_step"],
             )
         )
         self.services.tracker.log_metrics({"recovery_seconds": recovery}, step=self.counters.step)
