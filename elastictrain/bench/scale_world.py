@@ -243,14 +243,18 @@ def one_size(workdir: Path, size: int, kills: int, log: Callable[[str], None]) -
                 wait,
                 what=f"the first step after the SIGKILL of {host}",
             )
-            back = job.wait_event(
-                Reset,
-                lambda e: e.ts > down.ts and e.new_size == size,  # noqa: B023 - used at once
-                wait,
-                what=f"{host} back at {size} workers",
-            )
+            try:
+                back: Reset | None = job.wait_event(
+                    Reset,
+                    lambda e: e.ts > down.ts and e.new_size == size,  # noqa: B023 - used at once
+                    wait,
+                    what=f"{host} back at {size} workers",
+                )
+            except HarnessError as e:  # a result: this size's further kills are not made
+                back, out["error"] = None, str(e).splitlines()[0]
             kind = "hot" if host in hot_hosts else "cold"
-            down_parts, up_parts = parts_of(down), parts_of(back)
+            down_parts = parts_of(down)
+            up_parts = parts_of(back) if back is not None else dict.fromkeys(PAUSE_PARTS)
             k: dict[str, Any] = {
                 "aim": aim,
                 "host": host,
@@ -261,15 +265,17 @@ def one_size(workdir: Path, size: int, kills: int, log: Callable[[str], None]) -
                 "reason": down.reason,
                 "down_parts": down_parts,
                 "up_kind": kind,
-                "up_pause": back.recovery_seconds,
+                "up_pause": back.recovery_seconds if back is not None else None,
                 "up_parts": up_parts,
             }
             out["kills"].append(k)
             log(
                 f"{size} workers: SIGKILL {aim} ({host}) -> next step at {down.new_size} {k['kill_to_step']:.2f} s "
                 f"[{fmt_parts(down_parts)}]; {kind} return {k['up_pause'] or float('nan'):.2f} s "
-                f"[{fmt_parts(up_parts)}]"
+                f"[{fmt_parts(up_parts)}]" + (f"; {out['error']}" if back is None else "")
             )
+            if back is None:
+                break
             job.wait_step(back.step + STEADY_STEPS, timeout=wait)
         if not all(zygotes.alive().values()):
             raise BenchError(f"a warm zygote died: {zygotes.alive()}")
@@ -305,6 +311,10 @@ def figures(run: dict[str, Any]) -> dict[str, float | None]:
         out[f"up_{part}"] = med([k["up_parts"][part] for k in kills])
     own = [sum(k["down_parts"][p] or 0.0 for p in OURS) for k in kills]
     out["kill_own_share"] = med(own)
+    step = run["step_seconds"]
+    # In steps of this world: a collective costs about a step when N workers share the cores, so this is the
+    # share's size in rounds over the world, which does not grow with the per-round cost of a crowded machine.
+    out["kill_own_share_steps"] = out["kill_own_share"] / step if out["kill_own_share"] is not None and step else None
     return out
 
 
@@ -318,9 +328,16 @@ def run(ctx: BenchContext, sizes: Sequence[int] | None = None, kills: int | None
     sizes = tuple(sizes or (QUICK_SIZES if ctx.quick else SIZES))
     kills = kills or (QUICK_KILLS if ctx.quick else KILLS)
     runs: dict[int, dict[str, Any]] = {}
+    failed: dict[int, str] = {}
     for size in sizes:
-        runs[size] = one_size(ctx.scratch(f"size-{size}"), size, kills, ctx.progress)
-    by_size = {size: figures(r) for size, r in runs.items()}
+        try:  # a size that fails is reported; the others still run
+            runs[size] = one_size(ctx.scratch(f"size-{size}"), size, kills, ctx.progress)
+        except (BenchError, HarnessError) as e:
+            failed[size] = str(e).splitlines()[0]
+            ctx.progress(f"{size} workers: failed: {failed[size]}")
+    if not runs:
+        raise BenchError(f"no world size ran: {failed}")
+    by_size = {size: figures(r) for size, r in runs.items() if r["kills"]}
     grow = growth(by_size) if len(by_size) > 1 else {}
     top = max(by_size)
     kill_values = [k["kill_to_step"] for k in runs[top]["kills"]]
@@ -353,14 +370,39 @@ def run(ctx: BenchContext, sizes: Sequence[int] | None = None, kills: int | None
                 note=f"Horovod's rendezvous grew {grow.get('kill_rendezvous') or float('nan'):.1f}x",
             )
         )
+        metrics.append(
+            Metric(
+                f"growth {min(by_size)} -> {top} of our share in steps of each world",
+                grow.get("kill_own_share_steps"),
+                "x",
+                GOAL_OWN_GROWTH,
+                note=f"step time grew {grow.get('step') or float('nan'):.1f}x",
+            )
+        )
         metrics += [
-            Metric(f"growth {min(by_size)} -> {top}: {k}", v, "x") for k, v in grow.items() if k != "kill_own_share"
+            Metric(f"growth {min(by_size)} -> {top}: {k}", v, "x")
+            for k, v in grow.items()
+            if k not in ("kill_own_share", "kill_own_share_steps")
         ]
+    errors = {**{str(k): v for k, v in failed.items()}, **{str(k): r["error"] for k, r in runs.items() if "error" in r}}
+    metrics.append(
+        Metric(
+            "kills (all sizes) after which survivors died too",
+            float(sum(1 for r in runs.values() for k in r["kills"] if k["collateral"])),
+            "",
+            note=f"of {sum(len(r['kills']) for r in runs.values())}; stopped: {errors or 'none'}",
+        )
+    )
     return Result(
         NAME,
         metrics=metrics,
         contenders={str(size): {**fig, "unit": "s / MiB"} for size, fig in by_size.items()},
-        detail={"sizes": list(sizes), "kills_per_size": kills, "runs": {str(k): v for k, v in runs.items()}},
+        detail={
+            "sizes": list(sizes),
+            "kills_per_size": kills,
+            "failed": {str(k): v for k, v in failed.items()},
+            "runs": {str(k): v for k, v in runs.items()},
+        },
     )
 
 

@@ -53,6 +53,7 @@ def test_figures_take_medians_per_size_and_our_share_leaves_horovods_rendezvous_
     assert f["hot_up_median"] == 1.5 and f["cold_up_median"] == 8.0
     assert f["kill_own_share"] == pytest.approx(0.5 + 0.1 + 0.2)  # detect + sync + prologue
     assert f["kill_rendezvous"] == 0.4
+    assert f["kill_own_share_steps"] == pytest.approx(0.8 / 0.4)  # in steps of this world (0.1 s x 4)
 
 
 def test_growth_divides_the_largest_size_by_the_smallest_and_skips_missing_figures():
@@ -64,3 +65,25 @@ def test_growth_divides_the_largest_size_by_the_smallest_and_skips_missing_figur
     assert g["kill_rendezvous"] == pytest.approx(5.0)
     assert g["kill_own_share"] == pytest.approx((0.5 + 0.3 + 0.2) / 0.8)
     assert g["zygote_pss_mib"] is None
+
+
+def test_a_size_that_fails_is_reported_and_the_others_keep_their_figures(monkeypatch, tmp_path: Path):
+    from elastictrain._testing.procs import HarnessError
+    from elastictrain.bench.core import BenchContext
+
+    def one_size(workdir, size, kills, log):
+        if size == 8:
+            raise HarnessError("timed out after 280s waiting for 127.0.0.5 back at 8 workers\nlog tail")
+        run = _run(size, kill=1.0, hot=1.0, cold=8.0, rendezvous=0.4, sync=0.1)
+        for k in run["kills"]:
+            k["collateral"] = 0
+        run["kills"][0]["collateral"] = 2
+        return run
+
+    monkeypatch.setattr(scale_world, "one_size", one_size)
+    ctx = BenchContext(quick=True, workdir=tmp_path, progress=lambda _m: None)
+    result = scale_world.run(ctx, sizes=(4, 8), kills=3)
+    assert result.detail["failed"] == {"8": "timed out after 280s waiting for 127.0.0.5 back at 8 workers"}
+    assert list(result.contenders) == ["4"]
+    [collateral] = [m for m in result.metrics if m.name.startswith("kills (all sizes)")]
+    assert collateral.value == 1.0 and "of 3" in collateral.note
