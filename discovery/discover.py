@@ -21,7 +21,9 @@ Environment:
 
 The cache records when it was read by this machine's clocks (monotonic time qualified by the boot
 id, and wall time), never by the file's mtime, which an NFS server stamps with its own clock; its
-lines are validated as host names from etcd are, and invalid ones are skipped with a warning.
+lines are validated as host names from etcd are, and invalid ones are skipped with a warning. It also keeps each
+host's value with the slots and state parsed from it, so that a call parses only the values that changed since
+the previous one.
 
 Exit codes: 0 hosts printed (from etcd, or from a fresh enough cache during an outage); 1 etcd
 unreachable and no fresh cache; 2 bad environment.
@@ -29,7 +31,7 @@ unreachable and no fresh cache; 2 bad environment.
 
 from __future__ import annotations
 
-import base64
+import binascii  # not base64: it imports re, and wraps these two calls
 import json
 import os
 import socket
@@ -40,6 +42,7 @@ from discovery.endpoints import Endpoint, EtcdAccess, parse_endpoints
 from discovery.fileio import write_atomic
 from discovery.wire import (
     DEFAULT_PREFIX,
+    STATES,
     MalformedRecord,
     check_name,
     check_slots,
@@ -223,35 +226,67 @@ def range_prefix(session: Session, ep: Endpoint, prefix: str) -> list[tuple[str,
     """``(key, value)`` pairs under ``prefix`` from one endpoint's JSON gateway (etcd >= 3.4)."""
     start = prefix.encode()
     end = start[:-1] + bytes([start[-1] + 1])  # the prefix ends in '/', so no carry
-    body = {"key": base64.b64encode(start).decode(), "range_end": base64.b64encode(end).decode()}
+    b64 = binascii.b2a_base64
+    body = {"key": b64(start, newline=False).decode(), "range_end": b64(end, newline=False).decode()}
     reply = session.post(ep, "/v3/kv/range", body, session.token(ep))
     return [
-        (base64.b64decode(kv["key"]).decode(errors="replace"), base64.b64decode(kv.get("value", "")))
+        (binascii.a2b_base64(kv["key"]).decode(errors="replace"), binascii.a2b_base64(kv.get("value", "")))
         for kv in reply.get("kvs", [])
     ]
 
 
-def fetch(cfg: DiscoverConfig) -> tuple[list[str], list[str]]:
-    """``(lines, warnings)`` from the first endpoint that answers; :class:`EtcdUnreachable` if none."""
+def fetch(cfg: DiscoverConfig, known: Mapping[str, Any] | None = None) -> tuple[list[str], list[str], dict[str, Any]]:
+    """``(lines, warnings, parsed)`` from the first endpoint that answers; :class:`EtcdUnreachable` if none.
+
+    ``parsed`` maps each host whose value is valid to ``[value, slots, state]`` (the value as latin-1 text); given
+    back as ``known`` by the next call, it spares that call the parse of every value that did not change, so the
+    per-host cost of a call is a string comparison, not a JSON parse and its checks (:func:`known_record`).
+    """
     start = hosts_prefix(cfg.prefix, cfg.job)
     session = Session(cfg.access, cfg.timeout_seconds)
     errors: list[str] = []
+    known = known if isinstance(known, dict) else {}
     for ep in cfg.endpoints:
         try:
             pairs = range_prefix(session, ep, start)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # timeouts and TLS errors are OSErrors
             errors.append(f"{ep.url}: {type(e).__name__}: {e}")
             continue
-        records, warnings = [], []
+        records, warnings, parsed = [], [], {}
         for key, value in pairs:
-            try:
-                records.append(parse_value(key[len(start) :], value))
-            except MalformedRecord as e:  # ascii(): a key may hold a newline or a terminal escape
-                warnings.append(f"skipping malformed value at {key!a}: {e}")
+            host, text = key[len(start) :], value.decode("latin-1")
+            record = known_record(host, text, known.get(host))
+            if record is None:
+                try:
+                    record = parse_value(host, value)
+                except MalformedRecord as e:  # ascii(): a key may hold a newline or a terminal escape
+                    warnings.append(f"skipping malformed value at {key!a}: {e}")
+                    continue
+            parsed[host] = [text, record["slots"], record["state"]]
+            records.append(record)
         records, duplicates = drop_case_duplicates(records, lambda r: r["host"])
         warnings += [f"skipping {w}" for w in duplicates]
-        return discovery_lines(records), warnings
+        return discovery_lines(records), warnings, parsed
     raise EtcdUnreachable("; ".join(errors))
+
+
+def known_record(host: str, text: str, entry: object) -> dict[str, Any] | None:
+    """The record of ``host`` from a previous call's ``parsed`` entry when its value is exactly ``text``, else None.
+
+    The entry comes from the cache file, which may sit in a shared folder: the host name (from etcd's key) and
+    the cached slots and state are checked as a parse checks them, so a bad entry is parsed again, never printed.
+    """
+    if not isinstance(entry, list) or len(entry) != 3 or entry[0] != text:
+        return None
+    _, slots, state = entry
+    try:
+        check_name("host", host)
+        check_slots(slots)
+    except ValueError:
+        return None
+    if state not in STATES:
+        return None
+    return {"host": host, "slots": slots, "state": state}
 
 
 def boot_id() -> str:
@@ -278,21 +313,35 @@ class Clock:
         return cls(time.time(), time.monotonic(), boot_id())
 
 
-def write_cache(path: str, job: str, lines: list[str], clock: Clock) -> None:
-    """Record a successful answer and when it was read, by this machine's clocks (not the file's mtime,
-    which a file server stamps with its own clock).
-
-    The file is replaced atomically each time (:func:`discovery.fileio.atomic_file`); only a change
-    of membership is fsynced, since a lost refresh of the stamp only makes the cache look older.
-    """
-    stamp = {"wall": clock.wall, "monotonic": clock.mono, "boot_id": clock.boot}
-    payload = json.dumps({"job": job, "hosts": lines, "read_at": stamp}, separators=(",", ":")).encode()
+def load_cache(path: str) -> object:
+    """The cache file's JSON as it is (None when missing or unreadable); callers check what they use."""
     try:
         with open(path, "rb") as f:
-            old = json.loads(f.read())
-        changed = not isinstance(old, dict) or old.get("job") != job or old.get("hosts") != lines
+            return json.loads(f.read())
     except (OSError, ValueError):
-        changed = True
+        return None
+
+
+def write_cache(
+    path: str,
+    job: str,
+    lines: list[str],
+    clock: Clock,
+    parsed: Mapping[str, Any] | None = None,
+    old: object = None,
+) -> None:
+    """Record a successful answer and when it was read, by this machine's clocks (not the file's mtime,
+    which a file server stamps with its own clock), and the values it parsed (``parsed`` of :func:`fetch`).
+
+    The file is replaced atomically each time (:func:`discovery.fileio.atomic_file`); only a change
+    of membership (compared with ``old``, the file as read before, or as read now when not given) is
+    fsynced, since a lost refresh of the stamp only makes the cache look older.
+    """
+    stamp = {"wall": clock.wall, "monotonic": clock.mono, "boot_id": clock.boot}
+    data = {"job": job, "hosts": lines, "read_at": stamp, "parsed": dict(parsed or {})}
+    payload = json.dumps(data, separators=(",", ":")).encode()
+    old = load_cache(path) if old is None else old
+    changed = not isinstance(old, dict) or old.get("job") != job or old.get("hosts") != lines
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     write_atomic(path, payload, durable=changed)
 
@@ -368,8 +417,10 @@ def run(env: Mapping[str, str], clock: Clock | None = None) -> tuple[int, list[s
     except ConfigError as e:
         return 2, [], [f"{PROG}: error: {e}"]
     clock = Clock.now() if clock is None else clock
+    old = load_cache(cfg.cache_path)
+    known = old.get("parsed") if isinstance(old, dict) and old.get("job") == cfg.job else None
     try:
-        lines, warnings = fetch(cfg)
+        lines, warnings, parsed = fetch(cfg, known)
     except EtcdUnreachable as e:
         cached = read_cache(cfg.cache_path, cfg.job, clock)
         if cached is None:
@@ -390,7 +441,7 @@ def run(env: Mapping[str, str], clock: Clock | None = None) -> tuple[int, list[s
         return 0, cached_lines, messages
     messages = [f"{PROG}: warning: {w}" for w in warnings]
     try:
-        write_cache(cfg.cache_path, cfg.job, lines, clock)
+        write_cache(cfg.cache_path, cfg.job, lines, clock, parsed, old)
     except OSError as e:
         messages.append(f"{PROG}: warning: cannot write cache {cfg.cache_path}: {e}")
     return 0, lines, messages

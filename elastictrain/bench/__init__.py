@@ -33,6 +33,8 @@ from elastictrain.cliutil import OneLineParser
 # name -> what it measures, in run order (``commit`` and ``scaling`` reuse the runs of ``elastic_overhead``).
 MEASUREMENTS: dict[str, str] = {
     "discovery": "discover.sh wall time against a live etcd with 32 hosts",
+    "control_plane": "1,000 hosts on one etcd (simulated agents, churn, real agents SIGKILLed): discover.sh p50/p99, "
+    "etcd requests/s and bytes/host/min, agent death -> gone from discovery, Horovod driver assignment time",
     "elastic_overhead": "samples/s of elastictrain train vs a plain Horovod loop, 2 workers",
     "commit": "commit cost as % of step time; CommittedState.save() vs stock TorchState.save()",
     "scaling": "samples/s at world size 1 and 2 (report only)",
