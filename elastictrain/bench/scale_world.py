@@ -407,26 +407,52 @@ def run(ctx: BenchContext, sizes: Sequence[int] | None = None, kills: int | None
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run alone; writes ``<out>/<date>-<host>-scale-world.json`` / ``.md`` like ``elastictrain bench``."""
     p = OneLineParser(prog="python -m elastictrain.bench.scale_world", description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="world sizes, comma-separated (4,8,16,32)")
     p.add_argument("--kills", type=int, default=KILLS, help=f"SIGKILLs per size, rank 0 first ({KILLS})")
-    args = p.parse_args(argv)
+    p.add_argument("--out", metavar="DIR", default="bench/results", help="where results go (bench/results)")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
     except ValueError:
         p.error(f"--sizes: not a list of integers: {args.sizes!r}")
     if not sizes or any(s < 2 for s in sizes) or args.kills < 1:
         p.error("--sizes must be integers >= 2 and --kills >= 1")
-    from elastictrain.bench.core import Progress
+    from elastictrain.bench.core import (
+        Progress,
+        build_report,
+        describe_machine,
+        load_average,
+        markdown_table,
+        result_stem,
+        write_results,
+    )
 
+    started, load_before, machine = time.time(), load_average(), describe_machine()
     with tempfile.TemporaryDirectory(prefix="elastictrain-scale-") as tmp:
         ctx = BenchContext(quick=False, workdir=Path(tmp), progress=Progress())
+        t0 = time.monotonic()
         try:
             result = run(ctx, sizes, args.kills)
         except (BenchError, HarnessError) as e:
             print(f"scale_world: {e}", file=sys.stderr)
             return 1
-    print(json.dumps(result.to_dict(), indent=1, default=str))
+        result.seconds = time.monotonic() - t0
+    report = build_report(
+        [result],
+        machine=machine,
+        quick=False,
+        argv=["python", "-m", "elastictrain.bench.scale_world", *(sys.argv[1:] if argv is None else argv)],
+        started=started,
+        finished=time.time(),
+        load_before=load_before,
+        load_after=load_average(),
+    )
+    stem = result_stem(started, machine["hostname"], False) + "-scale-world"
+    json_path, md_path = write_results(report, Path(args.out), stem)
+    sys.stdout.write(markdown_table(report))
+    print(f"wrote {json_path} and {md_path}", file=sys.stderr)
     return 0
 
 
