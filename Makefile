@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.setup-done
 PYTEST  := .venv/bin/pytest
 
-.PHONY: setup test test-unit test-integration lint format demo bench bench-quick gpu-check chaos clean
+.PHONY: setup test test-unit test-integration lint format demo bench bench-quick gpu-check chaos clean peers-env bench-peers
 
 # Setup is idempotent; the stamp makes `make test` skip it when nothing it depends on changed.
 $(STAMP): scripts/setup.sh constraints/torch.txt pyproject.toml
@@ -60,6 +60,19 @@ CHAOS_ARGS ?=
 chaos: $(STAMP)
 	ELASTICTRAIN_CHAOS_LONG=1 $(PYTEST) -q -ra tests/chaos
 	$(PY) -m chaos run soak --run-dir runs/chaos/soak-$$(date +%Y%m%d-%H%M%S) $(CHAOS_ARGS)
+
+# The contenders of `elastictrain bench --only peers` (torchrun and TorchFT) in their own environment, never in
+# the product's: torch from constraints/torch.txt (the local disk, as scripts/setup.sh installs it) and torchft 0.2.0.
+PEERS_VENV := .peers-venv
+peers-env:
+	python3.11 -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install -q --disable-pip-version-check -c constraints/torch.txt torch torchft==0.2.0 numpy
+	$(PEERS_VENV)/bin/python -c "import torch, torchft; print('peers-env: torch', torch.__version__, 'torchft 0.2.0')"
+
+# elastictrain, stock Horovod, torchrun and TorchFT side by side (needs `make peers-env`); BENCH_ARGS=--quick
+BENCH_ARGS ?=
+bench-peers: $(STAMP)
+	$(PY) -m elastictrain.cli bench --only peers $(BENCH_ARGS)
 
 clean:
 	rm -rf .pytest_cache .mypy_cache .ruff_cache runs

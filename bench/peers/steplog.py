@@ -1,0 +1,64 @@
+"""The writer of the peer benchmark's common per-step log: every contender's script writes it the same way.
+
+Standard library only, and nothing from ``elastictrain``: the contenders' scripts import it from their own
+environments (``.peers-venv`` for torchrun and TorchFT, the product's for elastictrain and stock Horovod). The
+bench reads the logs and applies the one rule every contender is measured by
+(``elastictrain.bench.peers``: ``replay``, ``goodput``, ``first_step_after``, ``pause``, ``audit``).
+
+Format: a folder of ``<writer>.jsonl`` files, one per training process (``writer``: logical host and pid), one
+JSON object a line, written when a step ends:
+
+    {"step": S, "epoch": E, "t0": T0, "t1": T1, "world": W, "committed": true, "ids": [...]}
+
+- ``step`` is the contender's own step counter after the step (elastictrain and Horovod: the elastic state's
+  counter; torchrun: the counter restored from its checkpoint; TorchFT: ``Manager.current_step()``);
+- ``t0`` (unix seconds) is taken just before the step's ``zero_grad``/forward, ``t1`` just after the optimizer
+  step returned; data loading, commits, checkpoints and logging between steps are outside ``[t0, t1]``;
+- ``world``: the number of workers (TorchFT: replica groups) that took part in the step;
+- ``committed``: false when the contender threw the step away as it ended (TorchFT's ``should_commit``);
+- ``ids``: the sample indices this process trained on in the step.
+
+The rule (``replay``): lines are replayed in order of ``t1``. A committed line of step ``S`` whose ``t0`` is
+after the ``t1`` of earlier kept lines of steps ``>= S`` means those steps were rolled back and are being redone:
+they leave the kept set (counted as redone). Lines of the same step from different processes overlap in time
+(a collective joins them), so they never discard each other. Then:
+
+- goodput (``goodput``): the length of the union of the kept lines' ``[t0, t1]`` inside the window ÷ the
+  window; a step redone after a rollback is not kept, a step thrown away was never kept;
+- recovery (``first_step_after``): a fault's time to the end of the first committed step begun after it;
+- scale-up pause (``pause``): the longest gap between the job's step completions from a host's listing to
+  the first step at the new size, less the median gap before the listing;
+- exactly once (``audit``): per completed epoch, the sample ids of the kept lines against ``range(N)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["StepLogWriter"]
+
+
+class StepLogWriter:
+    """A training process's writer: call :meth:`started` just before a step, :meth:`ended` just after it."""
+
+    def __init__(self, folder: str | os.PathLike[str], writer: str) -> None:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        self.path = Path(folder) / f"{writer}.jsonl"
+        self._f = open(self.path, "a", buffering=1)  # noqa: SIM115 - one line per step, closed by the process's end
+        self.t0: float | None = None
+
+    def started(self) -> None:
+        """Mark the step's start (only the first call per step counts, so a loss called per micro-batch may)."""
+        if self.t0 is None:
+            self.t0 = time.time()
+
+    def ended(self, *, step: int, epoch: int, world: int, ids: Sequence[int], committed: bool = True) -> None:
+        t1 = time.time()
+        t0 = self.t0 if self.t0 is not None else t1
+        self.t0 = None
+        line = {"step": step, "epoch": epoch, "t0": t0, "t1": t1, "world": world, "committed": committed}
+        self._f.write(json.dumps({**line, "ids": [int(i) for i in ids]}, separators=(",", ":")) + "\n")

@@ -1,0 +1,869 @@
+"""``peers``: elastictrain against what users pick instead (stock Horovod elastic, torchrun, TorchFT), one run.
+
+One task (``bench/peers/task.py``: the small CNN, synthetic 32x32 images, 32 per worker, SGD lr 0.05 momentum
+0.9, seed 42; CPU, Gloo over loopback, one worker per logical host) runs under each contender with the settings
+its own documentation recommends; each contender's script lives in ``bench/peers/`` and writes the common
+per-step log (``bench/peers/steplog.py``), from which this module measures every contender by the same rule:
+
+1. ``elastictrain``: ``elastictrain train`` of the task (``elastictrain_task:build``) as ``launch`` runs it: hot
+   join (a warm zygote per host), ``elastic.rollback: none``, Gloo timeout 30 s, blacklist cooldown 5-60 s
+   (``elastic.lr_scaling: none``, so that the LR is the others');
+2. ``horovod``: stock Horovod elastic (``horovod_train.py``: ``TorchState`` + ``ElasticSampler``, commit every
+   10 steps) under Horovod's own ``horovodrun`` with the same discovery, timeout and cooldown;
+3. ``torchrun``: one ``torchrun`` agent per logical host (``--nnodes 1:MAX --rdzv-backend c10d --max-restarts
+   100``), DDP, rank 0 checkpointing every 10 steps (``torchrun_train.py``);
+4. ``torchft``: TorchFT 0.2.0's Lighthouse and one replica group per logical host, each a one-process torchrun
+   that restarts it (``torchft_train.py``, as its README's ``train_ddp.py``).
+
+torchrun and TorchFT run from ``.peers-venv`` (``make peers-env``); without it they are reported ``blocked``
+with that hint, and the others are measured. Each contender runs (alternating, A B C D, D C B A, ...):
+
+* a trial job started on 3 hosts (max 4): steady samples/s over a window after step 30; the 4th host listed
+  (torchrun: a 4th agent, which restarts every worker; TorchFT: a 4th replica group, healed from a live one)
+  and the pause that the running job sees; then SIGKILLs of one training process (seeded), each timed to the
+  end of the first step the job began after it, with the steps redone or thrown away after each;
+* a goodput job on 3 hosts (max 3): a seeded SIGKILL every 60 s for 10 minutes (quick: 30 s, 2 minutes), the
+  killed host back through the contender's own restart path (Horovod's blacklist cooldown; torchrun's agent
+  restart; TorchFT's per-group torchrun); goodput by :func:`goodput`, and exactly once per completed epoch by
+  :func:`audit`.
+
+Goals (elastictrain against the others, medians in the same run): SIGKILL recovery >= 10x faster than
+torchrun's and >= 1x TorchFT's; scale-up pause <= 0.25x torchrun's; goodput ahead of every contender;
+samples/s >= 0.97x the fastest contender's; exactly once per epoch.
+
+Size: the shared rule over the step log (pure functions, tested in ``tests/unit/test_peers_goodput.py``) and
+one small job class per contender, which only make sense side by side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import psutil
+
+from elastictrain.bench.core import BenchContext, BenchError, Goal, Metric, Result, alternate, summary
+
+NAME = "peers"
+REPO = Path(__file__).resolve().parents[2]
+PEERS_DIR = REPO / "bench" / "peers"
+PEERS_VENV = REPO / ".peers-venv"
+CONTENDERS = ("elastictrain", "horovod", "torchrun", "torchft")
+NUM_SAMPLES = 15_360  # bench/peers/task.py
+SEED = 25
+
+GOAL_RECOVERY_VS_TORCHRUN = Goal(">=", 10.0)
+GOAL_RECOVERY_VS_TORCHFT = Goal(">=", 1.0)
+GOAL_PAUSE_VS_TORCHRUN = Goal("<=", 0.25)
+GOAL_GOODPUT_VS_BEST = Goal(">=", 1.0)
+GOAL_THROUGHPUT_VS_FASTEST = Goal(">=", 0.97)
+GOAL_EXACTLY_ONCE = Goal(">=", 1.0)
+
+
+# ============================================================================ the rule over the common step log
+@dataclass(frozen=True, slots=True)
+class Line:
+    """One step of one process, as ``bench/peers/steplog.py`` writes it."""
+
+    writer: str
+    step: int
+    epoch: int
+    t0: float
+    t1: float
+    world: int
+    committed: bool = True
+    ids: tuple[int, ...] = ()
+
+    @classmethod
+    def parse(cls, writer: str, obj: dict[str, Any]) -> Line:
+        return cls(
+            writer=writer,
+            step=int(obj["step"]),
+            epoch=int(obj["epoch"]),
+            t0=float(obj["t0"]),
+            t1=float(obj["t1"]),
+            world=int(obj["world"]),
+            committed=bool(obj.get("committed", True)),
+            ids=tuple(int(i) for i in obj.get("ids", ())),
+        )
+
+
+class StepLogReader:
+    """Reads a step-log folder incrementally (only what was appended since the last call); a torn last line of
+    a process that is still writing or was killed is read again next time, or never."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.offsets: dict[Path, int] = {}
+        self.lines: list[Line] = []
+
+    def read(self) -> list[Line]:
+        for path in sorted(self.folder.glob("*.jsonl")):
+            with open(path, "rb") as f:
+                f.seek(self.offsets.get(path, 0))
+                data = f.read()
+            end = data.rfind(b"\n") + 1
+            self.offsets[path] = self.offsets.get(path, 0) + end
+            for text in data[:end].decode(errors="replace").splitlines():
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    self.lines.append(Line.parse(path.stem, json.loads(text)))
+        return self.lines
+
+
+@dataclass
+class Replay:
+    """What :func:`replay` found: kept lines, redone ones (rolled back after they ended), thrown away ones."""
+
+    kept: list[Line] = field(default_factory=list)
+    redone: list[Line] = field(default_factory=list)
+    thrown_away: list[Line] = field(default_factory=list)
+    rollbacks: list[tuple[float, int]] = field(default_factory=list)
+    """Each rollback: (the ``t0`` of the line that revealed it, the distinct steps it undid)."""
+
+
+def replay(lines: Iterable[Line]) -> Replay:
+    """The rule: lines in order of ``t1``; a committed line of step ``S`` that began after earlier kept lines of
+    steps ``>= S`` ended rolls them back (they were redone); lines of one step from several processes overlap in
+    time and never discard each other; ``committed: false`` lines are thrown away, never kept."""
+    out = Replay()
+    for ln in sorted(lines, key=lambda x: x.t1):
+        if not ln.committed:
+            out.thrown_away.append(ln)
+            continue
+        rolled = [k for k in out.kept if k.step >= ln.step and k.t1 < ln.t0]
+        if rolled:
+            gone = {id(k) for k in rolled}
+            out.kept = [k for k in out.kept if id(k) not in gone]
+            out.redone.extend(rolled)
+            out.rollbacks.append((ln.t0, len({k.step for k in rolled})))
+        out.kept.append(ln)
+    return out
+
+
+def _union_length(intervals: Iterable[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def goodput(lines: Iterable[Line], t_start: float, t_end: float) -> float:
+    """Time in completed steps that were kept ÷ wall time: the union of the kept lines' ``[t0, t1]`` inside
+    ``[t_start, t_end]`` ÷ its length."""
+    if t_end <= t_start:
+        raise ValueError(f"goodput window must be positive, got [{t_start}, {t_end}]")
+    kept = replay(lines).kept
+    inside = [(max(ln.t0, t_start), min(ln.t1, t_end)) for ln in kept if ln.t1 > t_start and ln.t0 < t_end]
+    return _union_length(inside) / (t_end - t_start)
+
+
+def first_step_after(lines: Iterable[Line], t: float) -> Line | None:
+    """The first committed step (by its end) begun at or after ``t``: a fault's recovery ends there."""
+    after = [ln for ln in lines if ln.committed and ln.t0 >= t]
+    return min(after, key=lambda x: x.t1) if after else None
+
+
+def completions(lines: Iterable[Line]) -> list[tuple[float, int]]:
+    """The job's step completions ``(t1, world)``: overlapping lines of one step are one completion (its last end)."""
+    out: list[list[float]] = []
+    latest: dict[int, int] = {}  # step -> index in out of its latest completion
+    for ln in sorted((x for x in lines if x.committed), key=lambda x: x.t1):
+        i = latest.get(ln.step)
+        if i is not None and ln.t0 < out[i][0]:
+            out[i] = [max(out[i][0], ln.t1), max(out[i][1], ln.world)]
+            continue
+        latest[ln.step] = len(out)
+        out.append([ln.t1, ln.world])
+    return sorted((t1, int(w)) for t1, w in out)
+
+
+def pause(lines: Iterable[Line], t_listed: float, new_world: int) -> dict[str, float] | None:
+    """The running job's pause at a scale-up listed at ``t_listed``: the longest gap between its step completions
+    from the last one before the listing to the first at ``new_world`` workers, less the median gap of the 20
+    before the listing. None when no step at ``new_world`` followed, or none preceded."""
+    done = completions(lines)
+    before = [t for t, _ in done if t < t_listed]
+    first_new = next((t for t, w in done if t >= t_listed and w >= new_world), None)
+    if first_new is None or not before:
+        return None
+    recent = before[-21:]
+    gaps = [b - a for a, b in itertools.pairwise(recent)]
+    normal = statistics.median(gaps) if gaps else 0.0
+    times = [before[-1], *[t for t, _ in done if t_listed <= t <= first_new]]
+    longest = max(b - a for a, b in itertools.pairwise(times))
+    return {
+        "pause_seconds": max(0.0, longest - normal),
+        "longest_gap_seconds": longest,
+        "normal_gap_seconds": normal,
+        "first_new_size_seconds": first_new - t_listed,
+    }
+
+
+def samples_per_second(lines: Iterable[Line], t_from: float, t_to: float) -> float | None:
+    """Samples of the kept steps that ended in ``(t_from, t_to]`` ÷ the time from ``t_from`` to the last such end."""
+    kept = [ln for ln in replay(lines).kept if t_from < ln.t1 <= t_to]
+    last = max((ln.t1 for ln in kept), default=t_from)
+    return sum(len(ln.ids) for ln in kept) / (last - t_from) if last > t_from else None
+
+
+def audit(lines: Iterable[Line], num_samples: int) -> dict[int, dict[str, int]]:
+    """Per completed epoch (a kept line of a later epoch exists): ids trained, ids never trained, duplicates."""
+    kept = replay(lines).kept
+    last_epoch = max((ln.epoch for ln in kept), default=0)
+    out: dict[int, dict[str, int]] = {}
+    for epoch in sorted({ln.epoch for ln in kept if ln.epoch < last_epoch}):
+        ids = [i for ln in kept if ln.epoch == epoch for i in ln.ids]
+        distinct = set(ids)
+        out[epoch] = {
+            "seen": len(ids),
+            "missing": len(set(range(num_samples)) - distinct),
+            "duplicated": len(ids) - len(distinct),
+        }
+    return out
+
+
+def losses_after(rep: Replay, kills: list[float], t_end: float) -> list[dict[str, int]]:
+    """Per kill: steps rolled back (redone) and steps thrown away between it and the next kill (or ``t_end``)."""
+    out = []
+    for i, k in enumerate(kills):
+        nxt = kills[i + 1] if i + 1 < len(kills) else t_end
+        redone = sum(n for t, n in rep.rollbacks if k <= t < nxt)
+        thrown = len({ln.step for ln in rep.thrown_away if k <= ln.t1 < nxt})
+        out.append({"redone": redone, "thrown_away": thrown})
+    return out
+
+
+# ============================================================================ processes
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _kill_tree(pid: int) -> None:
+    from elastictrain._testing.procs import kill_tree
+
+    kill_tree(pid)
+
+
+@contextlib.contextmanager
+def _environ(updates: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``updates`` for the block (the hot-join zygotes take their environment from it)."""
+    saved = {k: os.environ.get(k) for k in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def peers_python() -> Path:
+    return PEERS_VENV / "bin" / "python"
+
+
+def peers_blocked() -> str | None:
+    """Why torchrun and TorchFT cannot run here (None when they can): the peers environment is missing or broken."""
+    py = peers_python()
+    if not py.exists():
+        return f"no {PEERS_VENV.relative_to(REPO)}/ (run `make peers-env` to create it)"
+    probe = subprocess.run(
+        [str(py), "-c", "import torch, torchft"], capture_output=True, text=True, timeout=300, check=False
+    )
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["?"])[-1]
+        return f"`{py} -c 'import torch, torchft'` failed: {last} (run `make peers-env`)"
+    return None
+
+
+def peer_versions() -> dict[str, str]:
+    code = "import importlib.metadata as m; print(m.version('torch'), m.version('torchft'))"
+    out = subprocess.run([str(peers_python()), "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    torch_v, _, torchft_v = out.stdout.strip().partition(" ")
+    return {"torch": torch_v, "torchft": torchft_v}
+
+
+class Job:
+    """One contender's job over logical hosts; every process it starts is killed by pid in :meth:`close`."""
+
+    name = ""
+
+    def __init__(self, workdir: Path, max_hosts: int) -> None:
+        self.workdir = workdir
+        self.steplog = workdir / "steplog"
+        self.steplog.mkdir(parents=True, exist_ok=True)
+        self.max_hosts = max_hosts
+        self.reader = StepLogReader(self.steplog)
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.logs: list[IO[str]] = []
+
+    def env(self, host: str = "") -> dict[str, str]:
+        return {
+            **os.environ,
+            "PEERS_STEPLOG": str(self.steplog),
+            "PEERS_HOST": host,
+            "PYTHONPATH": str(PEERS_DIR),
+            "OMP_NUM_THREADS": "1",
+            "GLOO_SOCKET_IFNAME": "lo",
+            "PYTHONUNBUFFERED": "1",
+        }
+
+    def popen(self, cmd: list[str], log_name: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        log = open(self.workdir / log_name, "w")  # noqa: SIM115 - closed in close()
+        self.logs.append(log)
+        p = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.workdir, start_new_session=True
+        )
+        self.procs.append(p)
+        return p
+
+    def start(self, hosts: list[str]) -> None:
+        raise NotImplementedError
+
+    def add_host(self, host: str) -> None:
+        raise NotImplementedError
+
+    def workers(self) -> list[tuple[str, psutil.Process]]:
+        """The training processes (host, process), sorted by host."""
+        raise NotImplementedError
+
+    def check(self) -> None:
+        """Raise when the job's launcher ended (the job failed)."""
+
+    def command(self) -> str:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        for p in self.procs:
+            _kill_tree(p.pid)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=10)
+        for log in self.logs:
+            log.close()
+
+    def tail(self, n: int = 15) -> str:
+        out = []
+        for path in sorted(self.workdir.glob("*.log")):
+            out += [f"{path.name}: {x}" for x in path.read_text(errors="replace").splitlines()[-n:]]
+        return "\n".join(out[-3 * n :])
+
+
+def _children_running(pid: int, marker: str) -> list[psutil.Process]:
+    out = []
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for c in psutil.Process(pid).children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                if c.status() != psutil.STATUS_ZOMBIE and any(marker in part for part in c.cmdline()):
+                    out.append(c)
+    return out
+
+
+class HorovodJob(Job):
+    """elastictrain (hot join) or stock Horovod elastic, through the benchmarks' ElasticJob harness."""
+
+    def __init__(self, workdir: Path, max_hosts: int, *, product: bool) -> None:
+        super().__init__(workdir, max_hosts)
+        self.product = product
+        self.name = "elastictrain" if product else "horovod"
+        self.stack = contextlib.ExitStack()
+        self.job: Any = None
+        self.zygotes: Any = None
+        self.all_hosts: list[str] = []
+        """Every host the job may use (a warm zygote on each, for elastictrain)."""
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "job": f"bench-peers-{self.name}",
+            "run_dir": str(self.workdir / "run"),
+            "device": "cpu",
+            "task": "elastictrain_task:build",
+            "data": {"batch_size": 32},
+            "training": {"epochs": 100_000},
+            "elastic": {"min_np": 1, "max_np": self.max_hosts, "rollback": "none", "lr_scaling": "none"},
+        }
+
+    def start(self, hosts: list[str]) -> None:
+        from elastictrain._testing.jobs import HOROVODRUN, STOCK_HOROVODRUN, ElasticJob
+        from elastictrain.bench.hotjoin import hot_command, warm_zygotes
+
+        env = self.env()
+        extra = {k: env[k] for k in ("PEERS_STEPLOG", "PYTHONPATH", "GLOO_SOCKET_IFNAME")}
+        self.stack.enter_context(_environ(extra))
+        config = self.config()
+        if self.product:
+            self.zygotes = self.stack.enter_context(warm_zygotes(self.workdir / "job.yaml", config, self.all_hosts))
+            extra = {**extra, **self.zygotes.env}
+        self.job = ElasticJob(
+            self.workdir,
+            config,
+            list(hosts),
+            min_np=1,
+            max_np=self.max_hosts,
+            gloo_timeout=30,
+            cooldown=(5, 60),
+            threads=1,
+            command=hot_command if self.product else (lambda _cfg: [sys.executable, "-m", "horovod_train"]),
+            extra_env=extra,
+            launcher=list(HOROVODRUN if self.product else STOCK_HOROVODRUN),
+        )
+        self.stack.callback(self.job.close)  # before the zygotes are killed
+        self.job.start()
+
+    def add_host(self, host: str) -> None:
+        self.job.set_hosts([*self.job.hosts, host])
+
+    def workers(self) -> list[tuple[str, psutil.Process]]:
+        out = []
+        for p in self.job.workers():
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, KeyError):
+                host = p.environ()["HOROVOD_HOSTNAME"]
+                forked = self.zygotes.forked(host) if self.zygotes is not None else []
+                out.append((host, forked[0] if forked else p))
+        return sorted(out, key=lambda hp: hp[0])
+
+    def check(self) -> None:
+        if self.job is not None and self.job.proc is not None and self.job.proc.poll() is not None:
+            raise BenchError(f"{self.name}: horovodrun exited {self.job.proc.returncode}:\n{self.job.tail(15)}")
+
+    def command(self) -> str:
+        worker = (
+            "zygote client + elastictrain train (task elastictrain_task:build)"
+            if self.product
+            else ("python -m horovod_train")
+        )
+        runner = "horovodrun (elastictrain.launcher.hvdrun)" if self.product else "horovodrun"
+        return (
+            f"{runner} -np 3 --min-np 1 --max-np {self.max_hosts} --host-discovery-script D --network-interfaces lo "
+            f"--gloo --gloo-timeout-seconds 30 --blacklist-cooldown-range 5 60 {worker}"
+        )
+
+    def tail(self, n: int = 15) -> str:
+        return self.job.tail(n) if self.job is not None else ""
+
+    def close(self) -> None:
+        self.stack.close()
+        super().close()
+
+
+AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+"""torch's own opt-out of sharing the rendezvous store with the workers. With sharing on (the default since 2.5), an
+agent that joins a running job waits forever for the new round's ``MASTER_ADDR``: rank 0 publishes it only at its
+first rendezvous (``DynamicRendezvousHandler.next_rendezvous`` caches it; see pytorch/pytorch#135712), so torchrun's
+scale-up timed out after 60 s here in every try."""
+
+
+class TorchrunJob(Job):
+    """One torchrun agent per logical host over a c10d rendezvous; DDP; rank 0 checkpoints every 10 steps."""
+
+    name = "torchrun"
+
+    def __init__(self, workdir: Path, max_hosts: int) -> None:
+        super().__init__(workdir, max_hosts)
+        self.port = _free_port()
+        self.agents: dict[str, subprocess.Popen[bytes]] = {}
+        self.store_host = ""
+
+    def agent_command(self, host: str) -> list[str]:
+        return [
+            str(PEERS_VENV / "bin" / "torchrun"),
+            "--nnodes", f"1:{self.max_hosts}",
+            "--nproc-per-node", "1",
+            "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{self.port}",
+            "--rdzv-id", "peers",
+            "--max-restarts", "100",
+            # On a cluster only the endpoint's machine matches the endpoint; here every logical host would, and two
+            # agents serving the store on one port (SO_REUSEPORT) split the rendezvous: the first host serves it.
+            "--rdzv-conf", f"is_host={'1' if not self.agents or host == self.store_host else '0'}",
+            "--local-addr", host,
+            str(PEERS_DIR / "torchrun_train.py"),
+            "--checkpoint", str(self.workdir / "ckpt.pt"),
+        ]  # fmt: skip
+
+    def start(self, hosts: list[str]) -> None:
+        for h in hosts:
+            self.add_host(h)
+
+    def add_host(self, host: str) -> None:
+        self.store_host = self.store_host or host
+        self.agents[host] = self.popen(self.agent_command(host), f"agent-{host}.log", {**self.env(host), **AGENT_ENV})
+
+    def workers(self) -> list[tuple[str, psutil.Process]]:
+        return sorted(
+            ((h, c) for h, a in self.agents.items() for c in _children_running(a.pid, "torchrun_train.py")),
+            key=lambda hp: hp[0],
+        )
+
+    def check(self) -> None:
+        dead = [h for h, a in self.agents.items() if a.poll() is not None]
+        if dead:
+            raise BenchError(
+                f"torchrun: the agent of {dead[0]} exited {self.agents[dead[0]].returncode}:\n{self.tail()}"
+            )
+
+    def command(self) -> str:
+        cmd = self.agent_command("HOST")
+        env = " ".join(f"{k}={v}" for k, v in AGENT_ENV.items())
+        return " ".join([env, "torchrun", *cmd[1:-3], "torchrun_train.py", "--checkpoint", "ckpt.pt"]).replace(
+            "is_host=1", "is_host=1|0"
+        )
+
+
+class TorchftJob(Job):
+    """TorchFT's Lighthouse and one replica group per logical host (a one-process torchrun that restarts it)."""
+
+    name = "torchft"
+
+    def __init__(self, workdir: Path, max_hosts: int) -> None:
+        super().__init__(workdir, max_hosts)
+        self.port = _free_port()
+        self.groups: dict[str, subprocess.Popen[bytes]] = {}
+
+    def lighthouse_command(self) -> list[str]:
+        return [
+            str(PEERS_VENV / "bin" / "torchft_lighthouse"),
+            "--min_replicas", "1",
+            "--quorum_tick_ms", "100",
+            "--join_timeout_ms", "10000",
+            "--bind", f"127.0.0.1:{self.port}",
+        ]  # fmt: skip
+
+    def group_command(self) -> list[str]:
+        return [
+            str(PEERS_VENV / "bin" / "torchrun"),
+            "--standalone", "--nnodes", "1", "--nproc-per-node", "1", "--max-restarts", "100",
+            str(PEERS_DIR / "torchft_train.py"),
+        ]  # fmt: skip
+
+    def start(self, hosts: list[str]) -> None:
+        self.lighthouse = self.popen(self.lighthouse_command(), "lighthouse.log", self.env())
+        for h in hosts:
+            self.add_host(h)
+
+    def add_host(self, host: str) -> None:
+        env = {
+            **self.env(host),
+            "REPLICA_GROUP_ID": str(len(self.groups)),
+            "NUM_REPLICA_GROUPS": str(self.max_hosts),
+            "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{self.port}",
+        }
+        self.groups[host] = self.popen(self.group_command(), f"group-{host}.log", env)
+
+    def workers(self) -> list[tuple[str, psutil.Process]]:
+        return sorted(
+            ((h, c) for h, a in self.groups.items() for c in _children_running(a.pid, "torchft_train.py")),
+            key=lambda hp: hp[0],
+        )
+
+    def check(self) -> None:
+        dead = [h for h, a in self.groups.items() if a.poll() is not None]
+        if dead or self.lighthouse.poll() is not None:
+            raise BenchError(f"torchft: {'group ' + dead[0] if dead else 'the lighthouse'} exited:\n{self.tail()}")
+
+    def command(self) -> str:
+        lh = " ".join(["torchft_lighthouse", *self.lighthouse_command()[1:-2]])
+        group = " ".join(["torchrun", *self.group_command()[1:-1], "torchft_train.py"])
+        return (
+            f"{lh}; per host G: REPLICA_GROUP_ID=G NUM_REPLICA_GROUPS={self.max_hosts} "
+            f"TORCHFT_LIGHTHOUSE=http://127.0.0.1:PORT {group}"
+        )
+
+
+def make_job(name: str, workdir: Path, hosts: list[str], max_hosts: int) -> Job:
+    job: Job
+    if name in ("elastictrain", "horovod"):
+        hj = HorovodJob(workdir, max_hosts, product=name == "elastictrain")
+        hj.all_hosts = hosts[:max_hosts]
+        job = hj
+    elif name == "torchrun":
+        job = TorchrunJob(workdir, max_hosts)
+    else:
+        job = TorchftJob(workdir, max_hosts)
+    return job
+
+
+# ============================================================================ measurements
+def _wait(job: Job, what: str, timeout: float, found: Callable[[list[Line]], Any]) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = job.reader.read()
+        out = found(lines)
+        if out is not None and out is not False:
+            return out
+        job.check()
+        if time.monotonic() > deadline:
+            raise BenchError(f"{job.name}: no {what} within {timeout:.0f} s:\n{job.tail()}")
+        time.sleep(0.2)
+
+
+def _steps_after(t: float, n: int) -> Callable[[list[Line]], bool]:
+    """A :func:`_wait` condition: ``n`` distinct committed steps begun after ``t``."""
+    return lambda lines: len({ln.step for ln in lines if ln.committed and ln.t0 > t}) >= n
+
+
+def _first_at(t: float, world: int) -> Callable[[list[Line]], Line | None]:
+    return lambda lines: first_step_at(lines, t, world)
+
+
+def _first_after(t: float) -> Callable[[list[Line]], Line | None]:
+    return lambda lines: first_step_after(lines, t)
+
+
+def _kill(job: Job, rng: random.Random) -> dict[str, Any]:
+    """SIGKILL one training process, drawn by ``rng`` among the running ones (sorted by host)."""
+    for _ in range(100):
+        workers = job.workers()
+        if workers:
+            host, proc = workers[rng.randrange(len(workers))]
+            t = time.time()
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.send_signal(signal.SIGKILL)
+                return {"ts": t, "host": host, "pid": proc.pid, "workers": len(workers)}
+        job.check()
+        time.sleep(0.1)
+    raise BenchError(f"{job.name}: no training process to kill")
+
+
+def trial(name: str, workdir: Path, hosts: list[str], quick: bool, seed: int, log: Callable[[str], None]) -> dict:
+    """Steady samples/s at 3 workers, the pause at 3 -> 4, then SIGKILLs (see the module docstring)."""
+    job = make_job(name, workdir, hosts, 4)
+    rng = random.Random(seed)
+    steady_seconds = 15.0 if quick else 30.0
+    kills_n = 3
+    try:
+        job.start(hosts[:3])
+        _wait(job, "step 30 at 3 workers", 300, lambda ls: any(ln.step >= 30 and ln.world >= 3 for ln in ls))
+        t_a = time.time()
+        time.sleep(steady_seconds)  # the measured window itself; the job runs meanwhile
+        t_b = time.time()
+        lines = job.reader.read()
+        steady = samples_per_second(lines, t_a, t_b)
+        worlds = [ln.world for ln in lines if t_a < ln.t1 <= t_b]
+        log(f"{name}: {steady or 0:.0f} samples/s at {statistics.median(worlds) if worlds else '?'} workers")
+        t_listed = time.time()
+        job.add_host(hosts[3])
+        _wait(job, "a step at 4 workers", 300, lambda ls: first_step_at(ls, t_listed, 4))
+        scale = pause(job.reader.read(), t_listed, 4)
+        log(f"{name}: scale-up 3 -> 4 pause {scale['pause_seconds'] if scale else float('nan'):.2f} s")
+        kills: list[dict[str, Any]] = []
+        for _ in range(kills_n):
+            last = max(ln.t1 for ln in job.reader.read())
+            _wait(job, "10 steps", 120, _steps_after(last, 10))
+            # back at 3 workers or more first (a killed host returns after its cooldown), so that no kill hits the last
+            # worker; after 120 s the kill goes ahead at whatever size the job has
+            with contextlib.suppress(BenchError):
+                _wait(job, "a step at 3 workers", 120, _first_at(time.time(), 3))
+            kill = _kill(job, rng)
+            first = _wait(job, "a step after the kill", 300, _first_after(kill["ts"]))
+            kill.update(recovery_seconds=first.t1 - kill["ts"], world_after=first.world)
+            log(f"{name}: SIGKILL on {kill['host']} -> next step {kill['recovery_seconds']:.2f} s (at {first.world})")
+            kills.append(kill)
+        _wait(job, "10 steps", 120, _steps_after(time.time(), 10))
+        lines = job.reader.read()
+        losses = losses_after(replay(lines), [k["ts"] for k in kills], max(ln.t1 for ln in lines))
+        for k, lost in zip(kills, losses, strict=True):
+            k.update(lost)
+        return {"samples_per_sec": steady, "world": statistics.median(worlds) if worlds else None,
+                "scale_up": scale, "kills": kills}  # fmt: skip
+    finally:
+        job.close()
+
+
+def first_step_at(lines: list[Line], t: float, world: int) -> Line | None:
+    at = [ln for ln in lines if ln.committed and ln.t0 >= t and ln.world >= world]
+    return min(at, key=lambda x: x.t1) if at else None
+
+
+def goodput_run(name: str, workdir: Path, hosts: list[str], quick: bool, log: Callable[[str], None]) -> dict:
+    """Seeded SIGKILLs every 60 s for 10 min (quick: 30 s, 2 min) on 3 hosts; goodput and the exactly-once audit."""
+    window, every = (120.0, 30.0) if quick else (600.0, 60.0)
+    job = make_job(name, workdir, hosts, 3)
+    rng = random.Random(SEED)
+    try:
+        job.start(hosts[:3])
+        first = _wait(job, "a first step", 300, lambda ls: min((ln.t1 for ln in ls), default=None))
+        t_start, kills = first, []
+        t_end = t_start + window
+        next_kill = t_start + every
+        while time.time() < t_end:
+            if time.time() >= next_kill and next_kill < t_end - 1:
+                kills.append(_kill(job, rng))
+                next_kill += every
+            job.check()
+            time.sleep(0.2)
+        lines = [ln for ln in job.reader.read() if ln.t1 <= t_end]
+    finally:
+        job.close()
+    rep = replay(lines)
+    per_kill = []
+    for k in kills:
+        nxt = first_step_after(lines, k["ts"])
+        per_kill.append({**k, "t": k["ts"] - t_start, "recovery_seconds": nxt.t1 - k["ts"] if nxt else None})
+    epochs = audit(lines, NUM_SAMPLES)
+    once = bool(epochs) and all(e["missing"] == 0 and e["duplicated"] == 0 for e in epochs.values())
+    value = goodput(lines, t_start, t_end)
+    log(f"{name}: goodput {value:.3f}, {len(kills)} kills, {sum(n for _, n in rep.rollbacks)} steps redone, "
+        f"exactly once {once} over {len(epochs)} epochs")  # fmt: skip
+    return {
+        "goodput": value,
+        "window_seconds": window,
+        "kill_every_seconds": every,
+        "kills": per_kill,
+        "losses": losses_after(rep, [k["ts"] for k in kills], t_end),
+        "redone_steps": sum(n for _, n in rep.rollbacks),
+        "thrown_away_steps": len({(ln.step, round(ln.t1)) for ln in rep.thrown_away}),
+        "epochs_audited": epochs,
+        "exactly_once": once,
+    }
+
+
+def _guarded(fn: Callable[[int], dict], log: Callable[[str], None], name: str) -> Callable[[int], dict]:
+    def run_one(r: int) -> dict:
+        try:
+            return fn(r)
+        except Exception as e:  # one contender's failure is a result; the others go on
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            log(f"{name}: failed: {first}")
+            return {"error": f"{type(e).__name__}: {first}", "detail": str(e)[-3000:]}
+
+    return run_one
+
+
+def _median(xs: Iterable[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return statistics.median(vals) if vals else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def run(ctx: BenchContext) -> Result:
+    from elastictrain.launcher.hosts import local_logical_hosts
+
+    hosts = local_logical_hosts()
+    if len(hosts) < 4:
+        raise BenchError(f"needs 4 logical hosts, this machine has {hosts}")
+    blocked = peers_blocked()
+    names = [n for n in CONTENDERS if not (blocked and n in ("torchrun", "torchft"))]
+    if blocked:
+        ctx.progress(f"torchrun and torchft blocked: {blocked}")
+    trials = 1 if ctx.quick else 3
+
+    def trial_fn(name: str) -> Callable[[int], dict]:
+        return _guarded(
+            lambda r: trial(name, ctx.scratch(f"{name}-trial-{r}"), hosts, ctx.quick, SEED + r, ctx.progress),
+            ctx.progress,
+            name,
+        )
+
+    def goodput_fn(name: str) -> Callable[[int], dict]:
+        return _guarded(
+            lambda r: goodput_run(name, ctx.scratch(f"{name}-goodput"), hosts, ctx.quick, ctx.progress),
+            ctx.progress,
+            name,
+        )
+
+    trials_out = alternate([(n, trial_fn(n)) for n in names], trials, ctx.progress)
+    goodput_out = alternate([(n, goodput_fn(n)) for n in names], 1, ctx.progress)
+
+    per: dict[str, dict[str, Any]] = {}
+    for n in names:
+        ok = [t for t in trials_out[n] if "error" not in t]
+        kills = [k for t in ok for k in t["kills"]]
+        g = goodput_out[n][0]
+        per[n] = {
+            "recovery": summary([k["recovery_seconds"] for k in kills], "s"),
+            "redone_per_kill": _median(k["redone"] for k in kills),
+            "thrown_away_per_kill": _median(k["thrown_away"] for k in kills),
+            "scale_up_pause": summary([t["scale_up"]["pause_seconds"] for t in ok if t["scale_up"]], "s"),
+            "samples_per_sec": summary([t["samples_per_sec"] for t in ok if t["samples_per_sec"]], "samples/s"),
+            "goodput": g.get("goodput"),
+            "exactly_once": g.get("exactly_once"),
+            "errors": [t["error"] for t in [*trials_out[n], g] if "error" in t],
+        }
+    for b in ("torchrun", "torchft"):
+        if b not in per:
+            per[b] = {"blocked": blocked}
+
+    def med(n: str, key: str) -> float | None:
+        s = per.get(n, {}).get(key)
+        return s.get("median") if isinstance(s, dict) else None
+
+    et = "elastictrain"
+    others = [n for n in names if n != et]
+    best_goodput = max((per[n]["goodput"] for n in others if per[n].get("goodput") is not None), default=None)
+    fastest = max((med(n, "samples_per_sec") or 0.0 for n in others), default=0.0) or None
+    once_elsewhere = [n for n in others if per[n].get("exactly_once")]
+    metrics = [
+        Metric("SIGKILL → next step, elastictrain median", med(et, "recovery"), "s",
+               note="; ".join(f"{n} {med(n, 'recovery') or float('nan'):.2f} s" for n in others)),
+        Metric("recovery speedup vs torchrun, medians", _ratio(med("torchrun", "recovery"), med(et, "recovery")),
+               "x", GOAL_RECOVERY_VS_TORCHRUN),
+        Metric("recovery speedup vs TorchFT, medians", _ratio(med("torchft", "recovery"), med(et, "recovery")),
+               "x", GOAL_RECOVERY_VS_TORCHFT),
+        Metric("scale-up pause 3 → 4 ÷ torchrun's (medians)", _ratio(med(et, "scale_up_pause"),
+               med("torchrun", "scale_up_pause")), "", GOAL_PAUSE_VS_TORCHRUN,
+               note="; ".join(f"{n} {med(n, 'scale_up_pause') or float('nan'):.2f} s" for n in names)),
+        Metric("goodput ÷ best contender's", _ratio(per[et].get("goodput"), best_goodput), "", GOAL_GOODPUT_VS_BEST,
+               note="; ".join(f"{n} {per[n].get('goodput') or float('nan'):.3f}" for n in names)),
+        Metric("samples/s ÷ fastest contender's", _ratio(med(et, "samples_per_sec"), fastest), "",
+               GOAL_THROUGHPUT_VS_FASTEST,
+               note="; ".join(f"{n} {med(n, 'samples_per_sec') or float('nan'):.0f}" for n in names)),
+        Metric("exactly once per epoch, elastictrain (1 = yes)", float(bool(per[et].get("exactly_once"))), "",
+               GOAL_EXACTLY_ONCE, note=f"also exactly once: {', '.join(once_elsewhere) or 'no contender'}"),
+        Metric("steps redone or thrown away per SIGKILL, elastictrain median",
+               (per[et]["redone_per_kill"] or 0) + (per[et]["thrown_away_per_kill"] or 0), "steps",
+               note="; ".join(f"{n} {per[n]['redone_per_kill']} redone + {per[n]['thrown_away_per_kill']} thrown away"
+                              for n in others)),
+    ]  # fmt: skip
+    jobs = {n: make_job(n, ctx.workdir / "describe", hosts, 3) for n in names}
+    versions: dict[str, Any] = {"elastictrain+horovod": _main_versions()}
+    if not blocked:
+        versions["peers"] = peer_versions()
+    return Result(
+        NAME,
+        metrics=metrics,
+        contenders={f"{n} recovery": per[n]["recovery"] for n in names},
+        detail={
+            "per_contender": per,
+            "commands": {n: j.command() for n, j in jobs.items()},
+            "versions": versions,
+            "blocked": blocked,
+            "trials": trials_out,
+            "goodput": goodput_out,
+            "hosts": hosts,
+        },
+    )
+
+
+def _main_versions() -> dict[str, str | None]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str | None] = {}
+    for dist in ("elastictrain", "horovod", "torch"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            out[dist] = None
+    return out

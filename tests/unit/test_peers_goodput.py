@@ -1,0 +1,127 @@
+"""The peer benchmark's shared rule over the common per-step log, on synthetic logs (no processes)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from elastictrain.bench.peers import (
+    PEERS_DIR,
+    Line,
+    StepLogReader,
+    audit,
+    first_step_after,
+    goodput,
+    pause,
+    replay,
+    samples_per_second,
+)
+
+
+def steps(
+    writer: str, first: int, count: int, t: float, *, dt: float = 1.0, world: int = 1, **kw: object
+) -> list[Line]:
+    """``count`` steps of one process from step ``first``, back to back from time ``t``, each ``dt`` long."""
+    return [
+        Line(writer, first + i, 0, t + i * dt, t + (i + 1) * dt, world, **kw)  # type: ignore[arg-type]
+        for i in range(count)
+    ]
+
+
+def test_goodput_of_a_fault_free_log_is_the_time_in_steps():
+    lines = steps("a", 1, 10, 0.0, dt=1.0)
+    assert goodput(lines, 0.0, 10.0) == pytest.approx(1.0)
+    assert goodput(lines, 0.0, 20.0) == pytest.approx(0.5)  # 10 s without steps after them
+
+
+def test_steps_redone_after_a_rollback_are_not_kept():
+    # Steps 1-10 in [0, 10); a kill at 10; 5 s down; the job restarts from step 5 and redoes 6-10, then 11-15.
+    before = steps("a", 1, 10, 0.0)
+    after = steps("b", 6, 10, 15.0)
+    rep = replay(before + after)
+    assert [ln.step for ln in rep.redone] == [6, 7, 8, 9, 10]
+    assert rep.rollbacks == [(15.0, 5)]
+    # kept: steps 1-5 (5 s) and 6-15 again (10 s) of a 25 s window
+    assert goodput(before + after, 0.0, 25.0) == pytest.approx(15 / 25)
+
+
+def test_lines_of_one_step_from_several_processes_count_once_and_discard_nothing():
+    a = steps("a", 1, 10, 0.0, world=2)
+    b = steps("b", 1, 10, 0.01, world=2)  # the same steps, a collective apart
+    rep = replay(a + b)
+    assert not rep.redone
+    assert goodput(a + b, 0.0, 10.01) == pytest.approx(1.0)
+
+
+def test_thrown_away_steps_are_never_kept():
+    good = steps("a", 1, 5, 0.0)
+    bad = steps("a", 5, 1, 5.0, committed=False)  # should_commit failed: the step's work is discarded
+    rep = replay(good + bad)
+    assert len(rep.thrown_away) == 1 and not rep.redone
+    assert goodput(good + bad, 0.0, 6.0) == pytest.approx(5 / 6)
+
+
+def test_goodput_clips_steps_to_the_window():
+    assert goodput(steps("a", 1, 10, 0.0), 2.5, 7.5) == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        goodput([], 1.0, 1.0)
+
+
+def test_recovery_ends_at_the_first_committed_step_begun_after_the_kill():
+    lines = steps("a", 1, 5, 0.0) + steps("a", 6, 1, 4.5, committed=False) + steps("b", 6, 3, 9.0)
+    first = first_step_after(lines, 4.6)
+    assert first is not None and first.step == 6 and first.t1 == 10.0
+
+
+def test_scale_up_pause_is_the_longest_gap_less_a_normal_one():
+    before = steps("a", 1, 20, 0.0, world=3)
+    after = steps("a", 21, 5, 23.0, world=4)  # listed at 20.5; 3 s without a step, then at 4 workers
+    got = pause(before + after, 20.5, 4)
+    assert got is not None
+    assert got["longest_gap_seconds"] == pytest.approx(4.0)
+    assert got["pause_seconds"] == pytest.approx(3.0)
+    assert pause(before, 20.5, 4) is None
+
+
+def test_audit_finds_missing_and_repeated_samples_per_completed_epoch():
+    def ln(step: int, epoch: int, ids: list[int]) -> Line:
+        return Line("a", step, epoch, step, step + 1, 1, True, tuple(ids))
+
+    once = [ln(1, 0, [0, 1]), ln(2, 0, [2, 3]), ln(3, 1, [1])]
+    assert audit(once, 4) == {0: {"seen": 4, "missing": 0, "duplicated": 0}}
+    skipped = [ln(1, 0, [0, 1]), ln(2, 0, [1, 2]), ln(3, 1, [0])]
+    assert audit(skipped, 4) == {0: {"seen": 4, "missing": 1, "duplicated": 1}}
+
+
+def test_samples_per_second_counts_kept_samples_after_the_window_start():
+    lines = [Line("a", i, 0, i - 1.0, float(i), 1, True, tuple(range(32))) for i in range(1, 11)]
+    assert samples_per_second(lines, 2.0, 10.0) == pytest.approx(32.0)
+
+
+def test_the_writer_of_bench_peers_writes_what_the_reader_parses(tmp_path: Path):
+    spec = importlib.util.spec_from_file_location("peers_steplog", PEERS_DIR / "steplog.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["peers_steplog"] = module
+    spec.loader.exec_module(module)
+    writer = module.StepLogWriter(tmp_path, "host-1")
+    for step in (1, 2):
+        writer.started()
+        writer.ended(step=step, epoch=0, world=2, ids=[step, step + 10])
+    lines = StepLogReader(tmp_path).read()
+    assert [(ln.writer, ln.step, ln.ids, ln.world) for ln in lines] == [
+        ("host-1", 1, (1, 11), 2),
+        ("host-1", 2, (2, 12), 2),
+    ]
+    assert all(ln.t0 <= ln.t1 for ln in lines)
+
+
+def test_without_the_peers_environment_torchrun_and_torchft_are_blocked_with_the_fix(monkeypatch, tmp_path: Path):
+    from elastictrain.bench import peers
+
+    monkeypatch.setattr(peers, "PEERS_VENV", peers.REPO / "no-such-peers-venv")
+    reason = peers.peers_blocked()
+    assert reason is not None and "make peers-env" in reason
