@@ -253,11 +253,12 @@ def describe_machine(
     }
 
 
-def library_versions() -> dict[str, str | None]:
+def library_versions(dists: Sequence[str] = ("torch", "horovod", "mlflow")) -> dict[str, str | None]:
+    """The installed version of each distribution in ``dists`` (None when it is not installed)."""
     from importlib.metadata import PackageNotFoundError, version
 
     out: dict[str, str | None] = {}
-    for dist in ("torch", "horovod", "mlflow"):
+    for dist in dists:
         try:
             out[dist] = version(dist)
         except PackageNotFoundError:

@@ -55,7 +55,16 @@ from typing import IO, Any
 
 import psutil
 
-from elastictrain.bench.core import BenchContext, BenchError, Goal, Metric, Result, alternate, summary
+from elastictrain.bench.core import (
+    BenchContext,
+    BenchError,
+    Goal,
+    Metric,
+    Result,
+    alternate,
+    library_versions,
+    summary,
+)
 
 NAME = "peers"
 REPO = Path(__file__).resolve().parents[2]
@@ -838,7 +847,7 @@ def run(ctx: BenchContext) -> Result:
                               for n in others)),
     ]  # fmt: skip
     jobs = {n: make_job(n, ctx.workdir / "describe", hosts, 3) for n in names}
-    versions: dict[str, Any] = {"elastictrain+horovod": _main_versions()}
+    versions: dict[str, Any] = {"elastictrain+horovod": library_versions(("elastictrain", "horovod", "torch"))}
     if not blocked:
         versions["peers"] = peer_versions()
     return Result(
@@ -855,15 +864,3 @@ def run(ctx: BenchContext) -> Result:
             "hosts": hosts,
         },
     )
-
-
-def _main_versions() -> dict[str, str | None]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out: dict[str, str | None] = {}
-    for dist in ("elastictrain", "horovod", "torch"):
-        try:
-            out[dist] = version(dist)
-        except PackageNotFoundError:
-            out[dist] = None
-    return out
