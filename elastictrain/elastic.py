@@ -15,12 +15,13 @@ from elastictrain.engine.collective import Collective, HorovodCollective
 from elastictrain.engine.trainer import Trainer, run_trainer
 from elastictrain.engine.watch import arm_watchdog
 from elastictrain.eviction import EtcdEvictor
-from elastictrain.hang import HangDetector, Heartbeats, HungVerdict
+from elastictrain.hang import HEARTBEATS, RENDEZVOUS, HangDetector, Heartbeats, HungVerdict, announce
 from elastictrain.watchdog import FailureMarker
 
 
 def run(cfg: JobConfig) -> int:
     """Run one worker to completion: 0 when training completed, 143 when stopped by SIGTERM."""
+    announce(cfg.run_path / HEARTBEATS, RENDEZVOUS)  # hvd.init: the driver's assignment and the rendezvous
     return run_trainer(compose(cfg, HorovodCollective.init()))
 
 
@@ -47,7 +48,7 @@ def compose(cfg: JobConfig, collective: Collective) -> Trainer:
         host=lambda: trainer.ctx.host,
         tracking_uri=cfg.tracking.tracking_uri,
         hang=HangDetector(
-            Heartbeats(elastic_dir / "heartbeats"),
+            Heartbeats(cfg.run_path / HEARTBEATS),
             HungVerdict(elastic_dir / "hung-verdict"),
             host=lambda: trainer.ctx.host,
             slot=lambda: trainer.ctx.local_rank,

@@ -9,6 +9,12 @@ the kernel keeps its TCP connections open and even acknowledges them while the p
   stands: ``local`` (taking its batch, computing: work only it can finish), ``waiting`` (its gradients are ready;
   from here it waits on the others), or ``idle`` (between steps, validation, a reset). A stopped process, or a
   machine that hangs, writes none; a live process stuck in its own work keeps writing ``local`` with an old start.
+  A (re)start has phases of its own, each written at once when it begins (not on the next beat), so that an
+  operator or the chaos campaign (:mod:`chaos.campaign`, which aims faults by them) sees where a reset stands:
+  ``startup`` (the process runs, ``hvd.init`` not called yet), ``rendezvous`` (a failure or host notice was caught,
+  or a new process called ``hvd.init``: Horovod's reset), ``sync`` (the state sync), ``prologue`` (the training
+  function's start); the first step of a ring is also written at once (``local`` then ``waiting`` with
+  ``steps`` 0). Only ``local`` and a stale beat are judged.
 * **The verdict** (:func:`hung_peers`, pure): while this worker has waited ``hang_seconds`` in a step whose own work
   it has finished, a member of its ring (ranks, hosts and pids gathered after each rendezvous) is hung when its
   heartbeat is ``hang_seconds`` old, or says ``local`` since ``hang_seconds`` ago. Until the judge has completed a
@@ -43,12 +49,17 @@ from elastictrain.logconf import get_logger
 log = get_logger("elastictrain.hang")
 
 LOCAL, WAITING, IDLE = "local", "waiting", "idle"
-PHASES = (LOCAL, WAITING, IDLE)
+STARTUP, RENDEZVOUS, SYNC, PROLOGUE = "startup", "rendezvous", "sync", "prologue"
+RESET_PHASES = (STARTUP, RENDEZVOUS, SYNC, PROLOGUE)
+"""The phases of a (re)start, in order (see the module)."""
+PHASES = (LOCAL, WAITING, IDLE, *RESET_PHASES)
 MIN_HANG_SECONDS = 10.0
 HANG_STEPS = 10.0
 FIRST_STEP_SECONDS = 60.0
 BEAT_SECONDS = 1.0
 MAX_BEAT_BYTES = 4096
+HEARTBEATS = Path(".elastic") / "heartbeats"
+"""The heartbeat folder, relative to the run_dir."""
 
 
 def hang_bound(configured: float | None, typical_step: float) -> float:
@@ -228,6 +239,14 @@ class HangDetector:
 
     def set_phase(self, phase: str) -> None:
         self.phase, self.since = phase, time.time()
+        if self.steps == 0 and phase != IDLE:  # the first step of a ring is shown at once, like a reset's phases
+            self.beat(self.since)
+
+    def mark(self, phase: str) -> None:
+        """A phase of a (re)start (:data:`RESET_PHASES`) begins: set it and write a heartbeat at once."""
+        self.steps = 0
+        self.phase, self.since = phase, time.time()
+        self.beat(self.since)
 
     def step_done(self) -> None:
         self.steps += 1
@@ -292,6 +311,20 @@ class HangDetector:
             done = "no etcd to evict its host through: waiting for the Gloo timeout"
         self.verdict.record(f"{h.why}; {done}")
         log.warning("hung peer", why=h.why, action=done)
+
+
+def announce(folder: Path, phase: str, environ: dict[str, str] | None = None) -> None:
+    """A heartbeat of a worker that has no :class:`HangDetector` yet (``startup``, and ``rendezvous`` when it calls
+    ``hvd.init``), from horovodrun's ``HOROVOD_HOSTNAME`` and ``HOROVOD_LOCAL_RANK``; nothing outside horovodrun."""
+    env = os.environ if environ is None else environ
+    host, slot = env.get("HOROVOD_HOSTNAME", ""), env.get("HOROVOD_LOCAL_RANK", "")
+    if not host or not slot.isdigit():
+        return
+    with contextlib.suppress(ValueError, psutil.Error):
+        now = time.time()
+        me = psutil.Process()
+        beat = Beat(os.getpid(), host, int(slot), boot_id(), me.create_time(), now, phase, now, 0)
+        Heartbeats(folder).write(beat)
 
 
 def kill_if_same(pid: int, created: float) -> str:

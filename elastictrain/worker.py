@@ -22,6 +22,9 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         return report_config_error(e)
     configure_logging(job=cfg.job)
+    from elastictrain.hang import HEARTBEATS, STARTUP, announce
+
+    announce(cfg.run_path / HEARTBEATS, STARTUP)  # before torch, horovod and hvd.init
     from elastictrain import elastic  # torch + horovod: imported only once the config is good
     from elastictrain.task import add_import_paths
     from elastictrain.worker_error import record_worker_error

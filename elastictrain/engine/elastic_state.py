@@ -71,6 +71,8 @@ class ElasticTrainingState(State):
         self.marks: dict[str, float] = {}
         """When this worker passed each point of the current reset (:data:`elastictrain.engine.reset.PAUSE_MARKS`);
         the trainer takes and clears them at the start of the training function."""
+        self.on_mark: Callable[[str], None] = lambda name: None
+        """Called with each mark's name as this worker passes it (the heartbeat shows the reset's phase)."""
         super().__init__(
             bcast_object=lambda obj: collective.broadcast_object(obj, 0, name="state"), get_rank=collective.rank
         )
@@ -90,6 +92,7 @@ class ElasticTrainingState(State):
             raise StopRequested
         self.marks.setdefault("caught", time.time())
         self.on_failure()
+        self.on_mark("caught")
         if self.failure is None:
             error = sys.exc_info()[1]  # restore() runs inside the loop's `except HorovodInternalError`
             self.failure_error = str(error).strip().splitlines()[0][:300] if error and str(error).strip() else ""
@@ -116,6 +119,7 @@ class ElasticTrainingState(State):
                 raise StopRequested from None
             self.on_failure_notice()
             self.marks.setdefault("caught", time.time())
+            self.on_mark("caught")
             self.failure = ("hosts_removed" if e.skip_sync else "hosts_changed", time.time())
             self.failure_error = ""
             raise
@@ -148,11 +152,14 @@ class ElasticTrainingState(State):
     def reset(self) -> None:
         """Horovod calls this after its reset (``hvd.shutdown`` and ``hvd.init``), before the sync."""
         self.marks["reset"] = time.time()
+        self.on_mark("reset")
 
     def sync(self) -> None:
         self.marks["sync_start"] = time.time()
+        self.on_mark("sync_start")
         self._sync()
         self.marks["sync_end"] = time.time()
+        self.on_mark("sync_end")
 
     def _sync(self) -> None:
         c, collective = self.committed, self.collective

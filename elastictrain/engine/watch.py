@@ -10,7 +10,7 @@ from urllib.parse import urlparse
 from horovod.common.elastic import State
 
 from elastictrain.engine.horovod_private import host_messages, notification_ports
-from elastictrain.hang import HangDetector
+from elastictrain.hang import PROLOGUE, RENDEZVOUS, SYNC, HangDetector
 from elastictrain.watchdog import CollectiveWatchdog, FailureMarker, removal_pending
 
 
@@ -41,6 +41,8 @@ def arm_watchdog(
     if hang is not None:
         verdict = hang.verdict
         state.failure_cause = lambda since: verdict.since(since)
+        phases = mark_phases()
+        state.on_mark = lambda name: hang.mark(phases[name]) if name in phases else None
     watchdog = CollectiveWatchdog(
         marker,
         host_removed=lambda: removal_pending(host_messages(state)),
@@ -48,6 +50,13 @@ def arm_watchdog(
         hang=hang,
     ).start()
     return watchdog
+
+
+def mark_phases() -> dict[str, str]:
+    """The heartbeat phase (:mod:`elastictrain.hang`) that begins at each mark of a reset
+    (:data:`elastictrain.engine.reset.PAUSE_MARKS`). After Horovod's reset the sync follows, or, when Horovod skips
+    it (hosts only removed), the prologue: ``reset`` says prologue until ``sync_start`` says otherwise."""
+    return {"caught": RENDEZVOUS, "reset": PROLOGUE, "sync_start": SYNC, "sync_end": PROLOGUE}
 
 
 def control_ports(tracking_uri: str | None = None) -> tuple[set[int], set[int]]:

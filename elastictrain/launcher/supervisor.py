@@ -25,6 +25,10 @@ themselves, runs it, and supervises it; what follows each horovodrun is decided 
   embedded etcd are stopped. Every process the launcher started is tracked by pid (with its
   descendants, through psutil; the launcher is also their child subreaper), so none remains.
 
+The embedded etcd is kept up: when it exits while the job runs (killed, out of memory), the launcher starts it
+again on the same ports and data dir, so the registry's keys and leases survive and the agents and
+``discover.sh`` reconnect; a start that fails is retried every :data:`ETCD_RETRY_SECONDS`.
+
 Signal handlers only record the signal; the loop polls and stops gracefully in ``finally``.
 
 Exit codes (:mod:`elastictrain.launcher.decisions`):
@@ -98,6 +102,8 @@ POLL_SECONDS = 0.2
 REGISTRY_POLL_SECONDS = 1.0
 ETCD_START_SECONDS = 30.0
 """How long the embedded etcd may take to answer ``/health``."""
+ETCD_RETRY_SECONDS = 5.0
+"""After a failed start of the embedded etcd that had exited, the next try waits this long."""
 
 
 class Launcher:
@@ -137,6 +143,8 @@ class Launcher:
         self.attempt = 0
         self.worker_error: WorkerError | None = None
         """Why the job failed, when a worker of the last attempt raised (:mod:`elastictrain.worker_error`)."""
+        self.etcd_restarts = 0
+        self._etcd_retry_at = 0.0
 
     # -- signals
     def on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -207,6 +215,28 @@ class Launcher:
 
     def _stopped_code(self) -> int:
         return EXIT_INTERRUPTED if self.stop_signal == signal.SIGINT else EXIT_STOPPED
+
+    def _keep_etcd(self) -> None:
+        """Start the embedded etcd again when it has exited (see the module docstring)."""
+        etcd = self.etcd
+        if etcd is None or etcd.proc is None or etcd.proc.poll() is None or self.stopping:
+            return
+        now = time.monotonic()
+        if now < self._etcd_retry_at:
+            return
+        self.out(f"embedded etcd exited ({etcd.proc.returncode}); starting it again at {etcd.endpoint} with its data")
+        try:
+            etcd.start(deadline_seconds=ETCD_START_SECONDS, abort=lambda: self.stopping)
+        except EtcdError as e:
+            self._etcd_retry_at = now + ETCD_RETRY_SECONDS
+            self.out(f"embedded etcd did not start again ({str(e).splitlines()[0][:200]}); retrying")
+            return
+        finally:
+            if etcd.proc is not None:
+                self.tracker.add(etcd.proc)
+        self.etcd_restarts += 1
+        self._write_state()
+        self.out(f"embedded etcd is back (pid {etcd.pid})")
 
     # -- embedded etcd and agents
     def _start_etcd(self) -> None:
@@ -324,6 +354,7 @@ class Launcher:
             ready = sum(e.record.slots for e in entries or [] if e.record.state == READY)
             if ready >= self.opts.min_np:
                 return True
+            self._keep_etcd()
             if not said:
                 self.out(
                     f"waiting up to {self.opts.wait_hosts_seconds:g}s for {self.opts.min_np} ready slots ({ready} now)"
@@ -386,6 +417,7 @@ class Launcher:
                 self._stop_workers()
                 break
             if time.monotonic() >= next_poll:
+                self._keep_etcd()
                 entries = self._listing()
                 if entries is not None:
                     watch.observe(entries)

@@ -184,6 +184,49 @@ def test_launch_with_embedded_etcd_runs_a_short_job_to_completion(
     assert not (launch.run_dir / STATE_FILE).exists()
 
 
+def _hosts_listed(reg) -> int:
+    from discovery.registry import RegistryError
+
+    try:
+        return len(reg.list_hosts().entries)
+    except RegistryError:
+        return -1
+
+
+@needs_horovod
+@pytest.mark.timeout(300)
+def test_a_killed_embedded_etcd_is_started_again_with_its_data_and_the_job_completes(
+    procs: ProcessGroup, tmp_path: Path, no_leftovers: list[Launch]
+) -> None:
+    from discovery.registry import EtcdRegistry
+
+    config = write_config(tmp_path, "launch-etcd-back", max_steps=400)
+    launch = Launch(procs, config, tmp_path)
+    no_leftovers.append(launch)
+    wait_until(lambda: any(isinstance(e, Metrics) for e in events(launch.run_dir)), 120, what="a step")
+    state = launch_state(launch.run_dir)
+    assert state is not None and state["etcd_pid"]
+    old = psutil.Process(int(state["etcd_pid"]))
+    old.kill()
+    killed_at = time.time()
+    old.wait(10)
+
+    def back() -> int | None:
+        now = launch_state(launch.run_dir) or {}
+        pid = now.get("etcd_pid")
+        return pid if pid and pid != old.pid and psutil.pid_exists(pid) else None
+
+    new_pid = wait_until(back, 60, interval=0.1, what="the launcher to start etcd again")
+    reg = EtcdRegistry(state["etcd"], "launch-etcd-back", timeout_seconds=2.0)
+    try:  # the same endpoint; the agents' keys are there (kept in its data, or registered again)
+        wait_until(lambda: _hosts_listed(reg) == 2, 30, interval=0.2, what="both hosts in etcd")
+    finally:
+        reg.close()
+    assert launch.wait(timeout=240) == 0, launch.log()
+    assert any(isinstance(e, Metrics) and e.ts > killed_at for e in events(launch.run_dir)), "trained after it"
+    assert "embedded etcd exited" in launch.log_path.read_text() and f"(pid {new_pid})" in launch.log_path.read_text()
+
+
 @needs_horovod
 @pytest.mark.timeout(420)  # two attempts of an 800-step job with MLflow; 200 s seen on a loaded 2-core machine
 def test_full_preemption_relaunches_and_resumes_from_the_checkpoint_in_the_same_mlflow_run(

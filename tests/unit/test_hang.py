@@ -11,15 +11,23 @@ from pathlib import Path
 import psutil
 import pytest
 
+from elastictrain.engine.reset import PAUSE_MARKS
+from elastictrain.engine.watch import mark_phases
 from elastictrain.hang import (
     IDLE,
     LOCAL,
+    PROLOGUE,
+    RENDEZVOUS,
+    RESET_PHASES,
+    STARTUP,
+    SYNC,
     WAITING,
     Beat,
     HangDetector,
     Heartbeats,
     HungVerdict,
     Member,
+    announce,
     gathered_members,
     hang_bound,
     hung_peers,
@@ -138,3 +146,54 @@ def test_a_stopped_process_on_this_machine_is_sigkilled_by_the_detector(tmp_path
 def test_a_reused_pid_is_not_killed() -> None:
     me = psutil.Process()
     assert "another process" in kill_if_same(me.pid, me.create_time() - 100)
+
+
+def _detector(tmp_path: Path) -> tuple[HangDetector, Heartbeats]:
+    hb = Heartbeats(tmp_path / "hb")
+    return HangDetector(hb, HungVerdict(tmp_path / "v"), host=lambda: "a", slot=lambda: 0), hb
+
+
+def _read(hb: Heartbeats) -> Beat | None:
+    return hb.read([Member(0, "a", 0, 0)]).get(("a", 0))
+
+
+def test_a_resets_phases_are_written_at_once_not_on_the_next_beat(tmp_path: Path) -> None:
+    det, hb = _detector(tmp_path)
+    det.set_ring(0, [Member(0, "a", 0, 1)])
+    det.steps = 4
+    det.set_phase(LOCAL)
+    assert _read(hb).phase == IDLE, "a step in a ring that has trained waits for the once-a-second beat"
+    for phase in (RENDEZVOUS, SYNC, PROLOGUE):
+        det.mark(phase)
+        got = _read(hb)
+        assert got is not None and got.phase == phase and got.steps == 0
+    det.set_ring(0, [Member(0, "a", 0, 1)])
+    det.set_phase(LOCAL)
+    assert (_read(hb).phase, _read(hb).steps) == (LOCAL, 0), "the first step of a ring is shown at once"
+    det.step_done()
+    det.set_phase(LOCAL)
+    assert _read(hb).phase == LOCAL and _read(hb).steps == 0, "no beat for the second step"
+
+
+def test_every_pause_mark_but_the_last_begins_a_phase_and_the_reset_phases_parse() -> None:
+    phases = mark_phases()
+    assert set(phases) == set(PAUSE_MARKS) - {"prologue_end"}
+    assert set(phases.values()) <= set(RESET_PHASES)
+    for phase in RESET_PHASES:
+        assert Beat.parse(beat("b", 11, phase=phase).to_json().encode()) is not None
+
+
+def test_a_peer_in_a_resets_phase_is_judged_by_its_beats_age_only() -> None:
+    for phase in RESET_PHASES:
+        assert not verdict({("b", 0): beat("b", 11, phase=phase, since=NOW - 50)})
+        assert verdict({("b", 0): beat("b", 11, phase=phase, ts=NOW - 12)})
+
+
+def test_announce_writes_a_workers_heartbeat_under_horovodrun_only(tmp_path: Path) -> None:
+    announce(tmp_path, STARTUP, {})
+    assert not list(tmp_path.iterdir()), "outside horovodrun: no host or slot, no file"
+    announce(tmp_path, STARTUP, {"HOROVOD_HOSTNAME": "a", "HOROVOD_LOCAL_RANK": "x"})
+    assert not list(tmp_path.iterdir())
+    announce(tmp_path, STARTUP, {"HOROVOD_HOSTNAME": "a", "HOROVOD_LOCAL_RANK": "0"})
+    got = _read(Heartbeats(tmp_path))
+    assert got is not None and (got.phase, got.pid, got.steps) == (STARTUP, psutil.Process().pid, 0)
