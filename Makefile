@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.setup-done
 PYTEST  := .venv/bin/pytest
 
-.PHONY: setup test test-unit test-integration lint format demo bench bench-quick gpu-check chaos clean peers-env bench-peers
+.PHONY: setup test test-unit test-integration lint format demo bench bench-quick gpu-check chaos chaos-campaign clean peers-env bench-peers
 
 # Setup is idempotent; the stamp makes `make test` skip it when nothing it depends on changed.
 $(STAMP): scripts/setup.sh constraints/torch.txt pyproject.toml
@@ -53,13 +53,23 @@ bench-quick: $(STAMP)
 gpu-check: $(STAMP)
 	$(PY) -m elastictrain.bench.gpu_check
 
-# Chaos: every scenario (the long ones too), then the soak (a SIGKILL every 60 s for 20 min plus one of each
-# other fault) with its invariant table, report.png and report.json in the run dir. Only
-# `kill-worker` also runs in `make test`. A shortened soak: make chaos CHAOS_ARGS=--quick
+# Chaos: every scenario (the long ones too), a short fault campaign (24 faults over every phase; its table in its
+# run dir), then the soak (a SIGKILL every 60 s for 20 min plus one of each other fault) with its invariant table,
+# report.png and report.json in the run dir. Only `kill-worker` also runs in `make test`. A shortened soak:
+# make chaos CHAOS_ARGS=--quick
 CHAOS_ARGS ?=
 chaos: $(STAMP)
 	ELASTICTRAIN_CHAOS_LONG=1 $(PYTEST) -q -ra tests/chaos
+	d=runs/chaos/campaign-short-$$(date +%Y%m%d-%H%M%S); $(PY) -m chaos campaign --faults 24 --seed 1 --run-dir $$d/run --out $$d/campaign.json
 	$(PY) -m chaos run soak --run-dir runs/chaos/soak-$$(date +%Y%m%d-%H%M%S) $(CHAOS_ARGS)
+
+# The fault campaign (chaos/campaign.py): 300 faults aimed at every phase x kind of one 4-worker job, then the
+# invariants and the figures per phase x kind, to bench/results/<date>-<host>-campaign.json/.md. About an hour on
+# 2 cores, plus a fault-free reference run of the same job the first time (cached under runs/chaos/.chaos-reference).
+CAMPAIGN_FAULTS ?= 300
+CAMPAIGN_SEED ?= 1
+chaos-campaign: $(STAMP)
+	$(PY) -m chaos campaign --faults $(CAMPAIGN_FAULTS) --seed $(CAMPAIGN_SEED)
 
 # The contenders of `elastictrain bench --only peers` (torchrun and TorchFT) in their own environment, never in
 # the product's: torch from constraints/torch.txt (the local disk, as scripts/setup.sh installs it) and torchft 0.2.0.

@@ -19,6 +19,7 @@ with ``--run-dir``). The job is ``--job NAME`` or the one whose launcher wrote `
     python -m chaos run node-killed | node-partitioned   # the multi-node tier: namespaces, sshd, agents (root)
     python -m chaos loop --mtbf S --seed N --actions a,b,c [--duration S] --run-dir D
     python -m chaos run SCENARIO [--run-dir D] [--quick]   # see `python -m chaos run --list`
+    python -m chaos campaign --faults N --seed S [--run-dir D] [--out F] [--plan]   # chaos/campaign.py
 
 Exit codes: 0 done (``run``: every invariant holds), 1 an invariant broke or the fault found nothing to
 hit, 2 bad flags (``run``: also a scenario that cannot run here, e.g. the multi-node tier without root or
@@ -106,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--quick", action="store_true", help="shortened soak")
     r.add_argument("--list", action="store_true", help="list the scenarios")
     r.add_argument("--report", action="store_true", help="also write the timeline PNG (elastictrain report)")
+
+    from chaos import campaign
+
+    campaign.add_arguments(sub.add_parser("campaign", help="N faults aimed at every phase of one job, and figures"))
     return p
 
 
@@ -142,10 +147,14 @@ def _stop_on_signals() -> threading.Event:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.action == "run":
+    if args.action in ("run", "campaign"):
         # SIGTERM (a CI timeout, a user) unwinds like Ctrl-C, so the runner's `finally` blocks stop the jobs
         # it started (the fault-free reference run included) instead of leaving them behind.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        if args.action == "campaign":
+            from chaos import campaign
+
+            return campaign.main(args)
         return _run(args)
     try:
         job = JobRef.resolve(args.job, args.run_dir)

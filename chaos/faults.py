@@ -486,9 +486,16 @@ def kill_rank0_spare_writer(
 
 
 def kill_during_commit(
-    job: JobRef, log: ChaosLog, *, rank: int | None = 0, timeout: float = 120.0, poll_seconds: float = 0.001
+    job: JobRef,
+    log: ChaosLog,
+    *,
+    rank: int | None = 0,
+    timeout: float = 120.0,
+    poll_seconds: float = 0.001,
+    target: Worker | None = None,
 ) -> dict[str, Any]:
-    """SIGKILL a worker (default rank 0) the moment rank 0 writes a commit's ledger lines.
+    """SIGKILL a worker (``target``, else by ``rank``, default rank 0) the moment rank 0 writes a commit's ledger
+    lines.
 
     Rank 0 writes the ledger of the steps being committed *before* the in-memory commit, so a kill
     then hits the commit (or lands within a millisecond after it); the ledger then holds steps that
@@ -510,7 +517,8 @@ def kill_during_commit(
         return None, 0
 
     # Chosen before watching: finding processes takes tens of milliseconds, a commit less than one.
-    target = job.worker_by_rank(rank) if rank is not None else random.choice(job.workers())
+    if target is None:
+        target = job.worker_by_rank(rank) if rank is not None else random.choice(job.workers())
     procs = tree(target.proc)
     path, size = newest()
     while time.monotonic() < deadline:

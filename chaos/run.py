@@ -75,6 +75,7 @@ class Run:
 
     # -- life
     def start(self) -> Run:
+        self.agent_specs = {}  # a relaunch starts agents of its own (another embedded etcd endpoint)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(yaml.safe_dump(self.cfg, sort_keys=False))
         env = {

@@ -50,7 +50,7 @@ from horovod.torch.elastic.sampler import ElasticSampler as HorovodElasticSample
 from torch import nn
 
 from elastictrain import envnames
-from elastictrain.engine.collective import Collective, HorovodCollective
+from elastictrain.engine.collective import Collective, HorovodCollective, horovod_elastic_run
 from elastictrain.engine.horovod_private import discard_pending_allreduces
 from elastictrain.engine.sync import receive_state
 from elastictrain.engine.watch import arm_watchdog
@@ -322,7 +322,7 @@ def elastic_run(func: Callable[..., Any]) -> Callable[..., Any]:
             if watchdog is not None:
                 watchdog.idle()
 
-    run = hvd.elastic.run(functools.wraps(func)(watched))
+    run = horovod_elastic_run(functools.wraps(func)(watched))
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:

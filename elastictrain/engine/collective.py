@@ -11,7 +11,8 @@ Contract of every implementation:
   ``HorovodInternalError`` (the elastic loop then restores, resets and syncs).
 * ``elastic_run(func)`` returns ``hvd.elastic.run``'s wrapper: ``wrapper(state)`` syncs ``state``, calls
   ``func(state)``, and on ``HorovodInternalError`` (restore first) or ``HostsUpdatedInterrupt`` resets the world
-  and goes round again.
+  and goes round again. Horovod's reset is :func:`reset_horovod`: an ``hvd.init`` whose ring could not form is
+  tried again for the next ring.
 """
 
 from __future__ import annotations
@@ -53,6 +54,50 @@ class Collective(Protocol):
     def elastic_run(self, func: Callable[[Any], T]) -> Callable[[State], T]: ...
 
 
+INIT_ATTEMPTS = 3
+"""``hvd.init`` calls of one reset (or start) before its failure ends the worker."""
+
+
+def reset_horovod(
+    shutdown: Callable[[], None],
+    init: Callable[[], None],
+    *,
+    attempts: int = INIT_ATTEMPTS,
+    on_retry: Callable[[int, Exception], None] = lambda attempt, error: None,
+) -> None:
+    """Horovod's elastic reset (``shutdown``, then ``init``), with a failed ``init`` tried again up to ``attempts``.
+
+    ``hvd.init`` fails (``ValueError: Horovod initialization failed``; Horovod as patched by
+    ``scripts/patch_horovod.py``) when the ring the driver assigned could not form: a peer of it died before the
+    Gloo contexts were built (found after the Gloo timeout), or the driver removed this host. Asking again joins
+    the driver's next ring, which no longer has the dead peer (a removed host is refused again at once). Any other
+    error, and the last failure, are raised."""
+    for attempt in range(1, attempts + 1):
+        shutdown()
+        try:
+            init()
+            return
+        except ValueError as e:
+            if attempt == attempts or "initialization failed" not in str(e):
+                raise
+            on_retry(attempt, e)
+
+
+def horovod_elastic_run(func: Callable[..., T]) -> Callable[..., T]:
+    """``hvd.elastic.run`` (Horovod's own loop, ``horovod.common.elastic.run_fn``) with :func:`reset_horovod`."""
+    import horovod.torch as hvd
+    from horovod.common.elastic import run_fn
+
+    from elastictrain.logconf import get_logger
+
+    log = get_logger("elastictrain.collective")
+
+    def retry(attempt: int, error: Exception) -> None:
+        log.warning("hvd.init failed; asking the driver for the next ring", attempt=attempt, error=str(error)[:200])
+
+    return run_fn(func, lambda: reset_horovod(hvd.shutdown, hvd.init, on_retry=retry))
+
+
 class HorovodCollective:
     """:class:`Collective` over ``horovod.torch`` (call :meth:`init` once per process)."""
 
@@ -63,8 +108,9 @@ class HorovodCollective:
 
     @classmethod
     def init(cls) -> HorovodCollective:
+        """``hvd.init`` (tried again like a reset's, :func:`reset_horovod`, when the first ring cannot form)."""
         c = cls()
-        c.hvd.init()
+        reset_horovod(c.hvd.shutdown, c.hvd.init)
         return c
 
     def rank(self) -> int:
@@ -111,7 +157,7 @@ class HorovodCollective:
         )
 
     def elastic_run(self, func: Callable[[Any], T]) -> Callable[[State], T]:
-        return self.hvd.elastic.run(func)
+        return horovod_elastic_run(func)
 
 
 class LocalCollective:
