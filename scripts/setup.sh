@@ -142,7 +142,8 @@ esac
 
 # ---------------------------------------------------------------- Horovod
 # NCCL-shared: wheels built before Horovod was told to link NCCL dynamically have another key.
-KEY="horovod-${HOROVOD_VERSION}_torch-${TORCH_VER}_${PY_TAG}_cuda-${CUDA_VER}_gpuops-${GPU_OPS/NCCL/NCCL-shared}"
+# patch-1: scripts/patch_horovod.py (a failed Gloo rendezvous fails hvd.init instead of killing the worker).
+KEY="horovod-${HOROVOD_VERSION}_torch-${TORCH_VER}_${PY_TAG}_cuda-${CUDA_VER}_gpuops-${GPU_OPS/NCCL/NCCL-shared}_patch-1"
 WHEEL_DIR="$CACHE/wheels/$KEY"
 STAMP="$VENV/.horovod-key"
 if [ "$(cat "$STAMP" 2>/dev/null)" = "$KEY" ] && [ "$(pkg_version horovod)" = "$HOROVOD_VERSION" ]; then
@@ -163,6 +164,7 @@ else
     say "raising Horovod's C++ standard 14 -> $STD (torch $TORCH_VER)"
     sed -i "s/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD $STD)/" "$SRC/CMakeLists.txt" "$SRC/horovod/torch/CMakeLists.txt"
     grep -q "CMAKE_CXX_STANDARD $STD" "$SRC/horovod/torch/CMakeLists.txt" || die "patching Horovod's CMakeLists failed (layout changed?)"
+    "$PY" "$ROOT/scripts/patch_horovod.py" "$SRC" || die "patching Horovod's source failed (scripts/patch_horovod.py)"
     export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1
     export HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
     export MAKEFLAGS="-j$(nproc)"
