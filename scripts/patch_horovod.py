@@ -4,7 +4,9 @@
 ``hvd.init``, whose background thread builds the new ring's Gloo contexts. When a peer of the new ring dies after
 the driver assigned it and before the ring formed, the others wait for its address until the Gloo timeout, and the
 ``gloo::IoException`` escapes the background thread: ``std::terminate``, exit 134, for every survivor (then
-horovodrun sees every worker failed and stops the job). The chaos campaign (``python -m chaos campaign``) hits
+horovodrun sees every worker failed and stops the job). Only Gloo's I/O errors (a timeout, a peer gone) take the
+new path: a worker the driver removed from the job (``has been removed from elastic job``) still ends as before,
+since Horovod starts a new worker when its host comes back. The chaos campaign (``python -m chaos campaign``) hits
 this with a SIGKILL during a reset's rendezvous. Horovod already has the path for a failed initialisation
 (``initialization_failed``: ``hvd.init`` raises ``ValueError``); the patch routes the Gloo set-up into it, leaves
 the Gloo context ready for the next try (``Finalize``), and clears the flag when ``hvd.init`` starts again, so a
@@ -37,7 +39,7 @@ GLOO_END = """    state.process_set_table.Initialize(global_gloo_context);
   assert(state.global_controller->IsInitialized());"""
 GLOO_END_PATCHED = """    state.process_set_table.Initialize(global_gloo_context);
   }
-  } catch (const std::exception& ex) {
+  } catch (const ::gloo::IoException& ex) {
     LOG(ERROR) << "Horovod could not be initialized: " << ex.what();
     global_gloo_context.Finalize();
     state.initialization_failed = true;
@@ -46,6 +48,14 @@ GLOO_END_PATCHED = """    state.process_set_table.Initialize(global_gloo_context
 #endif // HAVE_GLOO
 
   assert(state.global_controller->IsInitialized());"""
+
+GLOO_INCLUDE = """#include "gloo/gloo_controller.h"
+#include "ops/gloo_operations.h"
+"""
+GLOO_INCLUDE_PATCHED = """#include "gloo/gloo_controller.h"
+#include "ops/gloo_operations.h"
+#include "gloo/common/error.h"
+"""
 
 RESET_FLAG = """    // Reset initialization flag
     horovod_global.initialization_done = false;
@@ -56,6 +66,7 @@ RESET_FLAG_PATCHED = """    // Reset initialization flag
 """
 
 EDITS = (
+    ("horovod/common/operations.cc", GLOO_INCLUDE, GLOO_INCLUDE_PATCHED),
     ("horovod/common/operations.cc", GLOO_INIT, GLOO_INIT_PATCHED),
     ("horovod/common/operations.cc", GLOO_END, GLOO_END_PATCHED),
     ("horovod/common/operations.cc", RESET_FLAG, RESET_FLAG_PATCHED),

@@ -18,11 +18,14 @@ Contract of every implementation:
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, TypeVar
 
 import torch
 from horovod.common.elastic import State
+
+from elastictrain.engine.horovod_private import allreduces_done
 
 T = TypeVar("T")
 
@@ -54,6 +57,38 @@ class Collective(Protocol):
     def elastic_run(self, func: Callable[[Any], T]) -> Callable[[State], T]: ...
 
 
+GRADIENT_POLL_SECONDS = 0.0002
+"""How long a worker sleeps between two looks at its gradient allreduces while it waits for them
+(:func:`wait_without_spinning`): a step waits at most this much longer than the allreduces take."""
+
+
+def wait_without_spinning(
+    optimizer: Any,
+    poll: Callable[[int], bool],
+    *,
+    interval: float = GRADIENT_POLL_SECONDS,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Any:
+    """``optimizer`` (a Horovod ``DistributedOptimizer``) whose ``synchronize()`` first waits, sleeping ``interval``
+    between polls, until every gradient allreduce it started is done, then runs Horovod's own ``synchronize``
+    (which then finds every handle done and only copies the results in).
+
+    Horovod's own wait (``horovod_torch_wait_and_clear``) spins: it polls the handle in a loop that only yields
+    the CPU. The worker that finished its backward pass first thus keeps a core busy for the whole wait, the core
+    that the slower workers' backward passes and Horovod's background threads need where workers share cores
+    (logical hosts on one machine, or more workers than cores). Errors are Horovod's as before: a failed
+    allreduce is done, and Horovod's ``synchronize`` raises it."""
+    spinning = optimizer.synchronize
+
+    def synchronize() -> None:
+        while not allreduces_done(optimizer, poll):
+            sleep(interval)
+        spinning()
+
+    optimizer.synchronize = synchronize
+    return optimizer
+
+
 INIT_ATTEMPTS = 3
 """``hvd.init`` calls of one reset (or start) before its failure ends the worker."""
 
@@ -69,9 +104,9 @@ def reset_horovod(
 
     ``hvd.init`` fails (``ValueError: Horovod initialization failed``; Horovod as patched by
     ``scripts/patch_horovod.py``) when the ring the driver assigned could not form: a peer of it died before the
-    Gloo contexts were built (found after the Gloo timeout), or the driver removed this host. Asking again joins
-    the driver's next ring, which no longer has the dead peer (a removed host is refused again at once). Any other
-    error, and the last failure, are raised."""
+    Gloo contexts were built (Gloo's I/O error, after at most the Gloo timeout). Asking again joins the driver's
+    next ring, which no longer has the dead peer. (A worker the driver removed from the job still ends in
+    ``hvd.init``, as in stock Horovod.) Any other error, and the last failure, are raised."""
     for attempt in range(1, attempts + 1):
         shutdown()
         try:
@@ -152,9 +187,10 @@ class HorovodCollective:
         compression: str,
     ) -> torch.optim.Optimizer:
         codec = {"none": self.hvd.Compression.none, "fp16": self.hvd.Compression.fp16}[compression]
-        return self.hvd.DistributedOptimizer(
+        distributed = self.hvd.DistributedOptimizer(
             optimizer, named_parameters=named_parameters, compression=codec, op=self.hvd.Sum
         )
+        return wait_without_spinning(distributed, self.hvd.poll)
 
     def elastic_run(self, func: Callable[[Any], T]) -> Callable[[State], T]:
         return horovod_elastic_run(func)

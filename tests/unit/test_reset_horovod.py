@@ -60,14 +60,15 @@ def test_the_source_patch_applies_once_and_refuses_a_source_it_does_not_know(tmp
     ph = _patcher()
     ops = tmp_path / "horovod" / "common" / "operations.cc"
     ops.parent.mkdir(parents=True)
-    original = f"void BackgroundThreadLoop() {{\n{ph.GLOO_INIT}\n  x;\n{ph.GLOO_END}\n}}\n{ph.RESET_FLAG}"
+    original = f"{ph.GLOO_INCLUDE}void BackgroundThreadLoop() {{\n{ph.GLOO_INIT}\n  x;\n{ph.GLOO_END}\n}}\n{ph.RESET_FLAG}"
     ops.write_text(original)
-    assert ph.patch(tmp_path) == ["horovod/common/operations.cc: patched"] * 3
+    assert ph.patch(tmp_path) == ["horovod/common/operations.cc: patched"] * 4
     text = ops.read_text()
     assert "state.initialization_failed = true;" in text and "global_gloo_context.Finalize();" in text
     assert "horovod_global.initialization_failed = false;" in text
-    assert text.count("try {") == 1 and text.count("catch (const std::exception& ex)") == 1
-    assert ph.patch(tmp_path) == ["horovod/common/operations.cc: already patched"] * 3
+    assert text.count("try {") == 1 and text.count("catch (const ::gloo::IoException& ex)") == 1
+    assert '#include "gloo/common/error.h"' in text, "the only errors caught: Gloo's I/O (a removed worker ends)"
+    assert ph.patch(tmp_path) == ["horovod/common/operations.cc: already patched"] * 4
     assert ops.read_text() == text
     ops.write_text(original.replace("#if HAVE_MPI", "#if HAVE_MPI_X"))
     with pytest.raises(ValueError, match="found 0 times"):
