@@ -18,10 +18,17 @@ JSON object a line, written when a step ends:
 - ``committed``: false when the contender threw the step away as it ended (TorchFT's ``should_commit``);
 - ``ids``: the sample indices this process trained on in the step.
 
-The rule (``replay``): lines are replayed in order of ``t1``. A committed line of step ``S`` whose ``t0`` is
-after the ``t1`` of earlier kept lines of steps ``>= S`` means those steps were rolled back and are being redone:
-they leave the kept set (counted as redone). Lines of the same step from different processes overlap in time
-(a collective joins them), so they never discard each other. Then:
+The rule (``replay``), the same for every contender, reads each process's own counter: committed lines of one
+step that overlap in time (a collective joins them) are one completion of that step. A line whose step is one
+more than its process's previous committed line continues that process's state; any other line (a process's
+first, or its counter moved back to a restored commit or checkpoint, or forward to a peer's state it healed
+from, as a TorchFT replica group does) began from the latest completion of the step before it that had ended.
+So the completions form a tree, and the job's final state is one leaf of it: the leaf whose processes are still
+at it (a process that wrote only uncommitted lines since still holds its state; one that went on elsewhere, or
+fell silent while other steps began, abandoned it), the highest step among such leaves (replicas that meet heal
+to the highest step). The kept lines are those of the completions on the path to that leaf; every other committed
+line is redone (its work was lost: rolled back, restarted from an older checkpoint or from scratch, or a
+replica's own steps before it healed from a peer). Then:
 
 - goodput (``goodput``): the length of the union of the kept lines' ``[t0, t1]`` inside the window ÷ the
   window; a step redone after a rollback is not kept, a step thrown away was never kept;

@@ -37,6 +37,7 @@ one small job class per contender, which only make sense side by side.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import itertools
 import json
@@ -134,31 +135,141 @@ class StepLogReader:
 
 @dataclass
 class Replay:
-    """What :func:`replay` found: kept lines, redone ones (rolled back after they ended), thrown away ones."""
+    """What :func:`replay` found: kept lines, redone ones (their work was lost: a rollback, a restart from an older
+    state, a replica that healed from a peer), thrown away ones (``committed: false``)."""
 
     kept: list[Line] = field(default_factory=list)
     redone: list[Line] = field(default_factory=list)
     thrown_away: list[Line] = field(default_factory=list)
     rollbacks: list[tuple[float, int]] = field(default_factory=list)
-    """Each rollback: (the ``t0`` of the line that revealed it, the distinct steps it undid)."""
+    """Each lost branch of steps: (the start of the first other step begun after its last one ended, or that end
+    when none did; the distinct steps it lost)."""
+
+
+@dataclass(eq=False)
+class _Completion:
+    """Committed lines of one step that overlap in time (a collective joins them): one step of one state."""
+
+    step: int
+    lines: list[Line]
+    parent: _Completion | None = None
+    children: list[_Completion] = field(default_factory=list)
+
+    @property
+    def t0(self) -> float:
+        return min(ln.t0 for ln in self.lines)
+
+    @property
+    def t1(self) -> float:
+        return max(ln.t1 for ln in self.lines)
+
+
+def _group(committed: list[Line]) -> tuple[list[_Completion], dict[int, _Completion]]:
+    """The completions of ``committed`` (by step, lines chained by overlap) and each line's (keyed by ``id``)."""
+    nodes: list[_Completion] = []
+    of: dict[int, _Completion] = {}
+    for step, group in itertools.groupby(sorted(committed, key=lambda x: (x.step, x.t0)), key=lambda x: x.step):
+        current: _Completion | None = None
+        for ln in group:
+            if current is None or ln.t0 > current.t1:
+                current = _Completion(step, [])
+                nodes.append(current)
+            current.lines.append(ln)
+            of[id(ln)] = current
+    return nodes, of
+
+
+def _link(lines: list[Line], nodes: list[_Completion], of: dict[int, _Completion]) -> None:
+    """Each completion's parent: the state its step began from, read from each writer's own counter. A line whose
+    step is one more than its writer's previous committed line continues that writer's state; any other line
+    (a process's first, or its counter moved back to a restored state or forward to a peer's healed one) began
+    from the latest completion of the step before that ended before the line did (none for step 1: the start)."""
+    previous: dict[str, Line] = {}
+    proposals: dict[int, tuple[list[_Completion], list[Line]]] = {}
+    for ln in sorted((x for x in lines if x.committed), key=lambda x: x.t1):
+        cont, other = proposals.setdefault(id(of[id(ln)]), ([], []))
+        prev = previous.get(ln.writer)
+        if prev is not None and prev.step == ln.step - 1:
+            cont.append(of[id(prev)])
+        else:
+            other.append(ln)
+        previous[ln.writer] = ln
+    ends: dict[int, list[tuple[float, int]]] = {}
+    for i, n in enumerate(nodes):
+        ends.setdefault(n.step, []).append((n.t1, i))
+    for v in ends.values():
+        v.sort()
+    for n in nodes:
+        cont, other = proposals[id(n)]
+        if cont:
+            n.parent = max(cont, key=lambda c: c.t1)
+        elif other:
+            before = ends.get(n.step - 1, [])
+            k = bisect.bisect_left(before, (min(ln.t1 for ln in other), -1))
+            n.parent = nodes[before[k - 1][1]] if k else None
+        if n.parent is not None:
+            n.parent.children.append(n)
+
+
+def _final(lines: list[Line], nodes: list[_Completion]) -> _Completion | None:
+    """The completion the job's state is at the end. A leaf (no step began from it) was abandoned when no writer
+    of it wrote again only uncommitted lines (a replica stuck in a failing step still holds that state) and
+    either one of them went on with a committed line (its counter moved to another state) or all fell silent
+    while another step began after it. Among the leaves not abandoned: the highest step (replicas that meet heal
+    to the highest one), then the latest."""
+    if not nodes:
+        return None
+    after: dict[str, list[Line]] = {}
+    for ln in lines:
+        after.setdefault(ln.writer, []).append(ln)
+    latest_start = max(n.t0 for n in nodes)
+
+    def abandoned(leaf: _Completion) -> bool:
+        moved = False
+        for w in {ln.writer for ln in leaf.lines}:
+            later = [x for x in after[w] if x.t1 > leaf.t1]
+            if later and not any(x.committed for x in later):
+                return False
+            moved = moved or bool(later)
+        return moved or latest_start > leaf.t1
+
+    leaves = [n for n in nodes if not n.children]
+    live = [n for n in leaves if not abandoned(n)] or leaves
+    return max(live, key=lambda n: (n.step, n.t1))
 
 
 def replay(lines: Iterable[Line]) -> Replay:
-    """The rule: lines in order of ``t1``; a committed line of step ``S`` that began after earlier kept lines of
-    steps ``>= S`` ended rolls them back (they were redone); lines of one step from several processes overlap in
-    time and never discard each other; ``committed: false`` lines are thrown away, never kept."""
-    out = Replay()
-    for ln in sorted(lines, key=lambda x: x.t1):
-        if not ln.committed:
-            out.thrown_away.append(ln)
-            continue
-        rolled = [k for k in out.kept if k.step >= ln.step and k.t1 < ln.t0]
-        if rolled:
-            gone = {id(k) for k in rolled}
-            out.kept = [k for k in out.kept if id(k) not in gone]
-            out.redone.extend(rolled)
-            out.rollbacks.append((ln.t0, len({k.step for k in rolled})))
-        out.kept.append(ln)
+    """The rule, the same for every contender and reading each one's own counter per process: committed lines of
+    one step that overlap in time are one completion; each completion began from the state of a completion of
+    the step before (:func:`_link`); the kept lines are those of the completions from which the job's final state
+    (:func:`_final`) descends. Every other committed line is redone: its work was lost (a rollback to a commit, a
+    restart from a checkpoint or from scratch, a replica's own steps before it healed from a peer's state).
+    ``committed: false`` lines are thrown away, never kept."""
+    lines = list(lines)
+    out = Replay(thrown_away=sorted((ln for ln in lines if not ln.committed), key=lambda x: x.t1))
+    nodes, of = _group([ln for ln in lines if ln.committed])
+    _link(lines, nodes, of)
+    path: set[int] = set()
+    node = _final(lines, nodes)
+    while node is not None:
+        path.add(id(node))
+        node = node.parent
+    lost = [n for n in nodes if id(n) not in path]
+    out.kept = sorted((ln for n in nodes if id(n) in path for ln in n.lines), key=lambda x: x.t1)
+    out.redone = sorted((ln for n in lost for ln in n.lines), key=lambda x: x.t1)
+    for n in lost:
+        if n.parent is not None and id(n.parent) not in path:
+            continue  # inside a lost branch, counted with the branch's first step
+        stack, branch = [n], []
+        while stack:
+            m = stack.pop()
+            branch.append(m)
+            stack.extend(m.children)
+        end = max(m.t1 for m in branch)
+        inside = {id(m) for m in branch}
+        went_on = [c.t0 for c in nodes if id(c) not in inside and c.t0 >= end]
+        out.rollbacks.append((min(went_on, default=end), len({m.step for m in branch})))
+    out.rollbacks.sort()
     return out
 
 

@@ -1,15 +1,16 @@
 """Every access to a private attribute of Horovod, in one place (written against horovod 0.28.1).
 
-Horovod's public API cannot drop a failed step's pending gradient allreduces, read the host-change notices
-that a ``State`` has queued, or name the ports of this worker's own notification service. The engine needs
-all three; each function here says which private attribute it touches. After a Horovod upgrade, this module
-and ``tests/unit/test_horovod_private.py`` (which checks that every attribute is still there) are what to
-read.
+Horovod's public API cannot drop a failed step's pending gradient allreduces, list them to wait for them
+without spinning, read the host-change notices that a ``State`` has queued, or name the ports of this worker's
+own notification service. The engine needs all four; each function here says which private attribute it
+touches. After a Horovod upgrade, this module and ``tests/unit/test_horovod_private.py`` and
+``tests/unit/test_gradient_wait.py`` (which check that every attribute is still there) are what to read.
 """
 
 from __future__ import annotations
 
 import queue
+from collections.abc import Callable
 from typing import Any
 
 from horovod.common.elastic import State
@@ -32,6 +33,14 @@ def discard_pending_allreduces(optimizer: Any) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
             p.grad = None
+
+
+def allreduces_done(optimizer: Any, poll: Callable[[int], bool]) -> bool:
+    """Whether every gradient allreduce that ``optimizer`` (a ``DistributedOptimizer``) has started is done, asked of
+    ``poll`` (``horovod.torch.poll``) for each handle in ``_handles`` (parameter or group -> ``(handle, ctx)``; a
+    ``None`` handle is not started yet and a callable one is not Horovod's: ``synchronize`` deals with both)."""
+    handles = [h for h, _ in list(getattr(optimizer, "_handles", {}).values())]
+    return all(h is None or callable(h) or poll(h) for h in handles)
 
 
 def host_messages(state: State) -> queue.Queue:
@@ -60,3 +69,11 @@ def notification_ports() -> set[int]:
         for addrs in service.addresses().values():
             ports.update(int(port) for _ip, port in addrs)
     return ports
+
+
+def exit_hook() -> Callable[[], Any]:
+    """What every ``hvd.init`` registers with ``atexit``: ``horovod.torch.mpi_ops._basics.shutdown`` (the
+    ``HorovodBasics`` bound method; ``hvd.shutdown`` wraps it, so it is not equal to it and cannot unregister it)."""
+    from horovod.torch.mpi_ops import _basics
+
+    return _basics.shutdown

@@ -271,7 +271,7 @@ def test_the_temp_failure_marker_folder_is_removed_when_training_returns(monkeyp
         monkeypatch.setenv("ELASTICTRAIN_RUN_DIR", str(tmp_path / "run"))
     else:
         monkeypatch.delenv("ELASTICTRAIN_RUN_DIR", raising=False)
-    monkeypatch.setattr(dropin.hvd.elastic, "run", lambda func: func)
+    monkeypatch.setattr(dropin, "horovod_elastic_run", lambda func: func)
     monkeypatch.setattr(dropin, "arm_watchdog", lambda *a, **k: _Watchdog())
     folder = dropin._marker_path().parent
     folder.mkdir(parents=True)

@@ -15,6 +15,7 @@ from elastictrain.bench.peers import (
     audit,
     first_step_after,
     goodput,
+    losses_after,
     pause,
     replay,
     samples_per_second,
@@ -54,6 +55,78 @@ def test_lines_of_one_step_from_several_processes_count_once_and_discard_nothing
     rep = replay(a + b)
     assert not rep.redone
     assert goodput(a + b, 0.0, 10.01) == pytest.approx(1.0)
+
+
+def test_a_process_whose_own_counter_goes_back_redoes_the_steps_after_its_restored_state():
+    # One process (a Horovod survivor): steps 1-10, a reset restores the commit of step 5, it redoes 6-10 and goes on.
+    a = steps("a", 1, 10, 0.0) + steps("a", 6, 10, 12.0)
+    rep = replay(a)
+    assert sorted(ln.step for ln in rep.redone) == [6, 7, 8, 9, 10]
+    assert rep.rollbacks == [(12.0, 5)]  # the redo of step 6 began after step 10 ended
+
+
+def torchft_split_heal() -> list[Line]:
+    """TorchFT, three replica groups, each with its own step counter. Steps 1-10 together; group c is killed at
+    10.2; group a survives but fails its step (``should_commit`` false, its counter stays at 10) until 15; groups b
+    and c restart at step 0 and, without a, train steps 1-3 in a quorum of their own from 12 to 15; at 15 a joins
+    them again, the quorum's highest step is a's 10, so b and c heal from a and all three go on at 11 and 12."""
+    together = [ln for w in "abc" for ln in steps(w, 1, 10, 0.0, world=3)]
+    stuck = steps("a", 10, 1, 10.0, dt=5.0, world=1, committed=False)
+    alone = [ln for w in ("b2", "c2") for ln in steps(w, 1, 3, 12.0, world=2)]
+    healed = [ln for w in ("a", "b2", "c2") for ln in steps(w, 11, 2, 15.0, world=3)]
+    return together + stuck + alone + healed
+
+
+def test_torchft_groups_that_trained_on_their_own_and_healed_from_a_peer_lose_their_own_steps_not_the_peers():
+    lines = torchft_split_heal()
+    rep = replay(lines)
+    assert sorted({ln.step for ln in rep.kept}) == list(range(1, 13))
+    assert {(ln.writer, ln.step) for ln in rep.redone} == {(w, s) for w in ("b2", "c2") for s in (1, 2, 3)}
+    assert rep.rollbacks == [(15.0, 3)]  # lost when b and c healed: the restarted groups' 3 steps
+    assert len(rep.thrown_away) == 1
+    # kept: [0, 10] and [15, 17]; the restarted groups' [12, 15] was lost (the old rule kept it and lost [0, 10])
+    assert goodput(lines, 0.0, 17.0) == pytest.approx(12 / 17)
+    assert losses_after(rep, [10.2], 17.0) == [{"redone": 3, "thrown_away": 1}]
+
+
+def test_at_the_end_a_live_group_at_the_highest_step_holds_the_state_that_the_others_will_heal_to():
+    # The same log cut at 15, before the heal: a still holds step 10 (it is failing its step, not dead); b and c
+    # are at step 3 of a quorum of their own. When they meet, TorchFT heals everyone to the highest step, a's.
+    lines = [ln for ln in torchft_split_heal() if ln.t1 <= 15.0]
+    rep = replay(lines)
+    assert sorted({ln.step for ln in rep.kept}) == list(range(1, 11))
+    assert {ln.writer for ln in rep.redone} == {"b2", "c2"}
+    assert goodput(lines, 0.0, 15.0) == pytest.approx(10 / 15)
+
+
+def test_a_replica_group_that_joins_and_heals_to_the_peers_step_discards_nothing():
+    # A 4th TorchFT group starts at step 0 and heals in its first quorum: its first line is step 21.
+    lines = [ln for w in "abc" for ln in steps(w, 1, 20, 0.0, world=3)]
+    lines += [ln for w in "abcd" for ln in steps(w, 21, 5, 20.5, world=4)]
+    rep = replay(lines)
+    assert not rep.redone and not rep.rollbacks
+    assert goodput(lines, 0.0, 25.5) == pytest.approx(25 / 25.5)
+
+
+def test_a_healed_group_whose_step_began_before_the_peers_previous_step_ended_continues_the_peers_state():
+    # The joining group's first step starts (t0) while the others still run step 20 and ends with theirs, at 21.
+    lines = [ln for w in "abc" for ln in steps(w, 1, 21, 0.0, world=3)]
+    lines += [Line("d", 21, 0, 19.5, 21.0, 4), *steps("d", 22, 3, 21.0, world=4)]
+    lines += [ln for w in "abc" for ln in steps(w, 22, 3, 21.0, world=4)]
+    rep = replay(lines)
+    assert not rep.redone
+    assert sorted({ln.step for ln in rep.kept}) == list(range(1, 25))
+
+
+def test_every_group_restarting_from_step_0_loses_every_step_before():
+    # TorchFT 0.2.0 here: a peer's death makes every surviving group's DDP comm hook fail (``assert fut._fut``), so
+    # every group restarts at step 0 with fresh weights; no group holds the state to heal from.
+    before = [ln for w in "abc" for ln in steps(w, 1, 30, 0.0, world=3)]
+    after = [ln for w in ("a2", "b2", "c2") for ln in steps(w, 1, 20, 40.0, world=3)]
+    rep = replay(before + after)
+    assert {ln.step for ln in rep.redone} == set(range(1, 31))
+    assert rep.rollbacks == [(40.0, 30)]
+    assert goodput(before + after, 0.0, 60.0) == pytest.approx(20 / 60)
 
 
 def test_thrown_away_steps_are_never_kept():
