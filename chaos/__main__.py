@@ -20,6 +20,7 @@ with ``--run-dir``). The job is ``--job NAME`` or the one whose launcher wrote `
     python -m chaos loop --mtbf S --seed N --actions a,b,c [--duration S] --run-dir D
     python -m chaos run SCENARIO [--run-dir D] [--quick]   # see `python -m chaos run --list`
     python -m chaos campaign --faults N --seed S [--run-dir D] [--out F] [--plan]   # chaos/campaign.py
+    python -m chaos resets --resets N --seed S [--run-dir D] [--out F] [--fault term|kill|drain|preempt]  # memory
 
 Exit codes: 0 done (``run``: every invariant holds), 1 an invariant broke or the fault found nothing to
 hit, 2 bad flags (``run``: also a scenario that cannot run here, e.g. the multi-node tier without root or
@@ -108,9 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--list", action="store_true", help="list the scenarios")
     r.add_argument("--report", action="store_true", help="also write the timeline PNG (elastictrain report)")
 
-    from chaos import campaign
+    from chaos import campaign, resets
 
     campaign.add_arguments(sub.add_parser("campaign", help="N faults aimed at every phase of one job, and figures"))
+    resets.add_arguments(sub.add_parser("resets", help="survivors' memory, fds and threads across N resets"))
     return p
 
 
@@ -147,7 +149,7 @@ def _stop_on_signals() -> threading.Event:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.action in ("run", "campaign"):
+    if args.action in ("run", "campaign", "resets"):
         # SIGTERM (a CI timeout, a user) unwinds like Ctrl-C, so the runner's `finally` blocks stop the jobs
         # it started (the fault-free reference run included) instead of leaving them behind.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -155,6 +157,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from chaos import campaign
 
             return campaign.main(args)
+        if args.action == "resets":
+            from chaos import resets
+
+            return resets.run(args)
         return _run(args)
     try:
         job = JobRef.resolve(args.job, args.run_dir)

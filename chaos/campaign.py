@@ -47,7 +47,7 @@ import psutil
 from chaos import faults
 from chaos import invariants as inv
 from chaos.procs import JobNotFound, Worker, tree
-from chaos.run import REPO, Run, ScenarioError
+from chaos.run import LAUNCH_FLAGS, REPO, Run, ScenarioError
 from elastictrain.events import EVENTS_FILE, Commit, Event, Metrics, Reset, Start, parse_events
 from elastictrain.hang import HEARTBEATS, IDLE, LOCAL, RENDEZVOUS, STARTUP, SYNC, WAITING, Beat
 
@@ -143,6 +143,12 @@ def campaign_config(n: int) -> dict[str, Any]:
     cfg["elastic"] = {**cfg["elastic"], "min_np": MIN_WORKERS, "max_np": WORKERS}
     cfg["tracking"] = {**cfg["tracking"], "experiment": "chaos-campaign"}
     return cfg
+
+
+def reset_limit(n: int) -> int:
+    """horovodrun's ``--reset-limit`` for ``n`` faults: launch's default (100) would end the job after about 40 of
+    them (a fault takes up to 3 resets: a primer's, its own, and the host's return)."""
+    return 4 * n + 100
 
 
 HANG_SECONDS = 30.0
@@ -759,7 +765,7 @@ def run_campaign(
         out(f"campaign: {n} faults, seed {seed}; reference run (cached under {run_dir.parent / '.chaos-reference'})")
         reference = reference_loss(cfg, run_dir.parent, timeout=14400)
     job = f"chaos-campaign-{os.urandom(3).hex()}"
-    run = Run(run_dir, {"job": job, **cfg})
+    run = Run(run_dir, {"job": job, **cfg}, flags=(*LAUNCH_FLAGS, "--reset-limit", str(reset_limit(n))))
     campaign = Campaign(run, planned, seed, out)
     error = None
     try:

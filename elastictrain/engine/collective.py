@@ -17,6 +17,7 @@ Contract of every implementation:
 
 from __future__ import annotations
 
+import atexit
 import copy
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -25,7 +26,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 from horovod.common.elastic import State
 
-from elastictrain.engine.horovod_private import allreduces_done
+from elastictrain.engine.horovod_private import allreduces_done, exit_hook
 
 T = TypeVar("T")
 
@@ -118,6 +119,20 @@ def reset_horovod(
             on_retry(attempt, e)
 
 
+def init_horovod(init: Callable[[], None], exit_hook: Callable[[], Any]) -> None:
+    """``init()`` (``hvd.init``), leaving exactly one ``exit_hook`` registered with :mod:`atexit`, failed or not.
+
+    Horovod's ``init`` registers its shutdown (:func:`~elastictrain.engine.horovod_private.exit_hook`) with
+    ``atexit`` at every call, and an elastic worker calls it at every reset: each reset would keep one more
+    registration for the life of the process (and one more shutdown at its exit). ``atexit.unregister`` drops
+    every registration equal to it, then it is registered once, last, where the newest of Horovod's would stand."""
+    try:
+        init()
+    finally:
+        atexit.unregister(exit_hook)
+        atexit.register(exit_hook)
+
+
 def horovod_elastic_run(func: Callable[..., T]) -> Callable[..., T]:
     """``hvd.elastic.run`` (Horovod's own loop, ``horovod.common.elastic.run_fn``) with :func:`reset_horovod`."""
     import horovod.torch as hvd
@@ -130,7 +145,8 @@ def horovod_elastic_run(func: Callable[..., T]) -> Callable[..., T]:
     def retry(attempt: int, error: Exception) -> None:
         log.warning("hvd.init failed; asking the driver for the next ring", attempt=attempt, error=str(error)[:200])
 
-    return run_fn(func, lambda: reset_horovod(hvd.shutdown, hvd.init, on_retry=retry))
+    hook = exit_hook()
+    return run_fn(func, lambda: reset_horovod(hvd.shutdown, lambda: init_horovod(hvd.init, hook), on_retry=retry))
 
 
 class HorovodCollective:
@@ -145,7 +161,8 @@ class HorovodCollective:
     def init(cls) -> HorovodCollective:
         """``hvd.init`` (tried again like a reset's, :func:`reset_horovod`, when the first ring cannot form)."""
         c = cls()
-        reset_horovod(c.hvd.shutdown, c.hvd.init)
+        hook = exit_hook()
+        reset_horovod(c.hvd.shutdown, lambda: init_horovod(c.hvd.init, hook))
         return c
 
     def rank(self) -> int:

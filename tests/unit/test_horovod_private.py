@@ -64,3 +64,15 @@ def test_discarding_a_failed_steps_allreduces_resets_the_distributed_optimizer()
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_the_exit_hook_is_what_every_hvd_init_registers_with_atexit():
+    import inspect
+
+    import horovod.torch as hvd
+    from horovod.common.basics import HorovodBasics
+
+    hook = private.exit_hook()
+    assert hook.__self__.__class__ is HorovodBasics and hook.__func__ is HorovodBasics.shutdown  # type: ignore[attr-defined]
+    assert "atexit.register(self.shutdown)" in inspect.getsource(HorovodBasics.init)
+    assert hvd.shutdown != hook, "hvd.shutdown wraps the hook: unregistering it would leave the hook registered"

@@ -60,7 +60,8 @@ def test_the_source_patch_applies_once_and_refuses_a_source_it_does_not_know(tmp
     ph = _patcher()
     ops = tmp_path / "horovod" / "common" / "operations.cc"
     ops.parent.mkdir(parents=True)
-    original = f"{ph.GLOO_INCLUDE}void BackgroundThreadLoop() {{\n{ph.GLOO_INIT}\n  x;\n{ph.GLOO_END}\n}}\n{ph.RESET_FLAG}"
+    loop = f"void BackgroundThreadLoop() {{\n{ph.GLOO_INIT}\n  x;\n{ph.GLOO_END}\n}}\n"
+    original = f"{ph.GLOO_INCLUDE}{loop}{ph.RESET_FLAG}"
     ops.write_text(original)
     assert ph.patch(tmp_path) == ["horovod/common/operations.cc: patched"] * 4
     text = ops.read_text()
