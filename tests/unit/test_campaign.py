@@ -58,7 +58,7 @@ def test_a_short_plan_still_covers_every_phase_and_a_tiny_one_takes_distinct_cel
 def test_the_job_outlasts_the_plan() -> None:
     for n in (16, 300):
         cfg = campaign_config(n)
-        assert cfg["training"]["epochs"] * 60 >= n * 72
+        assert cfg["training"]["epochs"] * 60 >= n * 89
         assert (cfg["elastic"]["min_np"], cfg["elastic"]["max_np"]) == (2, 4)
 
 
@@ -94,17 +94,21 @@ def test_figures_time_each_fault_to_the_next_completed_step_and_count_lost_steps
     assert rows[(STEP, "SIGKILL (rank 0)")]["hangs"] == 1
     assert rows[(STEP, JOB)]["hangs"] == 0 and rows[(STEP, JOB)]["recovery_max_s"] == pytest.approx(149.5)
     assert rows[(AT_MIN_NP, SIGKILL)]["recovery_max_s"] == pytest.approx(10.0), "timed from the hosts' return"
-    # the 46-s stretch is a hang of its own; the relaunch's and the min-np wait's are by design
-    assert f["hangs"] == 2 and f["longest_stretch_without_a_step_s"] == pytest.approx(46.0)
+    # the 46-s stretch is one hang (the late fault inside it is not counted again); the relaunch's and the min-np
+    # wait's stretches are by design
+    assert f["hangs"] == 1 and f["faults_in_hangs"] == 1
+    assert f["longest_stretch_without_a_step_s"] == pytest.approx(46.0)
     assert f["faults"] == 4 and f["cells"] == 4
     assert f["sigkill_recovery"]["count"] == 3 and f["sigkill_recovery"]["max_s"] == pytest.approx(46.0 - 0.5)
     assert [r["phase"] for r in f["rows"]] == sorted((r["phase"] for r in f["rows"]), key=PHASES.index)
     assert HANG_SECONDS < 46
 
 
-def test_a_fault_never_followed_by_a_step_is_a_hang() -> None:
+def test_a_fault_never_followed_by_a_step_is_a_hang_and_two_late_faults_in_one_stretch_are_one() -> None:
     f = figures([_record(5.0)], _steps(1, 2))
     assert f["hangs"] == 1 and f["rows"][0]["recovery_median_s"] is None
+    two = figures([_record(2.5, role="primer"), _record(2.6)], _steps(1, 2, 80))
+    assert two["hangs"] == 1 and two["faults_in_hangs"] == 2
 
 
 def test_the_event_log_is_read_as_it_grows_including_a_line_written_in_two_parts(tmp_path: Path) -> None:
