@@ -6,7 +6,7 @@ PYTEST  := .venv/bin/pytest
 .PHONY: setup test test-unit test-integration lint format demo bench bench-quick gpu-check chaos chaos-campaign clean peers-env bench-peers
 
 # Setup is idempotent; the stamp makes `make test` skip it when nothing it depends on changed.
-$(STAMP): scripts/setup.sh constraints/torch.txt pyproject.toml
+$(STAMP): scripts/setup.sh scripts/patch_horovod.py constraints/torch.txt pyproject.toml
 	bash scripts/setup.sh
 	@touch $(STAMP)
 
@@ -60,7 +60,7 @@ gpu-check: $(STAMP)
 CHAOS_ARGS ?=
 chaos: $(STAMP)
 	ELASTICTRAIN_CHAOS_LONG=1 $(PYTEST) -q -ra tests/chaos
-	d=runs/chaos/campaign-short-$$(date +%Y%m%d-%H%M%S); $(PY) -m chaos campaign --faults 24 --seed 1 --run-dir $$d/run --out $$d/campaign.json
+	d=runs/chaos/campaign-short-$$(date +%Y%m%d-%H%M%S); $(PY) -m chaos campaign --faults 24 --seed 1 --run-dir $$d --out $$d.json
 	$(PY) -m chaos run soak --run-dir runs/chaos/soak-$$(date +%Y%m%d-%H%M%S) $(CHAOS_ARGS)
 
 # The fault campaign (chaos/campaign.py): 300 faults aimed at every phase x kind of one 4-worker job, then the

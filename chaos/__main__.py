@@ -160,6 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.action == "resets":
             from chaos import resets
 
+            signal.signal(signal.SIGTERM, resets.on_sigterm)  # the samples so far are still reported
             return resets.run(args)
         return _run(args)
     try:

@@ -36,6 +36,7 @@ import os
 import random
 import signal
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -457,8 +458,7 @@ class Campaign:
         elif p.kind == JOB:
             f = faults.kill_job(job, log)
             self.record(p, f, phase=STEP, kind=JOB, hit=STEP)
-            assert self.run.launcher is not None
-            self.run.launcher.wait(timeout=10)
+            self.run.wait_exit(10)
             self.down.clear()
             self.run.start()  # the same command on the same run dir resumes from the latest checkpoint
             self.tail = EventTail(self.tail.path)
@@ -579,14 +579,26 @@ class Campaign:
         self.record(p, f, phase=AT_MIN_NP, kind=SIGKILL, hit=AT_MIN_NP, host=third, returned_ts=returned)
 
     # -- the whole campaign
+    def job_ended(self, p: Planned) -> bool:
+        """The job completed (its launcher exited 0) before fault ``p``: the rest of the plan is not reached."""
+        launcher = self.run.launcher
+        if launcher is None or launcher.poll() != 0:
+            return False
+        self.run.log.log("campaign", phase="job-ended", job=self.run.job_name, index=p.index)
+        return True
+
     def run_plan(self) -> list[dict[str, Any]]:
         self.run.wait_for((self.run.run_dir / "mlflow_run_id").exists, 180, "the MLflow run (mlflow_run_id)")
         self.run.log.log("campaign", phase="start", job=self.run.job_name, faults=len(self.planned))
         for p in self.planned:
-            if not self.run.running():
-                self.run.log.log("campaign", phase="job-ended", job=self.run.job_name, index=p.index)
+            if self.job_ended(p):
                 break
-            self.make_whole()
+            try:
+                self.make_whole()
+            except ScenarioError:
+                if self.job_ended(p):
+                    break
+                raise
             self.out(
                 f"campaign: fault {p.index + 1}/{len(self.planned)}: {p.phase} x {p.kind}"
                 f"{' (rank 0)' if p.rank0 else ''}"
@@ -594,12 +606,14 @@ class Campaign:
             try:
                 self.inject(p)
             except ScenarioError as e:  # what the fault waited for did not come: a finding, then the job is healed
+                if self.job_ended(p):
+                    break
                 if not self.run.running():
                     raise
                 self.run.log.log("campaign-stuck", job=self.run.job_name, index=p.index, phase=p.phase,
                                  kind=p.kind, why=str(e), **self.missing())  # fmt: skip
                 self.out(f"campaign: fault {p.index + 1} stuck: {e}")
-            except (NotAimed, JobNotFound, IndexError, psutil.Error) as e:
+            except (NotAimed, JobNotFound, IndexError, KeyError, psutil.Error) as e:
                 self.run.log.log(
                     "campaign-skipped", job=self.run.job_name, index=p.index, phase=p.phase, kind=p.kind, why=str(e)
                 )
@@ -668,7 +682,7 @@ def figures(records: Sequence[Mapping[str, Any]], events: Sequence[Event]) -> di
         if took is None or took > bound:
             row.hangs += 1
             hung.append((t, nxt.ts if nxt is not None else math.inf))
-        reset = next((r for r in resets if r.ts > float(rec["fault_ts"])), None)
+        reset = next((r for r in resets if r.ts > float(rec["fault_ts"])), None) if rec["kind"] != JOB else None
         if reset is not None and reset.lost_steps is not None:
             row.lost_steps.append(int(reset.lost_steps))
         per_fault.append(
@@ -817,7 +831,7 @@ def run_campaign(
     stuck = [e for e in chaos_events if e.get("action") == "campaign-stuck"]
     machine = describe_machine()
     report = {
-        "command": f"{PROG} --faults {n} --seed {seed}",
+        "command": f"{PROG} --faults {n} --seed {seed}{'' if with_reference else ' --no-reference'}",
         "date": time.strftime("%Y-%m-%d", time.localtime(started)),
         "machine": machine,
         "machine_line": f"{machine['cpu_model']}, {machine['usable_cores']} cores, {machine['memory_gib']} GiB, "
@@ -828,7 +842,10 @@ def run_campaign(
         "skipped": len(skipped),
         "injected": len({r["index"] for r in campaign.records if r.get("role") == "aimed"}),
         "not_reached": n
-        - len({r["index"] for r in campaign.records if r.get("role") == "aimed"} | {e.get("index") for e in skipped}),
+        - len(
+            {r["index"] for r in campaign.records if r.get("role") == "aimed"}
+            | {e.get("index") for e in [*skipped, *stuck]}
+        ),
         "skipped_detail": [{k: e.get(k) for k in ("index", "phase", "kind", "why")} for e in skipped],
         "returns_missed": [{k: v for k, v in e.items() if k != "job"} for e in missed],
         "stuck": [{k: v for k, v in e.items() if k != "job"} for e in stuck],
@@ -874,7 +891,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if args.faults < 1:
-        print(f"{PROG}: error: --faults must be >= 1", flush=True)
+        print(f"{PROG}: error: --faults must be >= 1", file=sys.stderr)
+        return 2
+    if args.run_dir and Path(args.run_dir).exists() and not Path(args.run_dir).is_dir():
+        print(f"{PROG}: error: --run-dir {args.run_dir} is not a folder", file=sys.stderr)
         return 2
     if args.plan:
         for p in plan(args.faults, args.seed):
@@ -889,5 +909,5 @@ def main(args: argparse.Namespace) -> int:
             with_reference=not args.no_reference,
         )
     except ScenarioError as e:
-        print(f"{PROG}: error: {e}", flush=True)
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2

@@ -662,7 +662,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
+def on_sigterm(signum: int, frame: Any) -> None:
     """Unwind like Ctrl-C: the run's ``finally`` stops the job, and the samples so far are still reported."""
     raise ScenarioError("stopped by SIGTERM")
 
@@ -673,7 +673,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineParser(prog="python -m chaos resets", description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGTERM, on_sigterm)
     return run(args)
 
 

@@ -238,6 +238,8 @@ class HangDetector:
         self.beat(time.time())
 
     def set_phase(self, phase: str) -> None:
+        if phase == IDLE and self.steps == 0 and self.phase in RESET_PHASES:
+            return  # a reset's phase (the prologue at last) holds until the new ring's first step begins
         self.phase, self.since = phase, time.time()
         if self.steps == 0 and phase != IDLE:  # the first step of a ring is shown at once, like a reset's phases
             self.beat(self.since)

@@ -197,3 +197,15 @@ def test_announce_writes_a_workers_heartbeat_under_horovodrun_only(tmp_path: Pat
     announce(tmp_path, STARTUP, {"HOROVOD_HOSTNAME": "a", "HOROVOD_LOCAL_RANK": "0"})
     got = _read(Heartbeats(tmp_path))
     assert got is not None and (got.phase, got.pid, got.steps) == (STARTUP, psutil.Process().pid, 0)
+
+
+def test_a_resets_phase_holds_until_the_rings_first_step_not_overwritten_by_idle(tmp_path: Path) -> None:
+    det, hb = _detector(tmp_path)
+    det.mark(PROLOGUE)
+    det.set_phase(IDLE)  # the training function's start: the watchdog's idle()
+    det.set_ring(0, [Member(0, "a", 0, 1)])
+    assert det.phase == PROLOGUE and _read(hb).phase == PROLOGUE
+    det.set_phase(LOCAL)
+    assert det.phase == LOCAL and _read(hb).phase == LOCAL
+    det.step_done()
+    assert det.phase == IDLE, "after a step, idle as before"
