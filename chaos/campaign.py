@@ -50,8 +50,9 @@ from chaos import invariants as inv
 from chaos.procs import JobNotFound, Worker, tree
 from chaos.run import LAUNCH_FLAGS, REPO, Run, ScenarioError
 from elastictrain.errors import ToolError
-from elastictrain.events import EVENTS_FILE, Commit, Event, Metrics, Reset, Start, parse_events
+from elastictrain.events import EVENTS_FILE, Commit, Event, Metrics, Reset, Start
 from elastictrain.hang import HEARTBEATS, IDLE, LOCAL, RENDEZVOUS, STARTUP, SYNC, WAITING, Beat
+from elastictrain.live_view import EventTail
 
 PROG = "python -m chaos campaign"
 
@@ -167,27 +168,16 @@ AIM_SECONDS = 60.0
 POLL_SECONDS = 0.002
 
 
-class EventTail:
-    """``events.jsonl`` read as it grows (the campaign polls it every few milliseconds; the file grows all run)."""
+class RunLog:
+    """``events.jsonl`` as it grows, every event kept (read through the launcher's
+    :class:`~elastictrain.live_view.EventTail`; the campaign polls it every few milliseconds)."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = 0
-        self.partial = b""
+        self.tail = EventTail(path)
         self.events: list[Event] = []
 
     def poll(self) -> list[Event]:
-        try:
-            with self.path.open("rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return self.events
-        if data:
-            self.offset += len(data)
-            lines = (self.partial + data).split(b"\n")
-            self.partial = lines.pop()
-            self.events.extend(parse_events([x for x in lines if x.strip()], on_skip=lambda line, reason: None))
+        self.events.extend(self.tail.poll())
         return self.events
 
     def since(self, ts: float) -> list[Event]:
@@ -256,7 +246,7 @@ class Campaign:
         self.planned = planned
         self.rng = random.Random(seed + 1)
         self.out = out
-        self.tail = EventTail(run.run_dir / EVENTS_FILE)
+        self.tail = RunLog(run.run_dir / EVENTS_FILE)
         self.beats_dir = run.run_dir / HEARTBEATS
         self.down: set[str] = set()
         """Hosts whose agent the campaign stopped and has not started again."""
@@ -461,7 +451,6 @@ class Campaign:
             self.run.wait_exit(10)
             self.down.clear()
             self.run.start()  # the same command on the same run dir resumes from the latest checkpoint
-            self.tail = EventTail(self.tail.path)
             self.wait(lambda: self.resumed(float(f["ts"])), RELAUNCH_HANG_SECONDS, "the relaunch to resume")
         else:
             raise ValueError(f"unknown kind {p.kind!r}")

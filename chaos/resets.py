@@ -50,8 +50,9 @@ from chaos.procs import Worker, read_launch_state, tree
 from chaos.run import LAUNCH_FLAGS, REPO, Run, ScenarioError
 from chaos.scenarios import DEFAULT_RUNS, FOUR_WORKERS, base_config
 from discovery.fileio import write_atomic
-from elastictrain.events import EVENTS_FILE, Event, Reset, parse_events
+from elastictrain.events import EVENTS_FILE, Reset
 from elastictrain.launcher.processes import is_alive
+from elastictrain.live_view import EventTail
 
 T = TypeVar("T")
 SAMPLES_FILE = "resets.jsonl"
@@ -301,31 +302,6 @@ def rss_by_mapping(pid: int, top: int = 20) -> dict[str, int]:
     return dict(kib.most_common(top))
 
 
-class EventTail:
-    """The run log read from where the last call stopped (a torn last line is read again next time)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = 0
-        self.line = 1
-
-    def new(self) -> list[Event]:
-        try:
-            with self.path.open("rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        end = data.rfind(b"\n")
-        if end < 0:
-            return []
-        lines = data[: end + 1].split(b"\n")[:-1]
-        self.offset += end + 1
-        events = parse_events(lines, lambda line, reason: None, first_line=self.line)
-        self.line += len(lines)
-        return events
-
-
 # ---------------------------------------------------------------------------------------------- the run
 @dataclass(slots=True)
 class Survivor:
@@ -358,7 +334,7 @@ class ResetDriver:
     # -- watching
     def poll(self) -> list[Reset]:
         new: list[Reset] = []
-        for e in self.tail.new():
+        for e in self.tail.poll():
             self.step = max(self.step, e.step)
             self.world_size = e.world_size
             if isinstance(e, Reset):

@@ -21,7 +21,7 @@ from chaos.campaign import (
     PHASES,
     SIGKILL,
     STEP,
-    EventTail,
+    RunLog,
     campaign_config,
     figures,
     plan,
@@ -113,7 +113,7 @@ def test_a_fault_never_followed_by_a_step_is_a_hang_and_two_late_faults_in_one_s
 
 def test_the_event_log_is_read_as_it_grows_including_a_line_written_in_two_parts(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
-    tail = EventTail(path)
+    tail = RunLog(path)
     assert tail.poll() == []
     first, second = (encode(e) for e in _steps(1.0, 2.0))
     path.write_bytes(first + second[:10])

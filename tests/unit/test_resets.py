@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
 from chaos.resets import (
-    EventTail,
     Sample,
     add_arguments,
     drift,
@@ -146,25 +144,6 @@ def test_fds_are_counted_by_kind() -> None:
 def test_the_job_outlasts_the_resets() -> None:
     assert epochs_for(200) * 60 * 0.08 >= 2 * 200 * 6
     assert epochs_for(1) >= 4
-
-
-def test_the_tail_reads_each_complete_event_once_and_a_torn_line_when_it_is_whole(tmp_path: Path) -> None:
-    path = tmp_path / "events.jsonl"
-    tail = EventTail(path)
-    assert tail.new() == []  # no file yet
-
-    def line(event: str, step: int, **fields: object) -> str:
-        return json.dumps({"ts": 1.0, "event": event, "step": step, "epoch": 0, "world_size": 4, **fields})
-
-    reset = line("reset", 25, old_size=4, new_size=3)
-    path.write_text(line("start", 0) + "\n" + reset[:20])
-    assert [e.step for e in tail.new()] == [0]
-    assert tail.new() == []
-    with path.open("a") as f:
-        f.write(reset[20:] + "\nnot json\n" + line("commit", 30) + "\n")
-    new = tail.new()
-    assert [(e.name, e.step) for e in new] == [("reset", 25), ("commit", 30)]
-    assert tail.new() == []
 
 
 def test_the_command_line_defaults_and_a_run_too_short_to_measure_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
