@@ -500,15 +500,12 @@ class Campaign:
         self.record(p, f, phase=p.phase, kind=self.kind_of(SIGKILL, w, r0), hit=self.hit(w.pid, p.phase))
 
     def _poll(self, found: Callable[[], Any], what: str) -> Any:
-        deadline = time.monotonic() + AIM_SECONDS
-        while time.monotonic() < deadline:
-            value = found()
-            if value:
-                return value
+        try:
+            return self.run.wait_for(found, AIM_SECONDS, what, interval=POLL_SECONDS)
+        except ScenarioError:
             if not self.run.running():
-                raise ScenarioError(f"the launcher exited while waiting for {what}")
-            time.sleep(POLL_SECONDS)
-        raise NotAimed(f"no {what} within {AIM_SECONDS:g}s")
+                raise
+            raise NotAimed(f"no {what} within {AIM_SECONDS:g}s") from None
 
     def _rendezvous(self, p: Planned) -> None:
         self._aim_in_reset(p, lambda b: b.phase == RENDEZVOUS)
@@ -708,16 +705,18 @@ def figures(records: Sequence[Mapping[str, Any]], events: Sequence[Event]) -> di
 
 
 def load_weights_only(run_dir: Path) -> tuple[int, list[str]]:
-    """(checkpoint files loaded, the ones ``torch.load(weights_only=True)`` refused, with why)."""
-    import torch
+    """(checkpoints loaded, the ones that failed, with why): each checkpoint folder verified and its state loaded by
+    :func:`~elastictrain.checkpoint.load_checkpoint`, which uses ``torch.load(weights_only=True)``."""
+    from elastictrain.checkpoint import CheckpointDamaged, LocalStorage, list_checkpoints, load_checkpoint
 
+    storage = LocalStorage.for_run_dir(run_dir)
     loaded, bad = 0, []
-    for path in sorted((run_dir / "checkpoints").glob("*/*.pt")):
+    for _, name in list_checkpoints(storage):
         try:
-            torch.load(path, map_location="cpu", weights_only=True)
+            load_checkpoint(storage, name)
             loaded += 1
-        except Exception as e:
-            bad.append(f"{path.relative_to(run_dir)}: {str(e).splitlines()[0][:160] if str(e) else type(e).__name__}")
+        except CheckpointDamaged as e:
+            bad.append(str(e).splitlines()[0][:200])
     return loaded, bad
 
 
