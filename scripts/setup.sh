@@ -14,6 +14,8 @@
 #                          torch's pip nvidia-nccl package; then the system's)
 #   ELASTICTRAIN_EXTRAS    extras installed with the project (default: test,dev; empty for a runtime image)
 #   ELASTICTRAIN_GPU_OPS   auto (default) | NCCL | none. auto = NCCL when a CUDA toolkit, NCCL and a GPU are present.
+#   ELASTICTRAIN_TORCH     pinned (default) | keep. keep = build against the torch already in the venv (a GPU image's
+#                          own build, e.g. an NGC container's) instead of installing constraints/torch.txt's pair.
 set -euo pipefail
 
 HOROVOD_VERSION=0.28.1
@@ -23,6 +25,7 @@ PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 CACHE=${ELASTICTRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/elastictrain}
 GPU_OPS=${ELASTICTRAIN_GPU_OPS:-auto}
+TORCH_MODE=${ELASTICTRAIN_TORCH:-pinned}
 EXTRAS=${ELASTICTRAIN_EXTRAS-test,dev}
 
 say() { printf '[setup] %s\n' "$*"; }
@@ -83,19 +86,26 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip setuptools wheel
 fi
-PY="$ROOT/$VENV/bin/python"
+case "$VENV" in /*) PY="$VENV/bin/python" ;; *) PY="$ROOT/$VENV/bin/python" ;; esac
 PIP=("$PY" -m pip --disable-pip-version-check)
 pkg_version() { "$PY" -c "import importlib.metadata as m, sys
 try: print(m.version(sys.argv[1]))
 except m.PackageNotFoundError: pass" "$1"; }
 
 # ---------------------------------------------------------------- torch
-want_torch=$(sed -n 's/^torch==//p' constraints/torch.txt)
-want_tv=$(sed -n 's/^torchvision==//p' constraints/torch.txt)
-if [ "$(pkg_version torch)" != "$want_torch" ] || [ "$(pkg_version torchvision)" != "$want_tv" ]; then
-  say "installing torch==$want_torch torchvision==$want_tv"
-  "${PIP[@]}" install -q -c constraints/torch.txt torch torchvision
-fi
+case "$TORCH_MODE" in
+  pinned)
+    want_torch=$(sed -n 's/^torch==//p' constraints/torch.txt)
+    want_tv=$(sed -n 's/^torchvision==//p' constraints/torch.txt)
+    if [ "$(pkg_version torch)" != "$want_torch" ] || [ "$(pkg_version torchvision)" != "$want_tv" ]; then
+      say "installing torch==$want_torch torchvision==$want_tv"
+      "${PIP[@]}" install -q -c constraints/torch.txt torch torchvision
+    fi ;;
+  keep)
+    "$PY" -c 'import torch' 2>/dev/null || die "ELASTICTRAIN_TORCH=keep but $VENV has no importable torch"
+    say "keeping the installed torch $(pkg_version torch)" ;;
+  *) die "ELASTICTRAIN_TORCH=$TORCH_MODE is not one of pinned, keep" ;;
+esac
 TORCH_VER=$(pkg_version torch)
 PY_TAG=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
 SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
