@@ -4,11 +4,10 @@ Without a GPU it prints one line and exits 0. With one it runs every check of :d
 isolated (an exception marks that check FAIL with a one-line reason; the others still run), then prints a
 markdown table and writes it as JSON to ``runs/gpu-check/<time>.json``. Exit status 1 when a check failed.
 
-Checks: the NCCL build; a 1-GPU fp16 + GradScaler job checkpointed, SIGKILLed and resumed on CUDA; two
-workers sharing the GPU over Gloo with a SIGKILL of one; async checkpoint stall vs a synchronous
-``torch.save`` of GPU state; ResNet-50 samples/s of ``elastictrain train`` vs the plain
-``hvd.DistributedOptimizer`` loop. Jobs run through the job harness (:mod:`elastictrain._testing.jobs`,
-:mod:`elastictrain.bench.runs`).
+Checks: the NCCL build; async checkpoint stall vs a synchronous ``torch.save`` of GPU state; a 1-GPU fp16 +
+GradScaler job checkpointed, SIGKILLed and resumed on CUDA; ResNet-50 samples/s of ``elastictrain train`` vs the
+plain ``hvd.DistributedOptimizer`` loop; two workers sharing the GPU with a SIGKILL of one. Jobs run through the
+job harness (:mod:`elastictrain._testing.jobs`, :mod:`elastictrain.bench.runs`).
 """
 
 from __future__ import annotations
@@ -99,9 +98,9 @@ def check_shared_gpu_kill(work: Path) -> str:
     job = ElasticJob(work / "job", cfg, local_logical_hosts()[:2], min_np=1, max_np=2, cooldown=(5, 10))
     try:
         job.start()
-        job.wait_step(10, timeout=180)
+        job.wait_step(10, timeout=120)
         _host, _t = job.kill_worker(rank=1)
-        rc = job.wait(300)
+        rc = job.wait(180)
         if rc != 0:
             raise BenchError(f"job exited {rc} after the SIGKILL: {job.tail(1)}")
         done, resets = job.events(Done), job.events(Reset)
@@ -144,11 +143,13 @@ def check_resnet50(work: Path) -> str:
 
 CHECKS: list[Check] = [
     ("nccl build", check_nccl),
-    ("1-GPU fp16 kill + resume", check_fp16_resume),
-    ("2 workers on 1 GPU, Gloo, SIGKILL", check_shared_gpu_kill),
     ("checkpoint stall vs torch.save (GPU state)", check_checkpoint_stall),
+    ("1-GPU fp16 kill + resume", check_fp16_resume),
     ("ResNet-50 samples/s vs plain Horovod", check_resnet50),
+    ("2 workers on 1 GPU, SIGKILL", check_shared_gpu_kill),
 ]
+"""In order of what a failure would cost: the quick ones first, the two-worker job (the one most likely to wait out a
+timeout on a single GPU) last."""
 
 
 def run_checks(checks: list[Check], workdir: Path) -> list[dict[str, Any]]:
@@ -166,6 +167,25 @@ def run_checks(checks: list[Check], workdir: Path) -> list[dict[str, Any]]:
         rows.append({"check": name, "status": status, "seconds": round(time.monotonic() - t0, 1), "detail": detail})
         print(f"[gpu-check] {name}: {status} ({detail})", flush=True)
     return rows
+
+
+def describe_software() -> dict[str, str]:
+    """What a GPU result depends on: the GPUs, torch and its CUDA, the NCCL torch loads, Horovod."""
+    import torch
+
+    out = {
+        "gpus": f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}",
+        "torch": torch.__version__,
+        "cuda": str(torch.version.cuda),
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+    }
+    try:
+        import horovod
+
+        out["horovod"] = horovod.__version__
+    except ImportError as exc:
+        out["horovod"] = f"not importable ({exc})"
+    return out
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -186,11 +206,13 @@ def main(
         print("gpu-check: no CUDA GPU on this machine (torch.cuda.is_available() is False); nothing to check")
         return 0
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    software = describe_software()
+    print("gpu-check: " + ", ".join(f"{k} {v}" for k, v in software.items()), flush=True)
     rows = run_checks(CHECKS if checks is None else checks, root / f"work-{stamp}")
     print(format_table(rows))
     root.mkdir(parents=True, exist_ok=True)
     out = root / f"{stamp}.json"
-    out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(0), "rows": rows}, indent=2))
+    out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(0), "software": software, "rows": rows}, indent=2))
     print(f"gpu-check: table written to {out}")
     return 0 if all(r["status"] == "PASS" for r in rows) else 1
 
