@@ -62,6 +62,12 @@ class ElasticJob:
     extra_env: dict[str, str] = field(default_factory=dict)
     log: IO[str] | None = None
 
+    def __post_init__(self) -> None:
+        # horovodrun runs in workdir: a relative workdir or run_dir would name other folders there.
+        self.workdir = Path(self.workdir).resolve()
+        if "run_dir" in self.config:
+            self.config = {**self.config, "run_dir": str(Path(self.config["run_dir"]).resolve())}
+
     @property
     def run_dir(self) -> Path:
         return Path(self.config["run_dir"])

@@ -91,6 +91,7 @@ def run_elastictrain(
 ) -> dict[str, Any]:
     """One ``elastictrain train`` job on ``world_size`` logical hosts; returns throughput and commit events.
     ``overrides`` are merged into :func:`throughput_config` (section by section)."""
+    workdir = workdir.resolve()  # the job runs in it
     hosts = local_logical_hosts()[:world_size]
     if len(hosts) < world_size:
         raise BenchError(f"this machine has {len(hosts)} logical hosts, {world_size} needed")
@@ -130,6 +131,7 @@ def run_plain_horovod(
     workdir: Path, *, world_size: int, max_steps: int, timeout: float = 300, overrides: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """The plain non-elastic Horovod loop with ``horovodrun -np world_size`` on the same config."""
+    workdir = workdir.resolve()  # horovodrun runs in it
     hosts = local_logical_hosts()[:world_size]
     workdir.mkdir(parents=True, exist_ok=True)
     cfg_path = workdir / "job.yaml"
