@@ -91,10 +91,20 @@ def check_fp16_resume(work: Path) -> str:
 
 
 def check_shared_gpu_kill(work: Path) -> str:
+    """Two workers on two logical hosts of this machine: both local rank 0, so both on GPU 0.
+
+    Where NCCL carries the gradients (a GPU job, Horovod built with NCCL) the job must stop at its first sync with
+    one line naming the two ranks and the GPU (NCCL runs one rank per GPU: :mod:`elastictrain.engine.gpus`);
+    elsewhere (the CPU run of this check) one worker is SIGKILLed and the job resets to the other and finishes.
+    """
+    import horovod.torch as hvd
+
     from elastictrain._testing.jobs import ElasticJob
     from elastictrain.launcher.hosts import local_logical_hosts
 
     cfg = _job_config(work / "run", elastic={"base_world_size": 2}, data={"num_samples": 32 * 2 * 80})
+    if DEVICE == "cuda" and hvd.nccl_built():
+        return _two_ranks_on_one_gpu_stop(ElasticJob(work / "job", cfg, local_logical_hosts()[:2], min_np=2, max_np=2))
     job = ElasticJob(work / "job", cfg, local_logical_hosts()[:2], min_np=1, max_np=2, cooldown=(5, 10))
     try:
         job.start()
@@ -113,6 +123,20 @@ def check_shared_gpu_kill(work: Path) -> str:
         f"rank 1 SIGKILLed; reset {r.old_size}->{r.new_size} in {r.recovery_seconds or 0.0:.1f}s, "
         f"finished at step {done[-1].step}"
     )
+
+
+def _two_ranks_on_one_gpu_stop(job: Any) -> str:
+    from elastictrain.worker_error import read_worker_errors
+
+    try:
+        job.start()
+        wait_until(lambda: read_worker_errors(job.run_dir, launch_id="", attempt=0), 120, what="a worker's error")
+        errors, steps = read_worker_errors(job.run_dir, launch_id="", attempt=0), job.step()
+    finally:
+        job.close()
+    if steps > 0 or "share GPU" not in errors[0].message:
+        raise BenchError(f"{steps} steps, then {errors[0].line()} (expected no step and 'share GPU')")
+    return f"stopped at the first sync, no step: {errors[0].type}: {errors[0].message[:90]}..."
 
 
 def check_checkpoint_stall(work: Path) -> str:
@@ -146,7 +170,7 @@ CHECKS: list[Check] = [
     ("checkpoint stall vs torch.save (GPU state)", check_checkpoint_stall),
     ("1-GPU fp16 kill + resume", check_fp16_resume),
     ("ResNet-50 samples/s vs plain Horovod", check_resnet50),
-    ("2 workers on 1 GPU, SIGKILL", check_shared_gpu_kill),
+    ("2 workers on 1 GPU (NCCL: stop with one line)", check_shared_gpu_kill),
 ]
 """In order of what a failure would cost: the quick ones first, the two-worker job (the one most likely to wait out a
 timeout on a single GPU) last."""
@@ -200,15 +224,28 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 def main(
     argv: list[str] | None = None, *, checks: list[Check] | None = None, root: Path = Path("runs/gpu-check")
 ) -> int:
+    """``--only TEXT`` runs the checks whose name contains TEXT (exit 2 with one line when none does)."""
+    import argparse
+
     import torch
 
+    parser = argparse.ArgumentParser(prog="python -m elastictrain.bench.gpu_check", description=__doc__.splitlines()[0])
+    parser.add_argument("--only", metavar="TEXT", help="run only the checks whose name contains TEXT")
+    args = parser.parse_args(argv)
+    chosen = CHECKS if checks is None else checks
+    if args.only is not None:
+        chosen = [c for c in chosen if args.only.lower() in c[0].lower()]
+        if not chosen:
+            names = ", ".join(repr(name) for name, _ in (CHECKS if checks is None else checks))
+            print(f"gpu-check: --only {args.only!r} names no check (checks: {names})", file=sys.stderr)
+            return 2
     if not torch.cuda.is_available():
         print("gpu-check: no CUDA GPU on this machine (torch.cuda.is_available() is False); nothing to check")
         return 0
     stamp = time.strftime("%Y%m%d-%H%M%S")
     software = describe_software()
     print("gpu-check: " + ", ".join(f"{k} {v}" for k, v in software.items()), flush=True)
-    rows = run_checks(CHECKS if checks is None else checks, root / f"work-{stamp}")
+    rows = run_checks(chosen, root / f"work-{stamp}")
     print(format_table(rows))
     root.mkdir(parents=True, exist_ok=True)
     out = root / f"{stamp}.json"

@@ -57,6 +57,9 @@ class Collective(Protocol):
 
     def elastic_run(self, func: Callable[[Any], T]) -> Callable[[State], T]: ...
 
+    def nccl_built(self) -> bool:
+        """True when NCCL carries collectives of GPU tensors (it runs one rank per GPU: :mod:`.gpus`)."""
+
 
 GRADIENT_POLL_SECONDS = 0.0002
 """How long a worker sleeps between two looks at its gradient allreduces while it waits for them
@@ -177,6 +180,9 @@ class HorovodCollective:
     def local_size(self) -> int:
         return int(self.hvd.local_size())
 
+    def nccl_built(self) -> bool:
+        return bool(self.hvd.nccl_built())
+
     def broadcast_(self, tensors: Mapping[str, torch.Tensor], root: int) -> None:
         handles = [self.hvd.broadcast_async_(t, root, name=f"sync.{name}") for name, t in tensors.items()]
         for h in handles:
@@ -227,6 +233,7 @@ class LocalCollective:
         self._rank, self._size = rank, size
         self._next: tuple[int, int] | None = None
         self.resets = 0
+        self.nccl = False
 
     def resize(self, rank: int, size: int) -> None:
         """The world after the next reset."""
@@ -250,6 +257,9 @@ class LocalCollective:
 
     def local_size(self) -> int:
         return 1
+
+    def nccl_built(self) -> bool:
+        return self.nccl
 
     def broadcast_(self, tensors: Mapping[str, torch.Tensor], root: int) -> None:
         pass

@@ -22,6 +22,7 @@ from horovod.common.exceptions import HostsUpdatedInterrupt
 from horovod.runner.elastic.worker import HostUpdateResult
 
 from elastictrain.engine.collective import Collective
+from elastictrain.engine.gpus import check_one_rank_per_gpu
 from elastictrain.engine.horovod_private import (
     discard_pending_allreduces,
     host_messages,
@@ -66,6 +67,9 @@ class ElasticTrainingState(State):
         """Why a failed collective failed, when a hung peer was found since the given time (``worker_hung``)."""
         self.member: Callable[[], Any] = lambda: None
         """Who this worker is in the ring (host, slot, pid), gathered with the sync's positions."""
+        self.gpu = ""
+        """The GPU this rank's NCCL collectives run on (:func:`elastictrain.engine.gpus.collective_gpu`), gathered
+        with the sync's positions: two ranks on one GPU stop the job at the sync."""
         self.members: list[Any] | None = None
         """Every rank's :attr:`member`, in rank order, from the last sync (None until the trainer takes them)."""
         self.marks: dict[str, float] = {}
@@ -166,8 +170,10 @@ class ElasticTrainingState(State):
         # The most advanced commit: the epoch-end commit adds no step, so a step tie goes to the later epoch.
         reached = c.counters.step if self.reached_step is None else self.reached_step
         positions = collective.allgather_object(
-            (c.counters.step, c.sampler.epoch, reached, self.member()), name="sync.positions"
+            (c.counters.step, c.sampler.epoch, reached, self.member(), self.gpu), name="sync.positions"
         )
+        # before the first GPU broadcast, which NCCL would refuse (a peer that sent no GPU id names none)
+        check_one_rank_per_gpu([p[4] if len(p) > 4 else "" for p in positions], [p[3] for p in positions])
         root = max(range(len(positions)), key=lambda r: (tuple(positions[r][:2]), -r))
         apply, small = receive_state(
             collective, root, {"model": c.model}, {"opt": c.optimizer}, staged=not c.keeps_copy, extra=c.small_state()

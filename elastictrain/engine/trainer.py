@@ -41,6 +41,7 @@ from elastictrain.data import load_batches
 from elastictrain.engine.build import TrainingParts, build_parts
 from elastictrain.engine.collective import Collective
 from elastictrain.engine.elastic_state import ElasticTrainingState, StopRequested
+from elastictrain.engine.gpus import collective_gpu
 from elastictrain.engine.metrics import MetricsWindow
 from elastictrain.engine.profile import StepProfile
 from elastictrain.engine.reset import PendingReset, pause_parts, plan_reset
@@ -114,6 +115,7 @@ class Trainer:
         self.stop_requested = False
         self.state = ElasticTrainingState(self.committed, cfg.training.seed, lambda: self.stop_requested, collective)
         self.state.member = self.member
+        self.state.gpu = collective_gpu(parts.device, collective.nccl_built())
         self.services = services or Rank0Services(cfg, parts.planner, self._on_checkpoint_event)
         self.watchdog: CollectiveWatchdog | NullWatchdog = watchdog or NullWatchdog()
         self.config_hash = cfg.digest()

@@ -79,3 +79,15 @@ def test_bench_run_overrides_update_sections_and_replace_values(tmp_path):
     assert cfg["data"] == {**base["data"], "batch_size": 64}  # the rest of the section kept
     assert base["device"] == "cpu" and "batch_size" not in base["data"]  # the base is not changed
     assert merge_config(base, None) == base
+
+
+def test_only_picks_checks_by_name_and_a_name_that_matches_none_is_exit_2_with_one_line(tmp_path, monkeypatch, capsys):
+    ran: list[str] = []
+    checks = [("nccl build", lambda _w: ran.append("nccl") or "ok"), ("ResNet-50", lambda _w: ran.append("r") or "ok")]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _i=0: "Fake GPU")
+    assert gpu_check.main(["--only", "resnet"], checks=checks, root=tmp_path) == 0
+    assert ran == ["r"]
+    assert gpu_check.main(["--only", "tpu"], checks=checks, root=tmp_path) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["gpu-check: --only 'tpu' names no check (checks: 'nccl build', 'ResNet-50')"]
