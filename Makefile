@@ -48,7 +48,7 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(PY) -m elastictrain.cli bench --quick
 
-# The checks that need a CUDA GPU (elastictrain/bench/gpu_check.py), ~10 min on one GPU; table to runs/gpu-check/.
+# The checks that need a CUDA GPU (elastictrain/bench/gpu_check.py), ~4 min on one GPU; table to runs/gpu-check/.
 # Without a GPU: one line, exit 0.
 gpu-check: $(STAMP)
 	$(PY) -m elastictrain.bench.gpu_check

@@ -1,4 +1,4 @@
-"""``make gpu-check``: the checks that need a CUDA GPU, in one run of about 10 minutes on one GPU.
+"""``make gpu-check``: the checks that need a CUDA GPU, in one run of about 4 minutes on one GPU.
 
 Without a GPU it prints one line and exits 0. With one it runs every check of :data:`CHECKS` in turn, each
 isolated (an exception marks that check FAIL with a one-line reason; the others still run), then prints a
