@@ -281,3 +281,36 @@ def test_the_temp_failure_marker_folder_is_removed_when_training_returns(monkeyp
 
     assert dropin.elastic_run(lambda state: 7)(State()) == 7
     assert folder.exists() == run_dir
+
+
+class _FakeDistributedOptimizer(torch.optim.SGD):
+    """What :class:`ElasticState` sees of Horovod's ``DistributedOptimizer``: ``_handles`` and ``synchronize``."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, lr=0.1)
+        self._handles = {"w": (7, None)}
+        self.synchronized = 0
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+
+
+def test_a_horovod_distributed_optimizer_waits_for_its_allreduces_asleep_once_however_many_states_hold_it(
+    monkeypatch,
+):
+    polls: list[int] = []
+    monkeypatch.setattr(dropin.hvd, "poll", lambda h: polls.append(h) or len(polls) >= 3)
+    model = nn.Linear(2, 1)
+    opt = _FakeDistributedOptimizer(model.parameters())
+    ElasticState(model, opt)
+    ElasticState(model, opt)  # a second state over the same optimizer does not wrap it again
+    opt.synchronize()
+    assert polls == [7, 7, 7]  # polled (sleeping between polls) until done, then Horovod's own synchronize once
+    assert opt.synchronized == 1
+
+
+def test_a_plain_optimizer_is_left_as_it_is():
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ElasticState(model, opt)
+    assert "synchronize" not in vars(opt) and not hasattr(opt, "_elastictrain_waits_asleep")
