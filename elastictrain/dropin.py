@@ -29,6 +29,8 @@ What changes for the script, with the engine's parts doing the work:
 * **No spinning wait for gradients.** A Horovod ``DistributedOptimizer`` given to :class:`ElasticState` waits
   for its allreduces sleeping 0.2 ms between polls; Horovod's own wait spins, taking the core that slower workers
   on the same machine need.
+* **Two ranks on one GPU stop the job with one line** at the sync, where NCCL carries the gradients
+  (:mod:`elastictrain.engine.gpus`), instead of resetting forever.
 
 The failure marker the watchdog shares between workers lives in ``$ELASTICTRAIN_RUN_DIR/.elastic/`` when that
 is set (shared storage on a cluster), else in this machine's temporary folder under the job's rendezvous
@@ -55,6 +57,7 @@ from torch import nn
 
 from elastictrain import envnames
 from elastictrain.engine.collective import Collective, HorovodCollective, horovod_elastic_run, wait_without_spinning
+from elastictrain.engine.gpus import check_one_rank_per_gpu, collective_gpu
 from elastictrain.engine.horovod_private import discard_pending_allreduces
 from elastictrain.engine.sync import receive_state
 from elastictrain.engine.watch import arm_watchdog
@@ -275,7 +278,11 @@ class ElasticState(State):
     def sync(self) -> None:
         """Everyone takes the state of the rank with the most commits (ties: the lowest rank), then commits it."""
         collective = self._collective
-        counts = collective.allgather_object(self.commits, name="elastictrain.dropin.commits")
+        cuda = next((d for d in self._devices() if d.type == "cuda"), None)
+        gpu = collective_gpu(cuda, collective.nccl_built()) if cuda is not None else ""
+        gathered = collective.allgather_object((self.commits, gpu), name="elastictrain.dropin.commits")
+        check_one_rank_per_gpu([g[1] for g in gathered])  # before the first GPU broadcast, which NCCL would refuse
+        counts = [g[0] for g in gathered]
         root = max(range(len(counts)), key=lambda r: (counts[r], -r))
         apply, small = receive_state(
             collective,

@@ -19,6 +19,7 @@ from torch import nn
 from elastictrain import dropin
 from elastictrain.dropin import ElasticSampler, ElasticState
 from elastictrain.engine.collective import LocalCollective
+from elastictrain.errors import ConfigError
 
 
 def training_objects(seed: int = 0) -> dict[str, Any]:
@@ -155,7 +156,8 @@ class TwoRanks(LocalCollective):
         self.roots: set[int] = set()
 
     def allgather_object(self, obj: Any, name: str) -> list[Any]:
-        return [obj, obj + 1]
+        commits, gpu = obj
+        return [obj, (commits + 1, gpu)]
 
     def broadcast_object(self, obj: Any, root: int, name: str) -> Any:
         self.roots.add(root)
@@ -314,3 +316,33 @@ def test_a_plain_optimizer_is_left_as_it_is():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ElasticState(model, opt)
     assert "synchronize" not in vars(opt) and not hasattr(opt, "_elastictrain_waits_asleep")
+
+
+class TwoRanksOnOneGpu(LocalCollective):
+    """Rank 0 of two under NCCL; the peer names the same GPU: the sync must stop before any broadcast."""
+
+    def __init__(self) -> None:
+        super().__init__(rank=0, size=2)
+        self.nccl = True
+        self.broadcasts = 0
+
+    def allgather_object(self, obj: Any, name: str) -> list[Any]:
+        commits, _gpu = obj
+        return [(commits, "GPU-same"), (commits + 1, "GPU-same")]
+
+    def broadcast_object(self, obj: Any, root: int, name: str) -> Any:
+        self.broadcasts += 1
+        return obj
+
+    def broadcast_(self, tensors: Mapping[str, torch.Tensor], root: int) -> None:
+        self.broadcasts += 1
+
+
+def test_the_sync_stops_with_one_line_before_any_broadcast_when_two_ranks_share_a_gpu():
+    fake = TwoRanksOnOneGpu()
+    objs = training_objects()
+    state = ElasticState(objs["model"], objs["optimizer"])
+    state._collective = fake
+    with pytest.raises(ConfigError, match=r"^rank 0 and rank 1 share GPU GPU-same: NCCL runs one rank per GPU"):
+        state.sync()
+    assert fake.broadcasts == 0

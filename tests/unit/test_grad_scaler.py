@@ -125,7 +125,8 @@ class RootIsRankOne(LocalCollective):
         super().__init__(rank=0, size=2)
 
     def allgather_object(self, obj: Any, name: str) -> list[Any]:
-        return [obj, obj + 1]
+        commits, gpu = obj
+        return [obj, (commits + 1, gpu)]
 
     def broadcast_object(self, obj: Any, root: int, name: str) -> Any:
         if name == "sync.meta":  # the root's layouts, param groups and the drop-in's small state
