@@ -12,6 +12,22 @@ this with a SIGKILL during a reset's rendezvous. Horovod already has the path fo
 the Gloo context ready for the next try (``Finalize``), and clears the flag when ``hvd.init`` starts again, so a
 worker can try the next ring (``elastictrain.engine.collective.reset_horovod`` does).
 
+**A rendezvous can be aborted.** When a worker of the current round exits, horovodrun's driver
+(``elastictrain.launcher.hvdrun``) writes a marker under :data:`ABORT_PATH` in its rendezvous store (the HTTP
+key-value store that every worker's Gloo set-up polls); a worker whose own Gloo set-up fails (its connect or
+barrier: a timeout, a peer gone) writes it too, since the others of its round would wait for it in vain. The store
+clears it when the next round starts. Two waits of the Gloo set-up end with a Gloo I/O error (so ``hvd.init`` fails
+at once, as above, and the worker asks for the next ring) when they see it, instead of running out their time:
+
+* ``HTTPStore::wait``, for a peer's address that a dead worker never writes (the Gloo timeout), looks every tenth
+  poll (100 ms);
+* a TCP pair that waits for its peer to connect (the listening side of a pair whose peer wrote its address and
+  died; Gloo gives this wait five times the Gloo timeout) waits in 100-ms slices and asks the store between them
+  (``connectAbortCheck``, set by Horovod's ``Rendezvous`` for its own thread only).
+
+The marker's text (``ABORT_PATH`` here) must equal ``elastictrain.launcher.hvdrun``'s ``ABORT_SCOPE/ABORT_KEY``
+(a unit test checks it; this script runs before the project is installed, so it cannot import it).
+
 Each edit is an exact text replacement; a source that does not match exits 1 with the file and the edit named
 (another Horovod version needs the patch checked again). Applying it twice is a no-op.
 """
@@ -22,6 +38,11 @@ import sys
 from pathlib import Path
 
 MARK = "elastictrain: a failed Gloo rendezvous"
+
+ABORT_SCOPE = "elastictrain_abort"
+ABORT_KEY = "ring"
+ABORT_PATH = f"{ABORT_SCOPE}/{ABORT_KEY}"
+"""Where in the driver's rendezvous store (``scope/key``) an abort marker stands; its value says why."""
 
 GLOO_INIT = """#if HAVE_GLOO
 #if HAVE_MPI
@@ -65,11 +86,172 @@ RESET_FLAG_PATCHED = """    // Reset initialization flag
     horovod_global.initialization_failed = false;
 """
 
+STORE_DEFINE = """#define HTTP_NOT_FOUND 404
+"""
+STORE_DEFINE_PATCHED = f"""#define HTTP_NOT_FOUND 404
+// elastictrain: the driver aborts a rendezvous by writing this key (scope/key) in its store.
+#define ELASTICTRAIN_ABORT_PATH "{ABORT_PATH}"
+"""
+
+STORE_URL = """    url_prefix_ +=
+        "http://" + server_ip + ":" + std::to_string(port) + "/" + scope + "/";
+  }
+"""
+STORE_URL_PATCHED = """    url_prefix_ +=
+        "http://" + server_ip + ":" + std::to_string(port) + "/" + scope + "/";
+    abort_url_ = "http://" + server_ip + ":" + std::to_string(port) + "/" ELASTICTRAIN_ABORT_PATH;
+  }
+"""
+
+STORE_DECLARE = """  bool CheckKeys(const std::vector<std::string>& keys);
+"""
+STORE_DECLARE_PATCHED = """  bool CheckKeys(const std::vector<std::string>& keys);
+
+  // elastictrain: whether the rendezvous was aborted (reason, when given: the marker's text).
+  bool Aborted(std::string* reason);
+
+  // elastictrain: abort the rendezvous for every worker of the round (this one gave up).
+  void Abort(const std::string& reason);
+"""
+
+STORE_MEMBER = """  std::string url_prefix_;
+  int rank_;
+"""
+STORE_MEMBER_PATCHED = """  std::string url_prefix_;
+  std::string abort_url_;
+  int rank_;
+"""
+
+STORE_ABORTED = """void HTTPStore::Finalize() { HTTP_DELETE(std::to_string(rank_)); }
+"""
+STORE_ABORTED_PATCHED = """void HTTPStore::Finalize() { HTTP_DELETE(std::to_string(rank_)); }
+
+bool HTTPStore::Aborted(std::string* reason) {
+  http::Request request(abort_url_);
+  http::Response response = PerformHTTP(request, HTTP_GET_METHOD, "");
+  if (response.status != HTTP_OK) {
+    return false;
+  }
+  if (reason != nullptr) {
+    reason->assign(response.body.begin(), response.body.end());
+  }
+  return true;
+}
+
+void HTTPStore::Abort(const std::string& reason) {
+  http::Request request(abort_url_);
+  PerformHTTP(request, HTTP_PUT_METHOD, reason);
+}
+"""
+
+STORE_WAIT = """  while (!CheckKeys(keys)) {
+    const auto elapsed"""
+STORE_WAIT_PATCHED = """\
+  // elastictrain: every tenth poll (100 ms) also asks whether the driver aborted the rendezvous.
+  for (int polls = 0; !CheckKeys(keys); ++polls) {
+    std::string reason;
+    if (polls % 10 == 0 && Aborted(&reason)) {
+      GLOO_THROW_IO_EXCEPTION(GLOO_ERROR_MSG("Rendezvous aborted by the driver (", reason,
+                                             ") while waiting for key(s): ", ::gloo::MakeString(keys)));
+    }
+    const auto elapsed"""
+
+CONTEXT_INCLUDE = """#include "gloo/transport/tcp/device.h"
+"""
+CONTEXT_INCLUDE_PATCHED = """#include "gloo/transport/tcp/device.h"
+#include "gloo/transport/tcp/pair.h"
+"""
+
+CONTEXT_CONNECT = """  context->setTimeout(timeout);
+  context->connectFullMesh(*store, dev);
+"""
+CONTEXT_CONNECT_PATCHED = """  context->setTimeout(timeout);
+  // elastictrain: while this thread connects the pairs, a pair that waits for its peer gives up when the rendezvous
+  // is aborted (gloo::transport::tcp::connectAbortCheck); a set-up that fails here (connect or barrier) aborts the
+  // rendezvous for the others of the round, which would otherwise wait for this worker until their timeout.
+  struct AbortCheck {
+    HTTPStore* http;
+    std::string who;
+    int unwinding = std::uncaught_exceptions();
+    AbortCheck(GlooStore* s, std::string w) : http(dynamic_cast<HTTPStore*>(s)), who(std::move(w)) {
+#ifdef __linux__
+      if (http != nullptr) {
+        auto* store = http;
+        gloo::transport::tcp::connectAbortCheck() = [store]() {
+          try {
+            return store->Aborted(nullptr);
+          } catch (const std::exception&) {
+            return false;
+          }
+        };
+      }
+#endif
+    }
+    ~AbortCheck() {
+#ifdef __linux__
+      gloo::transport::tcp::connectAbortCheck() = nullptr;
+#endif
+      if (http != nullptr && std::uncaught_exceptions() > unwinding) {
+        try {
+          http->Abort(who + " gave up its rendezvous");
+        } catch (const std::exception&) {
+        }
+      }
+    }
+  } abort_check(store.get(), prefix + " rank " + std::to_string(rank));
+  context->connectFullMesh(*store, dev);
+"""
+
+PAIR_HOOK = """constexpr auto kLargeTimeDuration = std::chrono::hours(100);
+"""
+PAIR_HOOK_PATCHED = """constexpr auto kLargeTimeDuration = std::chrono::hours(100);
+
+// elastictrain: asked every 100 ms while a pair of this thread waits for its initial connect; true ends the wait
+// with an IoException instead of the connect timeout. Set by whoever connects the pairs (Horovod's Rendezvous).
+inline std::function<bool()>& connectAbortCheck() {
+  static thread_local std::function<bool()> check;
+  return check;
+}
+"""
+
+PAIR_WAIT = """      auto done = cv_.wait_for(lock, relTime, pred);
+      if (!done) {
+        signalAndThrowException(GLOO_ERROR_MSG("Connect timeout ", peer_.str()));"""
+PAIR_WAIT_PATCHED = """\
+      // elastictrain: in 100-ms slices, asking connectAbortCheck() between them (without the pair's lock).
+      const auto deadline = std::chrono::steady_clock::now() + relTime;
+      auto done = false;
+      while (!done && std::chrono::steady_clock::now() < deadline) {
+        const auto slice = std::min<std::chrono::steady_clock::duration>(
+            deadline - std::chrono::steady_clock::now(), std::chrono::milliseconds(100));
+        done = cv_.wait_for(lock, slice, pred);
+        if (!done && connectAbortCheck()) {
+          lock.unlock();
+          const auto aborted = connectAbortCheck()();
+          lock.lock();
+          if (aborted && !pred()) {
+            signalAndThrowException(GLOO_ERROR_MSG("Connect aborted: the driver aborted the rendezvous ", peer_.str()));
+          }
+        }
+      }
+      if (!done) {
+        signalAndThrowException(GLOO_ERROR_MSG("Connect timeout ", peer_.str()));"""
+
 EDITS = (
     ("horovod/common/operations.cc", GLOO_INCLUDE, GLOO_INCLUDE_PATCHED),
     ("horovod/common/operations.cc", GLOO_INIT, GLOO_INIT_PATCHED),
     ("horovod/common/operations.cc", GLOO_END, GLOO_END_PATCHED),
     ("horovod/common/operations.cc", RESET_FLAG, RESET_FLAG_PATCHED),
+    ("horovod/common/gloo/http_store.h", STORE_DEFINE, STORE_DEFINE_PATCHED),
+    ("horovod/common/gloo/http_store.h", STORE_URL, STORE_URL_PATCHED),
+    ("horovod/common/gloo/http_store.h", STORE_DECLARE, STORE_DECLARE_PATCHED),
+    ("horovod/common/gloo/http_store.h", STORE_MEMBER, STORE_MEMBER_PATCHED),
+    ("horovod/common/gloo/http_store.cc", STORE_ABORTED, STORE_ABORTED_PATCHED),
+    ("horovod/common/gloo/http_store.cc", STORE_WAIT, STORE_WAIT_PATCHED),
+    ("horovod/common/gloo/gloo_context.cc", CONTEXT_INCLUDE, CONTEXT_INCLUDE_PATCHED),
+    ("horovod/common/gloo/gloo_context.cc", CONTEXT_CONNECT, CONTEXT_CONNECT_PATCHED),
+    ("third_party/gloo/gloo/transport/tcp/pair.h", PAIR_HOOK, PAIR_HOOK_PATCHED),
+    ("third_party/gloo/gloo/transport/tcp/pair.h", PAIR_WAIT, PAIR_WAIT_PATCHED),
 )
 
 

@@ -152,8 +152,9 @@ esac
 
 # ---------------------------------------------------------------- Horovod
 # NCCL-shared: wheels built before Horovod was told to link NCCL dynamically have another key.
-# patch-2: scripts/patch_horovod.py (a failed Gloo rendezvous fails hvd.init instead of killing the worker).
-KEY="horovod-${HOROVOD_VERSION}_torch-${TORCH_VER}_${PY_TAG}_cuda-${CUDA_VER}_gpuops-${GPU_OPS/NCCL/NCCL-shared}_patch-2"
+# patch-3: scripts/patch_horovod.py (a failed Gloo rendezvous fails hvd.init instead of killing the worker; the
+# driver can abort a rendezvous whose worker is gone).
+KEY="horovod-${HOROVOD_VERSION}_torch-${TORCH_VER}_${PY_TAG}_cuda-${CUDA_VER}_gpuops-${GPU_OPS/NCCL/NCCL-shared}_patch-3"
 WHEEL_DIR="$CACHE/wheels/$KEY"
 STAMP="$VENV/.horovod-key"
 if [ "$(cat "$STAMP" 2>/dev/null)" = "$KEY" ] && [ "$(pkg_version horovod)" = "$HOROVOD_VERSION" ]; then

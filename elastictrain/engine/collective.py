@@ -108,9 +108,10 @@ def reset_horovod(
 
     ``hvd.init`` fails (``ValueError: Horovod initialization failed``; Horovod as patched by
     ``scripts/patch_horovod.py``) when the ring the driver assigned could not form: a peer of it died before the
-    Gloo contexts were built (Gloo's I/O error, after at most the Gloo timeout). Asking again joins the driver's
-    next ring, which no longer has the dead peer. (A worker the driver removed from the job still ends in
-    ``hvd.init``, as in stock Horovod.) Any other error, and the last failure, are raised."""
+    Gloo contexts were built (Gloo's I/O error: within about 100 ms of the driver seeing the peer's exit, which
+    aborts the rendezvous (:mod:`elastictrain.launcher.hvdrun`), else after at most the Gloo timeout). Asking again
+    joins the driver's next ring, which no longer has the dead peer. (A worker the driver removed from the job still
+    ends in ``hvd.init``, as in stock Horovod.) Any other error, and the last failure, are raised."""
     for attempt in range(1, attempts + 1):
         shutdown()
         try:

@@ -6,7 +6,7 @@ Horovod 0.28.1's elastic driver runs ``--host-discovery-script`` every second th
 interpreter that re-imports the ``horovodrun`` script, every second, for the whole job (what that costs:
 docs/decisions.md).
 
-This entry point is horovodrun itself (same flags, same driver, same rendezvous) with four repairs:
+This entry point is horovodrun itself (same flags, same driver, same rendezvous) with five repairs:
 
 1. **Discovery by fork.** :func:`run_discovery_script` runs the script with ``subprocess`` in its own
    session, kills that session when the script outlives :data:`DISCOVERY_TIMEOUT_SECONDS`, and fails on a
@@ -22,9 +22,6 @@ This entry point is horovodrun itself (same flags, same driver, same rendezvous)
    started again. An exit counts for its own process only: the late exit of a slot's older process does
    not mark the slot's live one dead.
 
-The repairs replace private methods of Horovod 0.28.1's runner; on any other Horovod version this entry
-point exits 2 with one line.
-
 3. **Every loopback address is this machine.** Horovod runs a host locally only when its address is one that
    an interface lists (``network.get_local_host_addresses``), and over ssh otherwise. Linux answers on all of
    ``127.0.0.0/8`` through ``lo`` while listing only ``127.0.0.1``, so a job of more logical hosts than this
@@ -37,6 +34,22 @@ point exits 2 with one line.
    overflows, the kernel drops SYNs, and each dropped client waits for a SYN retransmit (1 s, then 3 s, 7 s, ...),
    which made one reset's rendezvous take a minute at 32 workers (``ListenOverflows`` in ``/proc/net/netstat``
    counted the drops). :func:`install` gives the server a backlog of :data:`RENDEZVOUS_BACKLOG`.
+
+5. **A rendezvous that cannot complete is aborted.** When a worker of the current assignment exits (non-zero; its
+   own exit, not an older process's of its slot), the driver writes :data:`ABORT_SCOPE`/:data:`ABORT_KEY` into its
+   rendezvous store (:func:`abort_rendezvous`) before Horovod handles the exit. The workers' Gloo set-up, as patched
+   by ``scripts/patch_horovod.py``, polls that key while it waits for a peer's address or connection, and then fails
+   ``hvd.init`` at once instead of after the Gloo timeout (five times it for a pair's connection), so the survivors
+   ask for the next ring (:func:`elastictrain.engine.collective.reset_horovod`). The store is cleared when the driver
+   starts the next round (``RendezvousServer.init``), which Horovod does only once every worker of the round has
+   left it, so a marker ends exactly the round whose worker is gone. An exit and the start of a round are ordered by
+   one lock: an exit either comes first (its slot is started again, and the new round clears the marker) or after
+   (its marker aborts the new round, which counts on the dead process). A marker written when the round has already
+   formed is read by no one (the survivors' collectives fail on their own). A worker whose own Gloo set-up fails
+   writes the same marker (the patched Horovod does), so a live worker that gave up holds no one either.
+
+The repairs replace private methods of Horovod 0.28.1's runner; on any other Horovod version this entry
+point exits 2 with one line.
 
 ``elastictrain launch`` and the benchmarks start horovodrun this way.
 """
@@ -87,6 +100,19 @@ def run_discovery_script(script: str, timeout: float = DISCOVERY_TIMEOUT_SECONDS
 RENDEZVOUS_BACKLOG = 4096
 """Listen backlog of Horovod's rendezvous server (the kernel caps it at ``net.core.somaxconn``)."""
 
+ABORT_SCOPE = "elastictrain_abort"
+ABORT_KEY = "ring"
+"""Where the driver's rendezvous store holds an abort marker (``/ABORT_SCOPE/ABORT_KEY``; the value says why). The
+patched Gloo set-up asks for exactly this path: ``ABORT_PATH`` in ``scripts/patch_horovod.py``."""
+
+
+def abort_rendezvous(server: Any, reason: str) -> None:
+    """Write the abort marker into Horovod's ``RendezvousServer`` ``server`` (its HTTP key-value store)."""
+    httpd = server._httpd
+    with httpd.cache_lock:
+        httpd.cache.setdefault(ABORT_SCOPE, {})[ABORT_KEY] = reason.encode()
+
+
 HOROVOD_VERSION = "0.28.1"
 """The only Horovod whose elastic driver :func:`install` knows: it replaces private methods of that release."""
 
@@ -115,10 +141,13 @@ class _SlotProcesses:
             self._exited.discard(slot)
             return generation
 
-    def exited(self, slot: tuple[str, int], generation: int) -> None:
+    def exited(self, slot: tuple[str, int], generation: int) -> bool:
+        """Record the exit of ``slot``'s process ``generation``; whether that was the slot's current process."""
         with self._lock:
             if self._current.get(slot) == generation:
                 self._exited.add(slot)
+                return True
+            return False
 
     def dead(self) -> set[tuple[str, int]]:
         with self._lock:
@@ -133,7 +162,7 @@ class LocalAddresses(set[str]):
 
 
 def install() -> None:
-    """Apply the four repairs to Horovod's runner (in this process). Idempotent.
+    """Apply the five repairs to Horovod's runner (in this process). Idempotent.
 
     Raises :class:`UnsupportedHorovod` on any Horovod but :data:`HOROVOD_VERSION`.
     """
@@ -172,6 +201,7 @@ def install() -> None:
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         self._elastictrain_slots = _SlotProcesses()
+        self._elastictrain_round = threading.Lock()  # an exit vs. the start of a round (repairs 2 and 5)
         init(self, *args, **kwargs)
 
     def _start_worker_process(self: Any, slot_info: Any) -> None:
@@ -185,7 +215,11 @@ def install() -> None:
         def run_worker() -> None:
             exit_code, timestamp = create_worker_fn(slot_info, [shutdown_event, host_event])
             # Recorded before Horovod's registry sees the exit, so before any re-assignment it can trigger.
-            self._elastictrain_slots.exited(slot, generation)
+            with self._elastictrain_round:
+                current = self._elastictrain_slots.exited(slot, generation)
+                assigned = any(s.local_rank == slot[1] for s in self._host_assignments.get(slot[0], ()))
+                if current and assigned and exit_code != 0:
+                    abort_rendezvous(self._rendezvous, f"{slot[0]}[{slot[1]}] exited with code {exit_code}")
             self._handle_worker_exit(slot_info, exit_code, timestamp)
 
         thread = threading.Thread(target=run_worker, daemon=True)
@@ -193,14 +227,15 @@ def install() -> None:
         self._results.expect(thread)
 
     def _update_host_assignments(self: Any, current_hosts: Any) -> Any:
-        gone = self._elastictrain_slots.dead()
-        if gone:
-            live = {
-                host: [s for s in slots if (host, s.local_rank) not in gone]
-                for host, slots in self._host_assignments.items()
-            }
-            self._host_assignments = {host: slots for host, slots in live.items() if slots}
-        return update_assignments(self, current_hosts)
+        with self._elastictrain_round:
+            gone = self._elastictrain_slots.dead()
+            if gone:
+                live = {
+                    host: [s for s in slots if (host, s.local_rank) not in gone]
+                    for host, slots in self._host_assignments.items()
+                }
+                self._host_assignments = {host: slots for host, slots in live.items() if slots}
+            return update_assignments(self, current_hosts)
 
     ElasticDriver.__init__ = __init__
     ElasticDriver._start_worker_process = _start_worker_process

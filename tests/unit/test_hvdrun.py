@@ -121,14 +121,15 @@ class _Workers:
             self.exits[i][1][1].set()
 
 
-def _driver(hosts: dict[str, int], workers: _Workers, cls: Any = None) -> Any:
+def _driver(hosts: dict[str, int], workers: _Workers, cls: Any = None, rendezvous: Any = None) -> Any:
     from unittest import mock
 
     from horovod.runner.elastic.discovery import FixedHosts
     from horovod.runner.elastic.driver import ElasticDriver
 
     n = sum(hosts.values())
-    driver = (cls or ElasticDriver)(mock.MagicMock(), FixedHosts(hosts), min_num_proc=n, max_num_proc=n, timeout=10)
+    rendezvous = rendezvous or mock.MagicMock()
+    driver = (cls or ElasticDriver)(rendezvous, FixedHosts(hosts), min_num_proc=n, max_num_proc=n, timeout=10)
     driver.start(n, workers)
     wait_until(lambda: len(workers.started) == n, 10, what="every worker started")
     # Horovod's registry would block the exit threads in a barrier until every worker reports; not under test.
@@ -247,3 +248,86 @@ def test_the_rendezvous_server_listens_with_a_backlog_that_a_large_world_does_no
         assert backlog == min(hvdrun.RENDEZVOUS_BACKLOG, somaxconn) > 5
     finally:
         server.stop()
+
+
+def _abort_marker(port: int) -> bytes | None:
+    """What a worker's patched Gloo store reads at the abort path (``None``: not there, a 404)."""
+    import urllib.error
+    import urllib.request
+
+    from elastictrain.launcher import hvdrun
+
+    url = f"http://127.0.0.1:{port}/{hvdrun.ABORT_SCOPE}/{hvdrun.ABORT_KEY}"
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return bytes(response.read())
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            return None
+        raise
+
+
+def test_a_worker_of_the_round_that_dies_aborts_the_rendezvous_until_the_next_round_starts() -> None:
+    """Horovod's own driver and rendezvous server; the survivors' Gloo stores would poll the marker's path."""
+    pytest.importorskip("horovod.runner.elastic.driver")
+    from horovod.runner.http.http_server import RendezvousServer
+
+    from elastictrain.launcher import hvdrun
+
+    hvdrun.install()
+    server = RendezvousServer()
+    port = server.start()
+    workers = _Workers()
+    driver = _driver({"a": 1, "b": 1}, workers, rendezvous=server)
+    try:
+        assert _abort_marker(port) is None
+        index = {slot: i for i, (slot, _) in enumerate(workers.exits)}
+        workers.end(index[("b", 0)], 137)
+        marker = wait_until(lambda: _abort_marker(port), 10, what="the abort marker")
+        assert marker == b"b[0] exited with code 137"
+        driver._update_host_assignments(driver._host_manager.current_hosts)  # the next round: a fresh store
+        assert _abort_marker(port) is None
+    finally:
+        workers.end_all()
+        driver.stop()
+
+
+def test_exits_that_end_no_rendezvous_write_no_abort_marker() -> None:
+    """A finished worker (exit 0), and the late exit of a slot's older process whose successor is in the round."""
+    pytest.importorskip("horovod.runner.elastic.driver")
+    from horovod.runner.http.http_server import RendezvousServer
+
+    from elastictrain.launcher import hvdrun
+
+    hvdrun.install()
+    server = RendezvousServer()
+    port = server.start()
+    workers = _Workers()
+    driver = _driver({"a": 1, "b": 1}, workers, rendezvous=server)
+    try:
+        driver._start_worker_process(driver.get_slot_info("b", 0))
+        wait_until(lambda: len(workers.started) == 3, 10, what="b's second process started")
+        old_b = next(i for i, (slot, _) in enumerate(workers.exits) if slot == ("b", 0))
+        workers.end(old_b, 137)
+        a = next(i for i, (slot, _) in enumerate(workers.exits) if slot == ("a", 0))
+        workers.end(a, 0)
+        wait_until(lambda: driver._worker_registry.record_failure.called, 10, what="the old exit handled")
+        wait_until(lambda: driver._worker_registry.record_success.called, 10, what="a's exit handled")
+        assert _abort_marker(port) is None
+    finally:
+        workers.end_all()
+        driver.stop()
+
+
+def test_the_driver_writes_the_abort_marker_where_the_patched_gloo_store_looks() -> None:
+    import importlib.util
+
+    from elastictrain.launcher import hvdrun
+    from tests.fixtures.procs import REPO
+
+    spec = importlib.util.spec_from_file_location("patch_horovod", REPO / "scripts" / "patch_horovod.py")
+    assert spec is not None and spec.loader is not None
+    ph = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ph)
+    assert f"{hvdrun.ABORT_SCOPE}/{hvdrun.ABORT_KEY}" == ph.ABORT_PATH
+    assert f'"{ph.ABORT_PATH}"' in ph.STORE_DEFINE_PATCHED

@@ -1,0 +1,130 @@
+"""A worker killed while a reset's rendezvous waits for it: the survivors go on in seconds, not at the Gloo timeout.
+
+Real horovodrun (:mod:`elastictrain.launcher.hvdrun`), real workers, Horovod as built by ``scripts/setup.sh``
+(``scripts/patch_horovod.py``). The driver writes an abort marker into its rendezvous store when a worker of the
+current round exits; the survivors' Gloo set-up (``hvd.init``) sees it and asks for the next ring at once.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from chaos.campaign import read_beats
+from elastictrain._testing.jobs import ElasticJob
+from elastictrain._testing.procs import HarnessError, wait_until
+from elastictrain.bench import kill_distribution as kd
+from elastictrain.events import Reset
+from elastictrain.hang import HEARTBEATS, RENDEZVOUS, Beat
+from elastictrain.launcher.hosts import local_logical_hosts
+from tests.fixtures.elastic_job import job_config
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+HOSTS = local_logical_hosts()
+GLOO_TIMEOUT_SECONDS = 60
+"""``elastictrain launch``'s default: what a survivor waited for a peer that never joined the rendezvous."""
+RECOVERY_BOUND_SECONDS = 30
+"""Half the Gloo timeout: wide for a loaded 2-core machine (the fix recovers in a few seconds), and still far
+below the ~60 s that waiting out the Gloo timeout takes."""
+
+
+def _new_worker_on(job: ElasticJob, host: str, timeout: float = 120) -> psutil.Process:
+    def found() -> psutil.Process | None:
+        try:
+            return job.worker(host=host)
+        except HarnessError:
+            return None
+
+    process = wait_until(found, timeout, interval=0.02, what=f"a worker process on {host}")
+    assert process is not None  # wait_until returns only a truthy value
+    return process
+
+
+@pytest.mark.skipif(len(HOSTS) < 3, reason=f"needs 3 logical local hosts, found {HOSTS}")
+def test_a_new_worker_killed_before_it_joins_the_rendezvous_does_not_hold_the_survivors_for_the_gloo_timeout(
+    jobs, tmp_path
+):
+    """2 workers train; a third host comes; the driver assigns it a rank and starts its worker after the two have
+    entered the new ring's rendezvous (they wait there for its address). The new worker is SIGKILLed at once,
+    before ``hvd.init``: the survivors must reach a completed step at the next ring well inside the Gloo timeout."""
+    cfg = job_config(tmp_path / "run", data__num_samples=200_000, training__epochs=1, checkpoint__enabled=False)
+    job = ElasticJob(
+        tmp_path / "job", cfg, HOSTS[:2], min_np=2, max_np=3, gloo_timeout=GLOO_TIMEOUT_SECONDS, cooldown=(1, 2)
+    )
+    jobs.append(job.start())
+    job.wait_step(6)
+    job.set_hosts(HOSTS[:3])
+    newcomer = _new_worker_on(job, HOSTS[2])
+    t_kill = time.time()
+    newcomer.send_signal(signal.SIGKILL)
+    reset = job.wait_event(
+        Reset, lambda e: e.ts >= t_kill, timeout=4 * GLOO_TIMEOUT_SECONDS, what="a completed step after the kill"
+    )
+    seconds = reset.ts - t_kill
+    assert seconds < RECOVERY_BOUND_SECONDS, (
+        f"{seconds:.1f} s from the kill to the next step (Gloo timeout {GLOO_TIMEOUT_SECONDS} s):\n{job.tail()}"
+    )
+
+
+def _first_in_rendezvous(beats_dir: Path, since: float, spare: set[int]) -> Beat | None:
+    beats = read_beats(beats_dir).values()
+    return next((b for b in beats if b.phase == RENDEZVOUS and b.since >= since and b.pid not in spare), None)
+
+
+def _listening_ports(process: psutil.Process) -> set[int]:
+    try:
+        return {c.laddr.port for c in process.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+    except psutil.NoSuchProcess:
+        return set()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(len(HOSTS) < 4, reason=f"needs 4 logical local hosts, found {HOSTS}")
+def test_a_survivor_killed_in_the_gloo_set_up_of_the_next_ring_does_not_hold_the_others_for_the_gloo_timeout(
+    jobs, tmp_path
+):
+    """4 workers; one is SIGKILLed (a reset begins), then a second survivor as soon as it has the driver's next ring
+    and is connecting to it: its Gloo pairs' listening sockets appear (before or just after it writes its address,
+    so the other two wait for its address or for its connection; Gloo gives the latter five times the Gloo timeout).
+    This is the campaign's kill "during a reset's rendezvous"; the last two must go on well inside the Gloo timeout.
+    """
+    job = ElasticJob(
+        tmp_path / "job",
+        kd.job_config(tmp_path / "run"),
+        HOSTS[:4],
+        min_np=2,
+        max_np=4,
+        gloo_timeout=GLOO_TIMEOUT_SECONDS,
+        cooldown=(1, 2),
+    )
+    jobs.append(job.start())
+    kd.wait_full(job)
+    rank0 = kd.current_rank0(job)
+    primer = next(p for p in job.workers() if p.pid != rank0.pid)
+    t_primer = time.time()
+    primer.send_signal(signal.SIGKILL)
+    beat = wait_until(
+        lambda: _first_in_rendezvous(job.run_dir / HEARTBEATS, t_primer, {primer.pid, rank0.pid}),
+        60,
+        interval=0.005,
+        what="a survivor in the reset's rendezvous",
+    )
+    assert beat is not None  # wait_until returns only a truthy value
+    victim = psutil.Process(beat.pid)
+    before = _listening_ports(victim)  # Horovod's notification service, ...
+    wait_until(lambda: _listening_ports(victim) - before, 60, interval=0.002, what="the victim's Gloo pairs")
+    t_kill = time.time()
+    victim.send_signal(signal.SIGKILL)
+    reset = job.wait_event(
+        Reset, lambda e: e.ts >= t_kill, timeout=6 * GLOO_TIMEOUT_SECONDS, what="a completed step after the kill"
+    )
+    seconds = reset.ts - t_kill
+    assert seconds < RECOVERY_BOUND_SECONDS, (
+        f"{seconds:.1f} s from the kill in the Gloo set-up to the next step (Gloo timeout {GLOO_TIMEOUT_SECONDS} s):"
+        f"\n{job.tail()}"
+    )
