@@ -267,8 +267,10 @@ def _abort_marker(port: int) -> bytes | None:
         raise
 
 
-def test_a_worker_of_the_round_that_dies_aborts_the_rendezvous_until_the_next_round_starts() -> None:
-    """Horovod's own driver and rendezvous server; the survivors' Gloo stores would poll the marker's path."""
+@contextlib.contextmanager
+def _round_of_two() -> Any:
+    """Horovod's own driver (with the repairs) and rendezvous server over hosts a and b, one slot each: yields
+    ``(driver, workers, port)``; every worker ended and the driver stopped afterwards."""
     pytest.importorskip("horovod.runner.elastic.driver")
     from horovod.runner.http.http_server import RendezvousServer
 
@@ -280,6 +282,15 @@ def test_a_worker_of_the_round_that_dies_aborts_the_rendezvous_until_the_next_ro
     workers = _Workers()
     driver = _driver({"a": 1, "b": 1}, workers, rendezvous=server)
     try:
+        yield driver, workers, port
+    finally:
+        workers.end_all()
+        driver.stop()
+
+
+def test_a_worker_of_the_round_that_dies_aborts_the_rendezvous_until_the_next_round_starts() -> None:
+    """The survivors' Gloo stores would poll the marker's path."""
+    with _round_of_two() as (driver, workers, port):
         assert _abort_marker(port) is None
         index = {slot: i for i, (slot, _) in enumerate(workers.exits)}
         workers.end(index[("b", 0)], 137)
@@ -287,24 +298,11 @@ def test_a_worker_of_the_round_that_dies_aborts_the_rendezvous_until_the_next_ro
         assert marker == b"b[0] exited with code 137"
         driver._update_host_assignments(driver._host_manager.current_hosts)  # the next round: a fresh store
         assert _abort_marker(port) is None
-    finally:
-        workers.end_all()
-        driver.stop()
 
 
 def test_exits_that_end_no_rendezvous_write_no_abort_marker() -> None:
     """A finished worker (exit 0), and the late exit of a slot's older process whose successor is in the round."""
-    pytest.importorskip("horovod.runner.elastic.driver")
-    from horovod.runner.http.http_server import RendezvousServer
-
-    from elastictrain.launcher import hvdrun
-
-    hvdrun.install()
-    server = RendezvousServer()
-    port = server.start()
-    workers = _Workers()
-    driver = _driver({"a": 1, "b": 1}, workers, rendezvous=server)
-    try:
+    with _round_of_two() as (driver, workers, port):
         driver._start_worker_process(driver.get_slot_info("b", 0))
         wait_until(lambda: len(workers.started) == 3, 10, what="b's second process started")
         old_b = next(i for i, (slot, _) in enumerate(workers.exits) if slot == ("b", 0))
@@ -314,9 +312,6 @@ def test_exits_that_end_no_rendezvous_write_no_abort_marker() -> None:
         wait_until(lambda: driver._worker_registry.record_failure.called, 10, what="the old exit handled")
         wait_until(lambda: driver._worker_registry.record_success.called, 10, what="a's exit handled")
         assert _abort_marker(port) is None
-    finally:
-        workers.end_all()
-        driver.stop()
 
 
 def test_the_driver_writes_the_abort_marker_where_the_patched_gloo_store_looks() -> None:
