@@ -16,7 +16,8 @@ process life each. The faults (``--fault``):
 Each fault is aimed by watching the run log (``reset`` events, the world size), never by a fixed sleep.
 After each reset the tool records every survivor's RSS, USS, open fds, threads and memory mappings (by
 pid, psutil) into ``run_dir/resets.jsonl`` and checks that no survivor's pid changed. At the end it
-writes per survivor the drift from reset ``--first`` (10) to the last one (:func:`drift`): the JSON goes
+writes per survivor the drift from reset ``--first`` (10) to the last one it reached (:func:`drift`; a run
+stopped early reports the resets it covered, per survivor): the JSON goes
 to ``--out`` (default ``bench/results/<date>-<host>-resets.json``, never an existing file) with a
 markdown table beside it, and ``run_dir/resets-detail.json`` holds each survivor's fd targets, thread
 names and resident memory by mapping near the first and the last reset, to say what grew.
@@ -132,19 +133,23 @@ def _slope(xs: Sequence[float], ys: Sequence[float]) -> float:
 def drift(samples: Sequence[Sample], *, first: int = 10, window: int = 5) -> dict[int, Drift]:
     """Per survivor pid: the drift from the samples at reset ``first`` on to the last ones (pure).
 
-    Only samples at the world size of the pid's last sample count (a reset down and a reset up leave the
-    process in different states: more or fewer Gloo peers). Each end is the median of ``window`` such
-    samples: the first ``window`` from reset ``first`` on, and the last ``window``; a pid with no sample
-    from ``first`` on has no drift."""
+    Only samples at one world size count (a reset down and a reset up leave the process in different states:
+    more or fewer Gloo peers): the size most of the pid's samples from ``first`` on share, the latest of them
+    on a tie. A run stopped early by a failure leaves a last sample or two at a size the run never held
+    otherwise; they do not decide. Each end is the median of ``window`` such samples: the first ``window``
+    from reset ``first`` on, and the last ``window``; :attr:`Drift.first` and :attr:`Drift.last` are the
+    resets the drift covers. A pid with no sample from ``first`` on has no drift."""
     by_pid: dict[int, list[Sample]] = {}
     for s in sorted(samples, key=lambda s: (s.reset, s.ts)):
         by_pid.setdefault(s.pid, []).append(s)
     out: dict[int, Drift] = {}
     for pid, ss in by_pid.items():
-        size = ss[-1].world_size
-        same = [s for s in ss if s.reset >= first and s.world_size == size]
-        if not same:
+        measured = [s for s in ss if s.reset >= first]
+        if not measured:
             continue
+        counts = Counter(s.world_size for s in measured)
+        size = max(reversed(measured), key=lambda s: counts[s.world_size]).world_size
+        same = [s for s in measured if s.world_size == size]
         head, tail = same[:window], same[-window:]
 
         def med(part: list[Sample], key: str) -> float:
@@ -188,12 +193,14 @@ def _mib(n: float) -> str:
 
 def markdown_table(report: Mapping[str, Any]) -> str:
     """The results of one run as a short paragraph and a table, a row per survivor (pure)."""
+    resets, asked = report["resets"], report["resets_asked"]
+    reached = f"{resets} resets" if resets >= asked else f"{resets} of {asked} resets (stopped early, see below)"
     lines = [
-        f"`python -m chaos resets --resets {report['resets_asked']} --seed {report['seed']} --fault {report['fault']}`"
-        f" on {str(report['date'])[:10]}, {report['host']}: {report['resets']} resets in "
-        f"{report['wall_seconds']:.0f} s; drift from reset {report['first']} to the last, medians of "
-        f"{report['window']} samples at each end; goal RSS <= {report['max_rss_drift_pct']:g}%, fds and threads "
-        f"flat: {'met' if report['ok'] else 'NOT met'}.",
+        f"`python -m chaos resets --resets {asked} --seed {report['seed']} --fault {report['fault']}`"
+        f" on {str(report['date'])[:10]}, {report['host']}: {reached} in {report['wall_seconds']:.0f} s; drift "
+        f"per survivor from reset {report['first']} to the last reset it reached (its resets column), at the world "
+        f"size most of its samples share, medians of {report['window']} samples at each end; goal RSS <= "
+        f"{report['max_rss_drift_pct']:g}%, fds and threads flat: {'met' if report['ok'] else 'NOT met'}.",
         "",
         "| survivor (pid, host) | resets | RSS MiB | RSS drift | USS drift | RSS slope | fds | threads | maps |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -201,7 +208,8 @@ def markdown_table(report: Mapping[str, Any]) -> str:
     for d in report["survivors"]:
         uss = "—" if d["uss_pct"] is None else f"{d['uss_pct']:+.2f}%"
         lines.append(
-            f"| {d['pid']} {d['host']} | {d['first']}→{d['last']} | {_mib(d['rss_first'])}→{_mib(d['rss_last'])} "
+            f"| {d['pid']} {d['host']} | {d['first']}→{d['last']} ({d['world_size']} workers) "
+            f"| {_mib(d['rss_first'])}→{_mib(d['rss_last'])} "
             f"| {d['rss_pct']:+.2f}% | {uss} | {d['rss_bytes_per_reset'] / 1024:+.1f} KiB/reset "
             f"| {d['fds_first']:g}→{d['fds_last']:g} | {d['threads_first']:g}→{d['threads_last']:g} "
             f"| {d['maps_delta']:+g} |"
@@ -382,17 +390,19 @@ class ResetDriver:
     def sample(self) -> None:
         n = len(self.resets)
         lines = []
-        for pid, s in self.survivors.items():
-            try:
-                if s.proc.create_time() != s.create_time:
-                    raise psutil.NoSuchProcess(pid)
-                sample = measure(s.proc, reset=n, host=s.host, world_size=self.world_size or 0)
-            except psutil.Error:
-                raise ScenarioError(f"survivor {pid} on {s.host} is gone after reset {n}") from None
-            self.samples.append(sample)
-            lines.append(json.dumps(asdict(sample)))
-        with self.samples_path.open("a") as f:
-            f.write("".join(line + "\n" for line in lines))
+        try:
+            for pid, s in self.survivors.items():
+                try:
+                    if s.proc.create_time() != s.create_time:
+                        raise psutil.NoSuchProcess(pid)
+                    sample = measure(s.proc, reset=n, host=s.host, world_size=self.world_size or 0)
+                except psutil.Error:
+                    raise ScenarioError(f"survivor {pid} on {s.host} is gone after reset {n}") from None
+                self.samples.append(sample)
+                lines.append(json.dumps(asdict(sample)))
+        finally:  # the file holds every sample the report uses, those taken before a survivor was found gone too
+            with self.samples_path.open("a") as f:
+                f.write("".join(line + "\n" for line in lines))
 
     def keep_detail(self, label: str) -> None:
         self.details[label] = {"reset": len(self.resets), **{str(pid): detail(pid) for pid in self.survivors}}

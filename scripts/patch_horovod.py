@@ -28,6 +28,18 @@ at once, as above, and the worker asks for the next ring) when they see it, inst
 The marker's text (``ABORT_PATH`` here) must equal ``elastictrain.launcher.hvdrun``'s ``ABORT_SCOPE/ABORT_KEY``
 (a unit test checks it; this script runs before the project is installed, so it cannot import it).
 
+**An enqueue that races the background thread's shutdown is refused, not stranded.** ``EnqueueTensorAllreduces``
+(and the other enqueues) check ``horovod_global.shut_down`` without the tensor queue's lock; the background thread,
+once it leaves its loop, sets that flag and then empties the queue (``FinalizeTensorQueue``). An enqueue that read
+the flag before it was set and took the lock after the queue was emptied added an entry that nothing finishes, to
+the global process set's queue, which ``hvd.shutdown`` and ``hvd.init`` keep (``ProcessSetTable::Finalize_``). In
+an elastic job that is a gradient hook of a survivor whose peer left mid-step (a drain's exit runs ``hvd.shutdown``):
+after the reset, that parameter's hook raised "same name as another tensor that is currently being processed", and
+a step whose last enqueue was the stranded one would wait for it forever. The patch closes the queue when it is
+finalized (an enqueue then fails with Horovod's shut-down error, ``HorovodInternalError`` in Python, under the same
+lock) and opens it again when ``hvd.init`` starts the next background thread.
+``tests/integration/test_allreduce_shutdown_race.py`` checks it.
+
 Each edit is an exact text replacement; a source that does not match exits 1 with the file and the edit named
 (another Horovod version needs the patch checked again). Applying it twice is a no-op.
 """
@@ -237,6 +249,72 @@ PAIR_WAIT_PATCHED = """\
       if (!done) {
         signalAndThrowException(GLOO_ERROR_MSG("Connect timeout ", peer_.str()));"""
 
+QUEUE_MARK = "elastictrain: a finalized tensor queue"
+
+QUEUE_DECLARE = """  void FinalizeTensorQueue(const Status& status);
+"""
+QUEUE_DECLARE_PATCHED = f"""  void FinalizeTensorQueue(const Status& status);
+
+  // {QUEUE_MARK} refuses entries (SHUT_DOWN_ERROR) until hvd.init reopens it.
+  void ReopenTensorQueue();
+"""
+
+QUEUE_MEMBER = """  mutable std::mutex mutex_;
+};"""
+QUEUE_MEMBER_PATCHED = """  mutable std::mutex mutex_;
+
+  // Set by FinalizeTensorQueue, cleared by ReopenTensorQueue (both under mutex_).
+  bool closed_ = false;
+};"""
+
+QUEUE_ADD = """Status TensorQueue::AddToTensorQueue(TensorTableEntry& e, Request& message) {
+  std::lock_guard<std::mutex> guard(mutex_);
+"""
+QUEUE_ADD_PATCHED = f"""Status TensorQueue::AddToTensorQueue(TensorTableEntry& e, Request& message) {{
+  std::lock_guard<std::mutex> guard(mutex_);
+  // {QUEUE_MARK}: the caller checked shut_down without this lock.
+  if (closed_) {{
+    return SHUT_DOWN_ERROR;
+  }}
+"""
+
+QUEUE_ADD_MULTI = """                                          std::vector<Request>& messages) {
+  std::lock_guard<std::mutex> guard(mutex_);
+"""
+QUEUE_ADD_MULTI_PATCHED = f"""                                          std::vector<Request>& messages) {{
+  std::lock_guard<std::mutex> guard(mutex_);
+  // {QUEUE_MARK}: the caller checked shut_down without this lock.
+  if (closed_) {{
+    return SHUT_DOWN_ERROR;
+  }}
+"""
+
+QUEUE_FINALIZE = """void TensorQueue::FinalizeTensorQueue(const Status& status) {
+  std::lock_guard<std::mutex> guard(mutex_);
+"""
+QUEUE_FINALIZE_PATCHED = """void TensorQueue::FinalizeTensorQueue(const Status& status) {
+  std::lock_guard<std::mutex> guard(mutex_);
+  closed_ = true;
+"""
+
+QUEUE_REOPEN = """// Parse tensor names from response and generate a vector of"""
+QUEUE_REOPEN_PATCHED = """void TensorQueue::ReopenTensorQueue() {
+  std::lock_guard<std::mutex> guard(mutex_);
+  closed_ = false;
+}
+
+// Parse tensor names from response and generate a vector of"""
+
+QUEUE_INIT = """    horovod_global.background_thread =
+        std::thread(BackgroundThreadLoop, std::ref(horovod_global));
+"""
+QUEUE_INIT_PATCHED = f"""    // {QUEUE_MARK}: process set 0's queue, closed by the last shutdown, opens again.
+    horovod_global.process_set_table.Get(0).tensor_queue.ReopenTensorQueue();
+    horovod_global.background_thread =
+        std::thread(BackgroundThreadLoop, std::ref(horovod_global));
+"""
+
+
 EDITS = (
     ("horovod/common/operations.cc", GLOO_INCLUDE, GLOO_INCLUDE_PATCHED),
     ("horovod/common/operations.cc", GLOO_INIT, GLOO_INIT_PATCHED),
@@ -252,6 +330,13 @@ EDITS = (
     ("horovod/common/gloo/gloo_context.cc", CONTEXT_CONNECT, CONTEXT_CONNECT_PATCHED),
     ("third_party/gloo/gloo/transport/tcp/pair.h", PAIR_HOOK, PAIR_HOOK_PATCHED),
     ("third_party/gloo/gloo/transport/tcp/pair.h", PAIR_WAIT, PAIR_WAIT_PATCHED),
+    ("horovod/common/tensor_queue.h", QUEUE_DECLARE, QUEUE_DECLARE_PATCHED),
+    ("horovod/common/tensor_queue.h", QUEUE_MEMBER, QUEUE_MEMBER_PATCHED),
+    ("horovod/common/tensor_queue.cc", QUEUE_ADD, QUEUE_ADD_PATCHED),
+    ("horovod/common/tensor_queue.cc", QUEUE_ADD_MULTI, QUEUE_ADD_MULTI_PATCHED),
+    ("horovod/common/tensor_queue.cc", QUEUE_FINALIZE, QUEUE_FINALIZE_PATCHED),
+    ("horovod/common/tensor_queue.cc", QUEUE_REOPEN, QUEUE_REOPEN_PATCHED),
+    ("horovod/common/operations.cc", QUEUE_INIT, QUEUE_INIT_PATCHED),
 )
 
 

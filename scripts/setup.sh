@@ -152,9 +152,9 @@ esac
 
 # ---------------------------------------------------------------- Horovod
 # NCCL-shared: wheels built before Horovod was told to link NCCL dynamically have another key.
-# patch-3: scripts/patch_horovod.py (a failed Gloo rendezvous fails hvd.init instead of killing the worker; the
-# driver can abort a rendezvous whose worker is gone).
-KEY="horovod-${HOROVOD_VERSION}_torch-${TORCH_VER}_${PY_TAG}_cuda-${CUDA_VER}_gpuops-${GPU_OPS/NCCL/NCCL-shared}_patch-3"
+# patch-4: scripts/patch_horovod.py (a failed Gloo rendezvous fails hvd.init instead of killing the worker; the
+# driver can abort a rendezvous whose worker is gone; an allreduce that races a shutdown is refused, not stranded).
+KEY="horovod-${HOROVOD_VERSION}_torch-${TORCH_VER}_${PY_TAG}_cuda-${CUDA_VER}_gpuops-${GPU_OPS/NCCL/NCCL-shared}_patch-4"
 WHEEL_DIR="$CACHE/wheels/$KEY"
 STAMP="$VENV/.horovod-key"
 if [ "$(cat "$STAMP" 2>/dev/null)" = "$KEY" ] && [ "$(pkg_version horovod)" = "$HOROVOD_VERSION" ]; then

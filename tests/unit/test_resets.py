@@ -72,6 +72,42 @@ def test_drift_compares_samples_at_the_same_world_size_only() -> None:
     assert d.rss_pct == 0 and d.fds_delta == 0
 
 
+def test_a_run_stopped_early_compares_each_survivor_over_the_resets_it_reached() -> None:
+    """As in the 129-of-210 run: a survivor crashed at reset 129 and the other two were sampled once more, at a
+    world of 2 that the run never held otherwise. Their drift still covers resets 10 to 128 at 4 workers (one
+    sample at 2 is no comparison), and the table says which resets each row covers and that the run stopped."""
+    grow = 0.1
+    samples = [s for pid in (7, 8, 9) for s in cycles(128, pid, grow_mib_per_reset=grow)]
+    samples += [sample(129, 7, rss=900, world=2), sample(129, 8, rss=900, world=2)]  # 9 is gone
+    d = drift(samples, first=10, window=5)
+    assert {pid: (x.first, x.last, x.world_size) for pid, x in d.items()} == {
+        7: (10, 128, 4),
+        8: (10, 128, 4),
+        9: (10, 128, 4),
+    }
+    assert d[7].rss_pct == d[9].rss_pct > 2.0  # the growth shows; the odd last sample neither hides nor adds to it
+    report = {
+        "resets_asked": 210,
+        "seed": 3,
+        "fault": "term",
+        "date": "2026-12-04T14:40:43Z",
+        "host": "vm",
+        "resets": 129,
+        "wall_seconds": 296.5,
+        "first": 10,
+        "window": 5,
+        "max_rss_drift_pct": 2.0,
+        "ok": False,
+        "survivors": [asdict(x) for x in d.values()],
+        "error": "survivor 9 on h9 is gone after reset 129",
+    }
+    text = markdown_table(report)
+    assert "129 of 210 resets (stopped early, see below)" in text
+    assert "from reset 10 to the last reset it reached" in text
+    assert sum("| 10→128 (4 workers) |" in line for line in text.splitlines()) == 3
+    assert text.rstrip().endswith("Stopped early: survivor 9 on h9 is gone after reset 129")
+
+
 def test_growth_per_reset_shows_as_rss_percent_and_slope() -> None:
     d = drift(cycles(200, grow_mib_per_reset=0.1), first=10, window=5)[7]
     # medians of resets 10..18 (14 -> 401.4 MiB) and 192..200 (196 -> 419.6 MiB)
