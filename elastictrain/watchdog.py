@@ -16,6 +16,11 @@ receive fails now and Horovod's elastic loop rolls back and re-forms the ring, o
 * this worker is stuck: it has been inside one step far longer than steps take (see
   :class:`WatchdogPolicy`; longer for a removal notice than for a recorded failure).
 
+Horovod's state sync after a rendezvous (its broadcasts wait on every peer) is guarded like a step
+(:meth:`CollectiveWatchdog.sync_started`): the ring's connections are taken when it begins, so a worker whose sync
+fails shuts them down (:meth:`CollectiveWatchdog.ring_failed`) and peers blocked on it fail at once, and a worker
+blocked in it aborts on a recorded failure or a closed ring connection (a removal notice alone never aborts a sync).
+
 A notice that only adds hosts never aborts: Horovod sends one on a healthy scale-up, and it stays pending
 until the next commit (:func:`removal_pending`). Local work that holds no collective (validation's forward
 passes) is not a step (:meth:`CollectiveWatchdog.paused`).
@@ -73,6 +78,7 @@ def should_abort(
     host_removed: bool = False,
     peer_closed: Callable[[], bool] = lambda: False,
     progress_since: float | None = None,
+    syncing: bool = False,
 ) -> str | None:
     """Why the collectives of this step should be aborted now, or None.
 
@@ -83,6 +89,9 @@ def should_abort(
     start of the step is too late a cut-off. ``host_removed``: a pending host-change notice says a host was
     removed (a notice that only adds hosts is no input at all). ``peer_closed`` (asked only once the step is
     overdue): a Gloo connection of this ring was closed by its peer, i.e. a worker process is gone.
+    ``syncing``: ``step_started`` is the start of the state sync, not of a step. A recorded failure or a closed
+    ring connection aborts it as it would a step; a removal notice alone never does (a sync has no typical
+    length, and the worker of a gracefully drained host still completes it).
     """
     if step_started is None:
         return None
@@ -94,7 +103,7 @@ def should_abort(
         return None
     if overdue and peer_closed():
         return f"a peer closed its connection of this ring and this step has waited {waited:.1f}s"
-    if host_removed and waited >= max(policy.removed_min_seconds, policy.removed_factor * typical_step):
+    if host_removed and not syncing and waited >= max(policy.removed_min_seconds, policy.removed_factor * typical_step):
         return f"a host was removed and this step has waited {waited:.1f}s"
     return None
 
@@ -272,6 +281,8 @@ class CollectiveWatchdog:
         self.excluded_ports = excluded_ports
         self.policy = policy or WatchdogPolicy()
         self._step_started: float | None = None
+        self._syncing = False
+        """Whether ``_step_started`` is the start of the state sync (:meth:`sync_started`) rather than of a step."""
         self._progress: float | None = None
         """End of the last completed step, or of the rendezvous that formed the current ring."""
         self._typical = 1.0
@@ -289,6 +300,7 @@ class CollectiveWatchdog:
         return self
 
     def step_started(self) -> None:
+        self._syncing = False
         self._step_started = time.time()
         if self.hang is not None:
             self.hang.set_phase(LOCAL)
@@ -313,6 +325,22 @@ class CollectiveWatchdog:
             self._steps += 1
             self._typical = took if self._steps == 1 else 0.9 * self._typical + 0.1 * took
 
+    def sync_started(self) -> None:
+        """Horovod's state sync begins (after a rendezvous, before the training function): take this ring's
+        connections now and guard the sync like a step until :meth:`sync_finished`.
+
+        The sync's collectives wait on every peer. A worker whose sync fails must be able to shut the new ring's
+        connections down (:meth:`ring_failed`; a snapshot taken only after the sync would be empty then), and a
+        worker blocked in the sync on a live peer must abort when a failure is known."""
+        self.snapshot_ring()
+        self._syncing = True
+        self._step_started = time.time()
+
+    def sync_finished(self) -> None:
+        """The sync returned or raised: between steps again (the sync is no step: it sets no typical step time)."""
+        self._step_started = None
+        self._syncing = False
+
     def snapshot_ring(self) -> None:
         """Right after a rendezvous: remember this ring's Gloo connections (see :func:`closed_by_peer`)."""
         self._progress = time.time()
@@ -325,6 +353,7 @@ class CollectiveWatchdog:
     def idle(self) -> None:
         """Between steps (a reset, a rendezvous): nothing to abort."""
         self._step_started = None
+        self._syncing = False
         if self.hang is not None:
             self.hang.set_phase(IDLE)
 
@@ -362,10 +391,10 @@ class CollectiveWatchdog:
                 log.exception("collective watchdog check failed")
 
     def _check(self) -> None:
-        started = self._step_started
+        started, syncing = self._step_started, self._syncing
         if self.hang is not None:
             now = time.time()
-            self.hang.tick(now, None if started is None else now - started, self._typical)
+            self.hang.tick(now, None if started is None or syncing else now - started, self._typical)
         if started is None:
             return
         ring, now = self._ring, time.time()
@@ -379,6 +408,7 @@ class CollectiveWatchdog:
             host_removed=removed,
             peer_closed=lambda: bool(ring) and closed_by_peer(ring),
             progress_since=progress,
+            syncing=syncing,
         )
         if reason is None:
             signal = removed or failure_counts(failure_ts, started, progress)
@@ -391,6 +421,7 @@ class CollectiveWatchdog:
                     failure_seconds_ago=None if failure_ts is None else round(now - failure_ts, 3),
                     last_progress_seconds_ago=None if progress is None else round(now - progress, 3),
                     host_removed=removed,
+                    syncing=syncing,
                     ring_connections=len(ring),
                 )
             return
@@ -417,6 +448,12 @@ class NullWatchdog:
         pass
 
     def set_members(self, me: int, members: list[Member]) -> None:
+        pass
+
+    def sync_started(self) -> None:
+        pass
+
+    def sync_finished(self) -> None:
         pass
 
     def snapshot_ring(self) -> None:

@@ -1,8 +1,10 @@
 """Arm the collective watchdog (:mod:`elastictrain.watchdog`) on a Horovod elastic ``State``: the engine's
-and the drop-in's, so both recover from a SIGKILLed peer in about a second."""
+and the drop-in's, so both recover from a SIGKILLed peer in about a second, in a step or in the state sync
+that follows a rendezvous."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from urllib.parse import urlparse
@@ -29,6 +31,8 @@ def arm_watchdog(
     ``snapshot_ring()`` after each rendezvous, and ``stop()`` at the end. With ``hang`` (the engine's workers) the
     caller also marks ``grads_ready`` and gives the ring's members after each rendezvous (``set_members``), and a
     failure that follows a hung-peer verdict is reported as ``worker_hung`` (``state.failure_cause``).
+
+    ``state.sync`` is wrapped (:func:`guard_sync`): the sync is collective work that the watchdog guards.
     """
     watchdog: CollectiveWatchdog
 
@@ -49,7 +53,25 @@ def arm_watchdog(
         excluded_ports=lambda: control_ports(tracking_uri),
         hang=hang,
     ).start()
+    guard_sync(state, watchdog)
     return watchdog
+
+
+def guard_sync(state: State, watchdog: CollectiveWatchdog) -> None:
+    """Make ``state.sync`` (Horovod's elastic loop calls it after every rendezvous but one that only removed hosts,
+    and at the start) a phase the watchdog guards: :meth:`~CollectiveWatchdog.sync_started` before it,
+    :meth:`~CollectiveWatchdog.sync_finished` after it, whether it returns or raises."""
+    sync = state.sync
+
+    @functools.wraps(sync)
+    def guarded() -> None:
+        watchdog.sync_started()
+        try:
+            sync()
+        finally:
+            watchdog.sync_finished()
+
+    state.sync = guarded
 
 
 def mark_phases() -> dict[str, str]:

@@ -368,3 +368,94 @@ def test_a_worker_whose_collective_failed_shuts_its_ring_so_peers_blocked_on_it_
     finally:
         for s in (ours, blocked_peer, server, *later):
             s.close()
+
+
+def test_in_the_state_sync_a_known_failure_aborts_but_a_removal_notice_alone_does_not():
+    """The sync after a rendezvous is guarded like a step, except that a drain's notice never aborts it (a sync has
+    no typical length; the drained worker still completes it)."""
+    sync = dict(typical=0.1, progress=100.0)
+    assert should_abort(
+        now=101.0, step_started=100.0, typical_step=0.1, failure_ts=100.2, policy=P, syncing=True, progress_since=100.0
+    )
+    assert should_abort(
+        now=101.0,
+        step_started=100.0,
+        typical_step=0.1,
+        failure_ts=None,
+        policy=P,
+        syncing=True,
+        peer_closed=lambda: True,
+    )
+    assert decide(130.0, 100.0, removed=True, **sync) is not None  # in a step
+    assert (
+        should_abort(
+            now=130.0, step_started=100.0, typical_step=0.1, failure_ts=None, policy=P, host_removed=True, syncing=True
+        )
+        is None
+    )
+
+
+class _SyncingState:
+    """A Horovod ``State`` stand-in whose sync runs the given function (the watchdog arms on it as on a real one)."""
+
+    def __init__(self, sync) -> None:
+        self._host_messages: queue.Queue = queue.Queue()
+        self._sync = sync
+
+    def sync(self) -> None:
+        self._sync()
+
+
+def test_a_worker_whose_state_sync_fails_shuts_the_new_rings_connections_so_peers_blocked_on_it_fail_now(tmp_path):
+    """A peer dies in the sync after a rendezvous; the survivor whose broadcast failed must shut the connections of
+    the ring formed by that rendezvous, or a peer blocked in a receive from it waits out the Gloo timeout."""
+    from elastictrain.engine.watch import arm_watchdog
+
+    server, ours, blocked_peer = _pair()  # a connection of the ring just formed (hvd.init connects every pair)
+
+    def sync() -> None:
+        raise RuntimeError("Connection reset by peer")  # the sync's broadcast fails here
+
+    state = _SyncingState(sync)
+    dog = arm_watchdog(state, FailureMarker(tmp_path / "marker"), host=lambda: "me")
+    try:
+        with pytest.raises(RuntimeError):
+            state.sync()
+        blocked_peer.settimeout(5)
+        state.on_failure()  # what restore() does first
+        assert blocked_peer.recv(10) == b"", "the peer's receive did not end"
+        assert dog._step_started is None
+    finally:
+        dog.stop()
+        for s in (ours, blocked_peer, server):
+            s.close()
+
+
+def test_a_worker_blocked_in_the_state_sync_aborts_when_a_peer_records_a_failure(tmp_path):
+    """The survivor waits in the sync's broadcast on a live peer that failed (and keeps its sockets open): the
+    watchdog aborts the sync as it would a stuck step, well before any Gloo timeout."""
+    from elastictrain.engine.watch import arm_watchdog
+
+    server, ours, live_peer = _pair()
+    marker = FailureMarker(tmp_path / "marker")
+    got: list[bytes] = []
+
+    def sync() -> None:
+        ours.settimeout(10)
+        marker.record("peer")  # the peer's own broadcast failed
+        got.append(ours.recv(10))  # blocked on that peer, which sends nothing more
+
+    state = _SyncingState(sync)
+    dog = arm_watchdog(state, marker, host=lambda: "me")
+    try:
+        t0 = time.monotonic()
+        state.sync()
+        assert got == [b""] and time.monotonic() - t0 < 5, "the blocked sync was not aborted"
+        deadline = time.monotonic() + 2
+        while dog.aborts == 0 and time.monotonic() < deadline:  # counted just after the shutdown that woke us
+            time.sleep(0.01)
+        assert dog.aborts == 1 and dog._step_started is None
+    finally:
+        dog.stop()
+        for s in (ours, live_peer, server):
+            s.close()
