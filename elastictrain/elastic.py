@@ -15,7 +15,16 @@ from elastictrain.engine.collective import Collective, HorovodCollective
 from elastictrain.engine.trainer import Trainer, run_trainer
 from elastictrain.engine.watch import arm_watchdog
 from elastictrain.eviction import EtcdEvictor
-from elastictrain.hang import HEARTBEATS, RENDEZVOUS, HangDetector, Heartbeats, HungVerdict, announce
+from elastictrain.hang import (
+    HEARTBEATS,
+    RENDEZVOUS,
+    HangDetector,
+    Heartbeats,
+    HungVerdict,
+    announce,
+    first_step_bound,
+    gloo_timeout_seconds,
+)
 from elastictrain.watchdog import FailureMarker
 
 
@@ -54,6 +63,7 @@ def compose(cfg: JobConfig, collective: Collective) -> Trainer:
             slot=lambda: trainer.ctx.local_rank,
             configured_seconds=cfg.elastic.hang_seconds,
             evict=evict if evictor is not None else None,
+            first_step_seconds=first_step_bound(gloo_timeout_seconds()),
         ),
     )
     signal.signal(signal.SIGTERM, trainer.on_sigterm)

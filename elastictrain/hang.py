@@ -35,7 +35,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -56,10 +56,29 @@ PHASES = (LOCAL, WAITING, IDLE, *RESET_PHASES)
 MIN_HANG_SECONDS = 10.0
 HANG_STEPS = 10.0
 FIRST_STEP_SECONDS = 60.0
+"""How long a peer may be silent in a ring's first step before it is hung (one-off work of a first step may hold the
+GIL), unless the Gloo timeout is shorter: :func:`first_step_bound`."""
+GLOO_SHARE = 0.5
 BEAT_SECONDS = 1.0
 MAX_BEAT_BYTES = 4096
 HEARTBEATS = Path(".elastic") / "heartbeats"
 """The heartbeat folder, relative to the run_dir."""
+
+
+def gloo_timeout_seconds(environ: Mapping[str, str] | None = None) -> float | None:
+    """``HOROVOD_GLOO_TIMEOUT_SECONDS`` as horovodrun gives it to its workers (None when unset or not a number > 0)."""
+    raw = (os.environ if environ is None else environ).get("HOROVOD_GLOO_TIMEOUT_SECONDS", "")
+    return float(raw) if raw.isdigit() and int(raw) > 0 else None
+
+
+def first_step_bound(gloo_timeout: float | None) -> float:
+    """The silence that makes a peer hung in a ring's first step: :data:`FIRST_STEP_SECONDS`, at most
+    :data:`GLOO_SHARE` of the Gloo timeout. Past the Gloo timeout the survivors' collectives fail and they go into the
+    next rendezvous, which waits for a stopped peer for good (the driver sees it alive, and no one judges heartbeats
+    in a rendezvous), so the verdict must come first."""
+    if gloo_timeout is None:
+        return FIRST_STEP_SECONDS
+    return min(FIRST_STEP_SECONDS, GLOO_SHARE * gloo_timeout)
 
 
 def hang_bound(configured: float | None, typical_step: float) -> float:
@@ -221,6 +240,8 @@ class HangDetector:
     configured_seconds: float | None = None
     evict: Callable[[str], str] | None = None
     """Evicts a host of another machine (returns what it did, one line); None: no etcd to do it through."""
+    first_step_seconds: float = FIRST_STEP_SECONDS
+    """A peer's silence that makes it hung in a ring's first step (:func:`first_step_bound`)."""
     members: tuple[Member, ...] = ()
     me: int = 0
     phase: str = IDLE
@@ -294,6 +315,7 @@ class HangDetector:
                 beats=self.heartbeats.read(self.members),
                 hang_seconds=bound,
                 ring_steps=self.steps,
+                first_step_seconds=self.first_step_seconds,
             )
             if h.member.pid not in self.cured
         ]

@@ -21,6 +21,7 @@ from discovery.fileio import write_atomic
 from elastictrain.checkpoint import Checkpointer, LocalStorage
 from elastictrain.config import JobConfig
 from elastictrain.events import EventSink, NullEventLog, TrackingClosed, open_event_log
+from elastictrain.hang import gloo_timeout_seconds
 from elastictrain.ledger import SampleLedger
 from elastictrain.logconf import get_logger
 from elastictrain.progress import NullProgress, Progress, make_progress
@@ -104,9 +105,9 @@ class Rank0Services:
         self.tracker.log_artifact(config_file)
         self.tracker.set_tags({"elastictrain.job": cfg.job, **self.versions})
         wait = cfg.tracking.open_wait_seconds
-        gloo_timeout = os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", "")
-        if gloo_timeout.isdigit() and int(gloo_timeout) > 0:  # the other ranks wait in a collective meanwhile
-            wait = min(wait, int(gloo_timeout) / 2)
+        gloo_timeout = gloo_timeout_seconds()
+        if gloo_timeout is not None:  # the other ranks wait in a collective meanwhile
+            wait = min(wait, gloo_timeout / 2)
         if cfg.tracking.mlflow and wait > 0 and wait_for_tracking:
             t0 = time.perf_counter()
             run_id = self.tracker.wait_started(wait)

@@ -28,7 +28,9 @@ from elastictrain.hang import (
     HungVerdict,
     Member,
     announce,
+    first_step_bound,
     gathered_members,
+    gloo_timeout_seconds,
     hang_bound,
     hung_peers,
     kill_if_same,
@@ -209,3 +211,34 @@ def test_a_resets_phase_holds_until_the_rings_first_step_not_overwritten_by_idle
     assert det.phase == LOCAL and _read(hb).phase == LOCAL
     det.step_done()
     assert det.phase == IDLE, "after a step, idle as before"
+
+
+def test_the_first_steps_bound_is_sixty_seconds_and_at_most_half_the_gloo_timeout() -> None:
+    assert first_step_bound(None) == 60.0
+    assert first_step_bound(15.0) == 7.5  # the chaos runs' timeout: the verdict comes before the collectives fail
+    assert first_step_bound(60.0) == 30.0  # launch's default
+    assert first_step_bound(600.0) == 60.0
+
+
+def test_the_gloo_timeout_is_horovodruns_variable_when_it_is_a_positive_number() -> None:
+    assert gloo_timeout_seconds({"HOROVOD_GLOO_TIMEOUT_SECONDS": "15"}) == 15.0
+    for raw in ("", "0", "-3", "1.5", "soon"):
+        assert gloo_timeout_seconds({"HOROVOD_GLOO_TIMEOUT_SECONDS": raw}) is None
+    assert gloo_timeout_seconds({}) is None
+
+
+@pytest.mark.parametrize(("first_step_seconds", "hung"), [(first_step_bound(15.0), True), (60.0, False)])
+def test_a_peer_stopped_in_a_rings_first_step_is_hung_before_a_15s_gloo_timeout(
+    tmp_path: Path, first_step_seconds: float, hung: bool
+) -> None:
+    """The campaign's hang: rank 0 SIGSTOPped a second after a reset. With the first step's 60 s, the survivors'
+    15-s Gloo timeout came first and the next rendezvous waited for the stopped worker for good."""
+    detector, hb = _detector(tmp_path)
+    detector.first_step_seconds = first_step_seconds
+    gone_pid = 2**22 + 12345  # above pid_max's default: no process to kill
+    detector.set_ring(0, [Member(0, "a", 0, 0), Member(1, "b", 0, gone_pid)])
+    detector.set_phase(WAITING)
+    now = time.time()
+    hb.write(beat("b", gone_pid, ts=now - 11, steps=0))
+    found = detector.tick(now, waited=11.0, typical_step=0.05)
+    assert [h.member.rank for h in found] == ([1] if hung else [])
