@@ -1,8 +1,12 @@
-"""A worker killed while a reset's rendezvous waits for it: the survivors go on in seconds, not at the Gloo timeout.
+"""A worker killed while a reset forms (its rendezvous, its state sync): the survivors go on in seconds, not at the
+Gloo timeout.
 
 Real horovodrun (:mod:`elastictrain.launcher.hvdrun`), real workers, Horovod as built by ``scripts/setup.sh``
-(``scripts/patch_horovod.py``). The driver writes an abort marker into its rendezvous store when a worker of the
-current round exits; the survivors' Gloo set-up (``hvd.init``) sees it and asks for the next ring at once.
+(``scripts/patch_horovod.py``). In a rendezvous: the driver writes an abort marker into its rendezvous store when a
+worker of the current round exits; the survivors' Gloo set-up (``hvd.init``) sees it and asks for the next ring at
+once. In the sync: the collective watchdog guards it like a step (:func:`elastictrain.engine.watch.guard_sync`), so a
+survivor whose sync failed shuts the new ring's connections down and one blocked on a live peer aborts on the
+recorded failure, instead of waiting in a Gloo receive for ``HOROVOD_GLOO_TIMEOUT_SECONDS``.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from elastictrain._testing.jobs import ElasticJob
 from elastictrain._testing.procs import HarnessError, wait_until
 from elastictrain.bench import kill_distribution as kd
 from elastictrain.events import Reset
-from elastictrain.hang import HEARTBEATS, RENDEZVOUS, Beat
+from elastictrain.hang import HEARTBEATS, RENDEZVOUS, SYNC, Beat
 from elastictrain.launcher.hosts import local_logical_hosts
 from tests.fixtures.elastic_job import job_config
 
@@ -62,18 +66,42 @@ def test_a_new_worker_killed_before_it_joins_the_rendezvous_does_not_hold_the_su
     newcomer = _new_worker_on(job, HOSTS[2])
     t_kill = time.time()
     newcomer.send_signal(signal.SIGKILL)
-    reset = job.wait_event(
-        Reset, lambda e: e.ts >= t_kill, timeout=4 * GLOO_TIMEOUT_SECONDS, what="a completed step after the kill"
+    _assert_recovers(job, t_kill, "before it joined", timeout=4 * GLOO_TIMEOUT_SECONDS)
+
+
+def _first_in(phase: str, beats_dir: Path, since: float, spare: set[int]) -> Beat | None:
+    beats = read_beats(beats_dir).values()
+    return next((b for b in beats if b.phase == phase and b.since >= since and b.pid not in spare), None)
+
+
+def _primed_reset(jobs: list[ElasticJob], tmp_path: Path) -> tuple[ElasticJob, float, set[int]]:
+    """A 4-worker job, whole; then one worker (not rank 0) SIGKILLed, so that a reset begins. Returns the job, the
+    kill's time and the pids a second kill must spare (the dead one and rank 0)."""
+    job = ElasticJob(
+        tmp_path / "job",
+        kd.job_config(tmp_path / "run"),
+        HOSTS[:4],
+        min_np=2,
+        max_np=4,
+        gloo_timeout=GLOO_TIMEOUT_SECONDS,
+        cooldown=(1, 2),
     )
+    jobs.append(job.start())
+    kd.wait_full(job)
+    rank0 = kd.current_rank0(job)
+    primer = next(p for p in job.workers() if p.pid != rank0.pid)
+    t_primer = time.time()
+    primer.send_signal(signal.SIGKILL)
+    return job, t_primer, {primer.pid, rank0.pid}
+
+
+def _assert_recovers(job: ElasticJob, t_kill: float, where: str, timeout: float) -> None:
+    """The job's next completed step comes well inside the Gloo timeout after the kill."""
+    reset = job.wait_event(Reset, lambda e: e.ts >= t_kill, timeout=timeout, what="a completed step after the kill")
     seconds = reset.ts - t_kill
     assert seconds < RECOVERY_BOUND_SECONDS, (
-        f"{seconds:.1f} s from the kill to the next step (Gloo timeout {GLOO_TIMEOUT_SECONDS} s):\n{job.tail()}"
+        f"{seconds:.1f} s from the kill {where} to the next step (Gloo timeout {GLOO_TIMEOUT_SECONDS} s):\n{job.tail()}"
     )
-
-
-def _first_in_rendezvous(beats_dir: Path, since: float, spare: set[int]) -> Beat | None:
-    beats = read_beats(beats_dir).values()
-    return next((b for b in beats if b.phase == RENDEZVOUS and b.since >= since and b.pid not in spare), None)
 
 
 def _listening_ports(process: psutil.Process) -> set[int]:
@@ -93,23 +121,9 @@ def test_a_survivor_killed_in_the_gloo_set_up_of_the_next_ring_does_not_hold_the
     so the other two wait for its address or for its connection; Gloo gives the latter five times the Gloo timeout).
     This is the campaign's kill "during a reset's rendezvous"; the last two must go on well inside the Gloo timeout.
     """
-    job = ElasticJob(
-        tmp_path / "job",
-        kd.job_config(tmp_path / "run"),
-        HOSTS[:4],
-        min_np=2,
-        max_np=4,
-        gloo_timeout=GLOO_TIMEOUT_SECONDS,
-        cooldown=(1, 2),
-    )
-    jobs.append(job.start())
-    kd.wait_full(job)
-    rank0 = kd.current_rank0(job)
-    primer = next(p for p in job.workers() if p.pid != rank0.pid)
-    t_primer = time.time()
-    primer.send_signal(signal.SIGKILL)
+    job, t_primer, spare = _primed_reset(jobs, tmp_path)
     beat = wait_until(
-        lambda: _first_in_rendezvous(job.run_dir / HEARTBEATS, t_primer, {primer.pid, rank0.pid}),
+        lambda: _first_in(RENDEZVOUS, job.run_dir / HEARTBEATS, t_primer, spare),
         60,
         interval=0.005,
         what="a survivor in the reset's rendezvous",
@@ -120,11 +134,25 @@ def test_a_survivor_killed_in_the_gloo_set_up_of_the_next_ring_does_not_hold_the
     wait_until(lambda: _listening_ports(victim) - before, 60, interval=0.002, what="the victim's Gloo pairs")
     t_kill = time.time()
     victim.send_signal(signal.SIGKILL)
-    reset = job.wait_event(
-        Reset, lambda e: e.ts >= t_kill, timeout=6 * GLOO_TIMEOUT_SECONDS, what="a completed step after the kill"
+    _assert_recovers(job, t_kill, "in the Gloo set-up", timeout=6 * GLOO_TIMEOUT_SECONDS)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(len(HOSTS) < 4, reason=f"needs 4 logical local hosts, found {HOSTS}")
+def test_a_survivor_killed_in_the_state_sync_after_a_reset_does_not_hold_the_others_for_the_gloo_timeout(
+    jobs, tmp_path
+):
+    """4 workers; one is SIGKILLed (a reset begins), then a second survivor (not rank 0) the moment its heartbeat
+    says it is in the sync of the ring that reset formed (the campaign's kill "during a reset's sync"). The last two
+    must reach a completed step well inside the Gloo timeout."""
+    job, t_primer, spare = _primed_reset(jobs, tmp_path)
+    beat = wait_until(
+        lambda: _first_in(SYNC, job.run_dir / HEARTBEATS, t_primer, spare),
+        60,
+        interval=0.002,
+        what="a survivor in the reset's sync",
     )
-    seconds = reset.ts - t_kill
-    assert seconds < RECOVERY_BOUND_SECONDS, (
-        f"{seconds:.1f} s from the kill in the Gloo set-up to the next step (Gloo timeout {GLOO_TIMEOUT_SECONDS} s):"
-        f"\n{job.tail()}"
-    )
+    assert beat is not None  # wait_until returns only a truthy value
+    t_kill = time.time()
+    psutil.Process(beat.pid).send_signal(signal.SIGKILL)
+    _assert_recovers(job, t_kill, "in the sync", timeout=4 * GLOO_TIMEOUT_SECONDS)
