@@ -75,7 +75,9 @@ PAUSE_PARTS = tuple(field.removesuffix("_seconds") for field in RESET_PARTS)
 - ``detect``: from the failure (the failed step's start) or the host notice to this worker leaving the step;
 - ``rendezvous``: Horovod's reset (``hvd.shutdown`` and ``hvd.init``: the driver's new assignment, the
   rendezvous and the Gloo contexts);
-- ``sync``: the state sync from the most advanced rank (0 when Horovod skips it: hosts removed only);
+- ``sync``: the state sync from the most advanced rank, from Horovod's reset on (the watchdog takes the new
+  ring's connections just before the sync's first mark: :func:`elastictrain.engine.watch.guard_sync`); 0 when
+  Horovod skips it (hosts removed only);
 - ``prologue``: the training function's start (reset plan, rank-0 services, LR, the ring's host list);
 - ``first_step``: the first step at the new size.
 """
@@ -101,7 +103,7 @@ def pause_parts(failure_ts: float, marks: dict[str, float], now: float) -> dict[
     return {
         "detect": span(failure_ts, caught),
         "rendezvous": span(caught, reset),
-        "sync": span(sync_start, sync_end) if synced else (0.0 if reset is not None else None),
+        "sync": span(reset, sync_end) if synced else (0.0 if reset is not None else None),
         "prologue": span(sync_end if synced else reset, prologue_end),
         "first_step": span(prologue_end, now),
     }

@@ -200,6 +200,16 @@ def test_pause_parts_split_the_recovery_at_the_marks_and_leave_unseen_parts_out(
     assert joined["detect"] is None and joined["rendezvous"] is None and joined["first_step"] == 1.0
 
 
+def test_pause_parts_add_up_to_the_pause_when_the_sync_is_guarded_before_its_first_mark():
+    """The watchdog takes the new ring's connections between Horovod's reset and the sync's first mark
+    (:func:`elastictrain.engine.watch.guard_sync`): that time is the sync's, not nobody's (the 8-worker test once
+    found parts 0.06 s short of ``recovery_seconds``)."""
+    marks = {"caught": 11.0, "reset": 14.5, "sync_start": 14.6, "sync_end": 15.0, "prologue_end": 15.25}
+    parts = pause_parts(10.0, marks, 16.0)
+    assert parts["sync"] == 0.5
+    assert sum(parts.values()) == 6.0
+
+
 # ------------------------------------------------------------------------------------- the reset plan (pure)
 ELASTIC = small_job(Path("/nonexistent"), elastic={"lr_ramp_steps": 10}).elastic
 
