@@ -5,10 +5,11 @@ holds every other worker in the next collective, and nothing in Horovod or Gloo 
 the kernel keeps its TCP connections open and even acknowledges them while the process is stopped. So:
 
 * **Heartbeats.** Each worker's watchdog thread writes a tiny file about once a second,
-  ``run_dir/.elastic/heartbeats/<host>-<slot>.json``: its pid, machine (boot id), the time, and where its step
-  stands: ``local`` (taking its batch, computing: work only it can finish), ``waiting`` (its gradients are ready;
-  from here it waits on the others), or ``idle`` (between steps, validation, a reset). A stopped process, or a
-  machine that hangs, writes none; a live process stuck in its own work keeps writing ``local`` with an old start.
+  ``run_dir/.elastic/heartbeats/<host>-<slot>.json``: its pid, machine (boot id and PID namespace), the time, and
+  where its step stands: ``local`` (taking its batch, computing: work only it can finish), ``waiting`` (its
+  gradients are ready; from here it waits on the others), or ``idle`` (between steps, validation, a reset). A
+  stopped process, or a machine that hangs, writes none; a live process stuck in its own work keeps writing
+  ``local`` with an old start.
   A (re)start has phases of its own, each written at once when it begins (not on the next beat), so that an
   operator or the chaos campaign (:mod:`chaos.campaign`, which aims faults by them) sees where a reset stands:
   ``startup`` (the process runs, ``hvd.init`` not called yet), ``rendezvous`` (a failure or host notice was caught,
@@ -21,6 +22,10 @@ the kernel keeps its TCP connections open and even acknowledges them while the p
   step in its ring (and so has every member: a step is synchronous), the bound is at least ``first_step_seconds``
   (imports, loader start-up of a worker that just joined). A member with no heartbeat here (the
   run_dir is not shared with its machine) is never judged.
+* **A dead member** that ran on this machine needs no bound (:func:`gone_peers`): its pid is gone. The collective
+  watchdog asks :meth:`HangDetector.gone` once a step is overdue and aborts the ring's connections then, since Gloo
+  does not always notice (a survivor whose operation waits on a live peer that waits on it sees nothing until the
+  Gloo timeout).
 * **The cure**, by every survivor that reaches the verdict (all idempotent): record it
   (``run_dir/.elastic/hung-verdict``: the ``failure`` event's reason becomes ``worker_hung``), then SIGKILL the
   hung process when it runs on this machine (checked by boot id, pid and start time) -- from there the job
@@ -174,11 +179,47 @@ def hung_peers(
     return out
 
 
-def boot_id() -> str:
+def gone_peers(
+    *,
+    me: int,
+    members: Sequence[Member],
+    beats: dict[tuple[str, int], Beat],
+    boot: str,
+    alive: Callable[[int, float], bool],
+) -> list[str]:
+    """The members of this ring (other than rank ``me``) whose process ran on this machine (their heartbeat's boot
+    id is ``boot``) and is gone now (``alive(pid, created)`` is false): why, one line each. Unlike a hang, a death
+    needs no bound: the process is not there. (Its Gloo connections do not always say so: a survivor whose
+    operation waits on a live peer, itself waiting on it, sees nothing until the Gloo timeout.)"""
+    out = []
+    for m in members:
+        b = beats.get((m.host, m.slot))
+        if m.rank == me or b is None or b.pid != m.pid or not boot or b.boot_id != boot:
+            continue
+        if not alive(b.pid, b.created):
+            out.append(f"host {m.host} rank {m.rank} (pid {m.pid}) on this machine is gone")
+    return out
+
+
+def process_alive(pid: int, created: float) -> bool:
+    """Whether ``pid`` is the live (not zombie) process that started at ``created``."""
     try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        p = psutil.Process(pid)
+        return abs(p.create_time() - created) < 1.0 and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def boot_id() -> str:
+    """Where a pid means the same process: the kernel's boot id and this process's PID namespace
+    (``<boot id>/pidns:<inode>``; containers on one machine share the boot id, not the namespace). Empty when
+    unknown: then no pid of another worker is ever acted on."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return ""
+    return f"{boot}/pidns:{namespace}" if boot else ""
 
 
 class Heartbeats:
@@ -323,6 +364,17 @@ class HangDetector:
             self.cured = (*self.cured, h.member.pid)
             self.cure(h)
         return found
+
+    def gone(self) -> str | None:
+        """Why a member of this ring that ran on this machine is gone (see :func:`gone_peers`), or None."""
+        found = gone_peers(
+            me=self.me,
+            members=self.members,
+            beats=self.heartbeats.read(self.members),
+            boot=self.identity()[0],
+            alive=process_alive,
+        )
+        return found[0] if found else None
 
     def cure(self, h: Hung) -> None:
         """Record the verdict, then SIGKILL the hung process here, or evict its host when it runs elsewhere."""

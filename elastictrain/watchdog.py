@@ -77,6 +77,7 @@ def should_abort(
     policy: WatchdogPolicy,
     host_removed: bool = False,
     peer_closed: Callable[[], bool] = lambda: False,
+    peer_gone: Callable[[], str | None] = lambda: None,
     progress_since: float | None = None,
     syncing: bool = False,
 ) -> str | None:
@@ -88,7 +89,11 @@ def should_abort(
     may fail while this worker is still computing and only then enter the broken collective, so the
     start of the step is too late a cut-off. ``host_removed``: a pending host-change notice says a host was
     removed (a notice that only adds hosts is no input at all). ``peer_closed`` (asked only once the step is
-    overdue): a Gloo connection of this ring was closed by its peer, i.e. a worker process is gone.
+    overdue): a Gloo connection of this ring was closed by its peer, i.e. a worker process is gone. ``peer_gone``
+    (asked only once a step, not the sync, is overdue): why a member of this ring is known gone (its process on this
+    machine no longer runs), else None; Gloo does not always say so (see :func:`elastictrain.hang.gone_peers`). The
+    sync is never judged by it: the ring's members are gathered in the sync, and until then they are the last ring's,
+    whose dead member caused this reset.
     ``syncing``: ``step_started`` is the start of the state sync, not of a step. A recorded failure or a closed
     ring connection aborts it as it would a step; a removal notice alone never does (a sync has no typical
     length, and the worker of a gracefully drained host still completes it).
@@ -103,6 +108,8 @@ def should_abort(
         return None
     if overdue and peer_closed():
         return f"a peer closed its connection of this ring and this step has waited {waited:.1f}s"
+    if overdue and not syncing and (gone := peer_gone()) is not None:
+        return f"{gone} and this step has waited {waited:.1f}s"
     if host_removed and not syncing and waited >= max(policy.removed_min_seconds, policy.removed_factor * typical_step):
         return f"a host was removed and this step has waited {waited:.1f}s"
     return None
@@ -407,6 +414,7 @@ class CollectiveWatchdog:
             policy=self.policy,
             host_removed=removed,
             peer_closed=lambda: bool(ring) and closed_by_peer(ring),
+            peer_gone=self.hang.gone if self.hang is not None else lambda: None,
             progress_since=progress,
             syncing=syncing,
         )

@@ -28,12 +28,15 @@ from elastictrain.hang import (
     HungVerdict,
     Member,
     announce,
+    boot_id,
     first_step_bound,
     gathered_members,
     gloo_timeout_seconds,
+    gone_peers,
     hang_bound,
     hung_peers,
     kill_if_same,
+    process_alive,
 )
 
 NOW = 1000.0
@@ -242,3 +245,43 @@ def test_a_peer_stopped_in_a_rings_first_step_is_hung_before_a_15s_gloo_timeout(
     hb.write(beat("b", gone_pid, ts=now - 11, steps=0))
     found = detector.tick(now, waited=11.0, typical_step=0.05)
     assert [h.member.rank for h in found] == ([1] if hung else [])
+
+
+def test_a_member_whose_process_on_this_machine_is_gone_is_named_at_once() -> None:
+    """No bound: a dead pid is dead (the 60-s stalls: two survivors each waiting on the other, both rings' other
+    members killed, and Gloo telling neither)."""
+    beats = {("b", 0): beat("b", 11), ("c", 0): beat("c", 12)}
+
+    def gone(alive_pids: set[int], *, me: int = 0, boot: str = "boot") -> list[str]:
+        return gone_peers(me=me, members=MEMBERS, beats=beats, boot=boot, alive=lambda pid, created: pid in alive_pids)
+
+    assert gone({10, 11, 12}) == []
+    assert gone({10, 12}) == ["host b rank 1 (pid 11) on this machine is gone"]
+    assert gone(set(), me=1) == ["host c rank 2 (pid 12) on this machine is gone"], "never the judge itself"
+    assert gone(set(), boot="another machine or PID namespace") == [], "a pid means nothing elsewhere"
+    assert gone(set(), boot="") == [], "an unknown machine identity acts on no pid"
+    assert (
+        gone_peers(me=0, members=MEMBERS, beats={("b", 0): beat("b", 99)}, boot="boot", alive=lambda *_: False) == []
+    ), "an older process of that slot"
+
+
+def test_a_process_is_alive_only_as_itself_and_not_as_a_zombie() -> None:
+    me = psutil.Process()
+    assert process_alive(me.pid, me.create_time())
+    assert not process_alive(me.pid, me.create_time() - 100), "a reused pid"
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        created = psutil.Process(child.pid).create_time()
+        deadline = time.monotonic() + 30
+        while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not process_alive(child.pid, created), "exited, not yet reaped"
+    finally:
+        child.wait()
+    assert not process_alive(child.pid, created)
+
+
+def test_the_machine_identity_names_the_pid_namespace() -> None:
+    ident = boot_id()
+    assert ident.endswith(f"/pidns:{Path('/proc/self/ns/pid').stat().st_ino}")
+    assert ident.split("/pidns:")[0] == Path("/proc/sys/kernel/random/boot_id").read_text().strip()

@@ -28,7 +28,7 @@ from elastictrain.watchdog import (
 P = WatchdogPolicy()
 
 
-def decide(now, started, typical=0.1, failure=None, removed=False, peer_closed=lambda: False, progress=None):
+def decide(now, started, typical=0.1, failure=None, removed=False, peer_closed=lambda: False, progress=None, gone=None):
     return should_abort(
         now=now,
         step_started=started,
@@ -37,8 +37,21 @@ def decide(now, started, typical=0.1, failure=None, removed=False, peer_closed=l
         policy=P,
         host_removed=removed,
         peer_closed=peer_closed,
+        peer_gone=lambda: gone,
         progress_since=progress,
     )
+
+
+def test_a_member_known_gone_aborts_an_overdue_step_with_no_failure_recorded():
+    why = "host b rank 1 (pid 11) on this machine is gone"
+    assert decide(100.3, 100.0, gone=why) is None, "a young step"
+    reason = decide(103.0, 100.0, gone=why)
+    assert reason is not None and reason.startswith(why)
+    assert decide(103.0, 100.0) is None
+    syncing = should_abort(
+        now=103.0, step_started=100.0, typical_step=0.1, failure_ts=None, policy=P, peer_gone=lambda: why, syncing=True
+    )
+    assert syncing is None, "the sync's ring is not known yet: the last ring's dead member caused this very reset"
 
 
 def test_no_abort_between_steps_or_for_a_healthy_step():
@@ -458,4 +471,32 @@ def test_a_worker_blocked_in_the_state_sync_aborts_when_a_peer_records_a_failure
     finally:
         dog.stop()
         for s in (ours, live_peer, server):
+            s.close()
+
+
+def test_a_ring_member_gone_from_this_machine_aborts_an_overdue_step_that_no_failure_marks(tmp_path):
+    """Two survivors each waiting on the other while Gloo tells neither that the ring's other members died: the
+    watchdog of either sees the dead member's pid gone and shuts the ring's connections down."""
+    import psutil
+
+    from elastictrain.hang import Beat, HangDetector, Heartbeats, HungVerdict, Member, boot_id
+    from tests.fixtures.procs import dead_pid
+
+    heartbeats = Heartbeats(tmp_path / "heartbeats")
+    hang = HangDetector(heartbeats, HungVerdict(tmp_path / "verdict"), host=lambda: "a", slot=lambda: 0)
+    gone = dead_pid()
+    me = psutil.Process()
+    hang.set_ring(0, [Member(0, "a", 0, me.pid), Member(1, "b", 0, gone)])
+    heartbeats.write(Beat(gone, "b", 0, boot_id(), me.create_time(), time.time(), "waiting", time.time(), 3))
+    marker = FailureMarker(tmp_path / "marker")
+    dog = CollectiveWatchdog(marker, host_removed=lambda: False, excluded_ports=lambda: (set(), set()), hang=hang)
+    server, client, peer = _pair()
+    try:
+        dog.snapshot_ring()
+        dog._step_started = time.time() - 10.0  # overdue; nothing recorded a failure
+        dog._check()
+        assert dog.aborts == 1
+        assert peer.recv(1) == b"", "the ring's connection was shut down"
+    finally:
+        for s in (server, client, peer):
             s.close()
