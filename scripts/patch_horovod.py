@@ -40,6 +40,19 @@ finalized (an enqueue then fails with Horovod's shut-down error, ``HorovodIntern
 lock) and opens it again when ``hvd.init`` starts the next background thread.
 ``tests/integration/test_allreduce_shutdown_race.py`` checks it.
 
+**A message that a Gloo pair cannot place fails that pair, not the process.** When workers die in the middle of a
+collective, a survivor may receive a message from another survivor that is a step ahead or behind: no buffer is
+posted for its slot, or the one posted is smaller (``op.preamble.length <= op.nbytes. 776 vs 8``). Gloo's TCP pair
+checks this with ``GLOO_ENFORCE`` on the device thread, where nothing catches it: ``std::terminate``, exit 134, one
+more worker lost to a fault that hit others (horovod/horovod#3264; the chaos campaign's collateral aborts). The
+patch catches it around the pair's reads on the device thread and fails the pair with an I/O error ("Gloo protocol
+error"), as a closed connection does: its pending collectives fail (``HorovodInternalError``), and the worker
+goes through a reset like any survivor. ``tests/integration/test_gloo_protocol_error.py`` checks it.
+The same holds for a message whose receive buffer is gone (its operation ended without it): Gloo waited for the
+buffer to come back, which it never does, so the pair stopped reading for good, the end of stream behind that message
+included, and a survivor waiting on that connection saw nothing until the Gloo timeout (the 60-s recoveries of the
+rank-0-and-another kill test under load).
+
 Each edit is an exact text replacement; a source that does not match exits 1 with the file and the edit named
 (another Horovod version needs the patch checked again). Applying it twice is a no-op.
 """
@@ -249,6 +262,38 @@ PAIR_WAIT_PATCHED = """\
       if (!done) {
         signalAndThrowException(GLOO_ERROR_MSG("Connect timeout ", peer_.str()));"""
 
+PAIR_READ = """  if (events & EPOLLIN) {
+    while (read()) {
+      // Keep going
+    }
+  }
+}
+"""
+PAIR_READ_PATCHED = """  if (events & EPOLLIN) {
+    // elastictrain: a message this pair cannot place (a peer out of step after a failure) fails the pair's
+    // collectives with an I/O error instead of std::terminate on the device thread.
+    try {
+      while (read()) {
+        // Keep going
+      }
+    } catch (const ::gloo::EnforceNotMet& e) {
+      signalException(GLOO_ERROR_MSG("Gloo protocol error ", peer_.str(), ": ", e.what()));
+    }
+  }
+}
+"""
+
+PAIR_GONE = """    buf = NonOwningPtr<UnboundBuffer>(op.ubuf);
+    if (!buf) {
+      return -1;
+    }
+"""
+PAIR_GONE_PATCHED = """    buf = NonOwningPtr<UnboundBuffer>(op.ubuf);
+    // elastictrain: the buffer this message was posted for is gone (its operation ended without it). Waiting for it
+    // (-1) would stop this pair reading for good, its end of stream included: fail the pair instead.
+    GLOO_ENFORCE(buf, "the receive buffer of slot ", op.preamble.slot, " is gone");
+"""
+
 QUEUE_MARK = "elastictrain: a finalized tensor queue"
 
 QUEUE_DECLARE = """  void FinalizeTensorQueue(const Status& status);
@@ -330,6 +375,8 @@ EDITS = (
     ("horovod/common/gloo/gloo_context.cc", CONTEXT_CONNECT, CONTEXT_CONNECT_PATCHED),
     ("third_party/gloo/gloo/transport/tcp/pair.h", PAIR_HOOK, PAIR_HOOK_PATCHED),
     ("third_party/gloo/gloo/transport/tcp/pair.h", PAIR_WAIT, PAIR_WAIT_PATCHED),
+    ("third_party/gloo/gloo/transport/tcp/pair.cc", PAIR_READ, PAIR_READ_PATCHED),
+    ("third_party/gloo/gloo/transport/tcp/pair.cc", PAIR_GONE, PAIR_GONE_PATCHED),
     ("horovod/common/tensor_queue.h", QUEUE_DECLARE, QUEUE_DECLARE_PATCHED),
     ("horovod/common/tensor_queue.h", QUEUE_MEMBER, QUEUE_MEMBER_PATCHED),
     ("horovod/common/tensor_queue.cc", QUEUE_ADD, QUEUE_ADD_PATCHED),
