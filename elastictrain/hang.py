@@ -65,6 +65,7 @@ FIRST_STEP_SECONDS = 60.0
 GIL), unless the Gloo timeout is shorter: :func:`first_step_bound`."""
 GLOO_SHARE = 0.5
 BEAT_SECONDS = 1.0
+GONE_CHECK_SECONDS = 0.5
 MAX_BEAT_BYTES = 4096
 HEARTBEATS = Path(".elastic") / "heartbeats"
 """The heartbeat folder, relative to the run_dir."""
@@ -202,12 +203,16 @@ def gone_peers(
 
 
 def process_alive(pid: int, created: float) -> bool:
-    """Whether ``pid`` is the live (not zombie) process that started at ``created``."""
+    """Whether ``pid`` still runs: False only when it is gone or a zombie. ``created`` is not compared (a start time
+    moves with a wall-clock step, and a wrong "gone" aborts a healthy step; a pid reused within a step is the far
+    rarer miss, and it only leaves the wait to the Gloo timeout). A process this user may not inspect counts as
+    running."""
     try:
-        p = psutil.Process(pid)
-        return abs(p.create_time() - created) < 1.0 and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
+    except psutil.Error:
+        return True
 
 
 def boot_id() -> str:
@@ -217,9 +222,10 @@ def boot_id() -> str:
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
         namespace = os.stat("/proc/self/ns/pid").st_ino
+        own_proc = os.readlink("/proc/self") == str(os.getpid())  # /proc is this namespace's
     except OSError:
         return ""
-    return f"{boot}/pidns:{namespace}" if boot else ""
+    return f"{boot}/pidns:{namespace}" if boot and own_proc else ""
 
 
 class Heartbeats:
@@ -290,12 +296,15 @@ class HangDetector:
     steps: int = 0
     last_beat: float = 0.0
     last_check: float = 0.0
+    last_gone_check: float = 0.0
+    gone_found: str | None = None
     cured: tuple[int, ...] = ()
     _identity: tuple[str, float] | None = None
 
     def set_ring(self, me: int, members: Sequence[Member]) -> None:
         """After each rendezvous: the ring's members, and a heartbeat at once (a hang may follow quickly)."""
         self.me, self.members, self.steps, self.cured = me, tuple(members), 0, ()
+        self.last_gone_check, self.gone_found = 0.0, None
         self.set_phase(IDLE)
         self.beat(time.time())
 
@@ -365,16 +374,21 @@ class HangDetector:
             self.cure(h)
         return found
 
-    def gone(self) -> str | None:
-        """Why a member of this ring that ran on this machine is gone (see :func:`gone_peers`), or None."""
-        found = gone_peers(
-            me=self.me,
-            members=self.members,
-            beats=self.heartbeats.read(self.members),
-            boot=self.identity()[0],
-            alive=process_alive,
-        )
-        return found[0] if found else None
+    def gone(self, now: float | None = None) -> str | None:
+        """Why a member of this ring that ran on this machine is gone (see :func:`gone_peers`), or None; looked up at
+        most every :data:`GONE_CHECK_SECONDS` (the watchdog asks on every poll of an overdue step)."""
+        now = time.time() if now is None else now
+        if now - self.last_gone_check >= GONE_CHECK_SECONDS:
+            self.last_gone_check = now
+            found = gone_peers(
+                me=self.me,
+                members=self.members,
+                beats=self.heartbeats.read(self.members),
+                boot=self.identity()[0],
+                alive=process_alive,
+            )
+            self.gone_found = found[0] if found else None
+        return self.gone_found
 
     def cure(self, h: Hung) -> None:
         """Record the verdict, then SIGKILL the hung process here, or evict its host when it runs elsewhere."""

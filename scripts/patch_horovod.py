@@ -53,6 +53,12 @@ buffer to come back, which it never does, so the pair stopped reading for good, 
 included, and a survivor waiting on that connection saw nothing until the Gloo timeout (the 60-s recoveries of the
 rank-0-and-another kill test under load).
 
+**A failed Gloo pair fails every operation that waits on it.** ``Pair::signalException`` tells the buffers of
+posted recvs and sends and of bound-buffer sends, but not an unbound buffer whose send is queued on the socket
+(``tx_``) or whose incoming message's header was read (``rx_``: it left the pending-recv list then, as in the
+protocol errors above): their ``waitSend``/``waitRecv`` ran out the Gloo timeout although the connection was gone
+(a survivor whose ring's connections were all closed still waited 60 s). The patch tells those too.
+
 Each edit is an exact text replacement; a source that does not match exits 1 with the file and the edit named
 (another Horovod version needs the patch checked again). Applying it twice is a no-op.
 """
@@ -277,7 +283,15 @@ PAIR_READ_PATCHED = """  if (events & EPOLLIN) {
         // Keep going
       }
     } catch (const ::gloo::EnforceNotMet& e) {
-      signalException(GLOO_ERROR_MSG("Gloo protocol error ", peer_.str(), ": ", e.what()));
+      if (ex_ == nullptr) {
+        signalException(GLOO_ERROR_MSG("Gloo protocol error ", peer_.str(), ": ", e.what()));
+      }
+    } catch (const ::gloo::IoException&) {
+      // A write that a read triggered (a send answering the peer's notification) failed: the pair already holds
+      // the error and told its operations (signalException), so nothing is left to do on the device thread.
+      if (ex_ == nullptr) {
+        throw;
+      }
     }
   }
 }
@@ -292,6 +306,34 @@ PAIR_GONE_PATCHED = """    buf = NonOwningPtr<UnboundBuffer>(op.ubuf);
     // elastictrain: the buffer this message was posted for is gone (its operation ended without it). Waiting for it
     // (-1) would stop this pair reading for good, its end of stream included: fail the pair instead.
     GLOO_ENFORCE(buf, "the receive buffer of slot ", op.preamble.slot, " is gone");
+"""
+
+PAIR_SIGNAL = """  // Loop through posted send operations.
+  for (auto& op : tx_) {
+    if (op.buf != nullptr) {
+      op.buf->signalException(ex);
+    }
+  }
+"""
+PAIR_SIGNAL_PATCHED = """  // Loop through posted send operations.
+  for (auto& op : tx_) {
+    if (op.buf != nullptr) {
+      op.buf->signalException(ex);
+    }
+    // elastictrain: and the unbound buffers of posted sends, which would otherwise wait out the Gloo timeout.
+    NonOwningPtr<UnboundBuffer> ubuf(op.ubuf);
+    if (ubuf) {
+      ubuf->signalException(ex);
+    }
+  }
+
+  // elastictrain: the unbound buffer of the message being read (it left localPendingRecv_ when its header came).
+  {
+    NonOwningPtr<UnboundBuffer> ubuf(rx_.ubuf);
+    if (ubuf) {
+      ubuf->signalException(ex);
+    }
+  }
 """
 
 QUEUE_MARK = "elastictrain: a finalized tensor queue"
@@ -377,6 +419,7 @@ EDITS = (
     ("third_party/gloo/gloo/transport/tcp/pair.h", PAIR_WAIT, PAIR_WAIT_PATCHED),
     ("third_party/gloo/gloo/transport/tcp/pair.cc", PAIR_READ, PAIR_READ_PATCHED),
     ("third_party/gloo/gloo/transport/tcp/pair.cc", PAIR_GONE, PAIR_GONE_PATCHED),
+    ("third_party/gloo/gloo/transport/tcp/pair.cc", PAIR_SIGNAL, PAIR_SIGNAL_PATCHED),
     ("horovod/common/tensor_queue.h", QUEUE_DECLARE, QUEUE_DECLARE_PATCHED),
     ("horovod/common/tensor_queue.h", QUEUE_MEMBER, QUEUE_MEMBER_PATCHED),
     ("horovod/common/tensor_queue.cc", QUEUE_ADD, QUEUE_ADD_PATCHED),

@@ -152,10 +152,11 @@ esac
 
 # ---------------------------------------------------------------- Horovod
 # NCCL-shared: wheels built before Horovod was told to link NCCL dynamically have another key.
-# patch-5: scripts/patch_horovod.py (a failed Gloo rendezvous fails hvd.init instead of killing the worker; the
+# patch-7: scripts/patch_horovod.py (a failed Gloo rendezvous fails hvd.init instead of killing the worker; the
 # driver can abort a rendezvous whose worker is gone; an allreduce that races a shutdown is refused, not stranded;
-# a Gloo message a pair cannot place, or whose buffer is gone, fails the pair instead of the process or of waiting).
-KEY="horovod-${HOROVOD_VERSION}_torch-${TORCH_VER}_${PY_TAG}_cuda-${CUDA_VER}_gpuops-${GPU_OPS/NCCL/NCCL-shared}_patch-6"
+# a Gloo message a pair cannot place, or whose buffer is gone, fails the pair instead of the process or of waiting;
+# a failed pair fails every operation that waits on it).
+KEY="horovod-${HOROVOD_VERSION}_torch-${TORCH_VER}_${PY_TAG}_cuda-${CUDA_VER}_gpuops-${GPU_OPS/NCCL/NCCL-shared}_patch-7"
 WHEEL_DIR="$CACHE/wheels/$KEY"
 STAMP="$VENV/.horovod-key"
 if [ "$(cat "$STAMP" 2>/dev/null)" = "$KEY" ] && [ "$(pkg_version horovod)" = "$HOROVOD_VERSION" ]; then

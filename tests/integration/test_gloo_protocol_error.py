@@ -44,7 +44,10 @@ def preamble(slot: int, length: int) -> bytes:
 def write_into(pid: int, fd: int, data: bytes) -> None:
     """Write ``data`` into descriptor ``fd`` of process ``pid`` (a duplicate taken with ``pidfd_getfd``)."""
     libc = ctypes.CDLL(None, use_errno=True)
-    pidfd = os.pidfd_open(pid)
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (AttributeError, OSError) as e:  # Linux before 5.3, or a kernel that refuses it
+        pytest.skip(f"pidfd_open refused: {e}")
     try:
         dup = libc.syscall(SYS_PIDFD_GETFD, pidfd, fd, 0)
         if dup < 0:
@@ -92,6 +95,7 @@ def test_a_message_for_no_posted_buffer_fails_the_collective_not_the_process(tmp
         error = tmp_path / "rank0.error"
         wait_until(lambda: error.exists() or not live(pid0), 60, what="rank 0's collective to fail")
         assert error.exists(), f"rank 0 died instead of failing its collective:\n{log.read_text()[-3000:]}"
+        # Horovod's background loop prints why it failed (the worker's HorovodInternalError says only that it did)
         assert "Gloo protocol error" in log.read_text(), log.read_text()[-3000:]
     finally:
         if stopped is not None:

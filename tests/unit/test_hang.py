@@ -265,10 +265,10 @@ def test_a_member_whose_process_on_this_machine_is_gone_is_named_at_once() -> No
     ), "an older process of that slot"
 
 
-def test_a_process_is_alive_only_as_itself_and_not_as_a_zombie() -> None:
+def test_a_process_is_alive_until_it_is_gone_or_a_zombie() -> None:
     me = psutil.Process()
     assert process_alive(me.pid, me.create_time())
-    assert not process_alive(me.pid, me.create_time() - 100), "a reused pid"
+    assert process_alive(me.pid, me.create_time() - 100), "a start time moved by a wall-clock step is no death"
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     try:
         created = psutil.Process(child.pid).create_time()
@@ -285,3 +285,18 @@ def test_the_machine_identity_names_the_pid_namespace() -> None:
     ident = boot_id()
     assert ident.endswith(f"/pidns:{Path('/proc/self/ns/pid').stat().st_ino}")
     assert ident.split("/pidns:")[0] == Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+
+
+def test_the_gone_lookup_is_made_at_most_twice_a_second(tmp_path: Path) -> None:
+    from tests.fixtures.procs import dead_pid
+
+    hb = Heartbeats(tmp_path / "hb")
+    detector = HangDetector(hb, HungVerdict(tmp_path / "verdict"), host=lambda: "a", slot=lambda: 0)
+    gone = dead_pid()
+    me = psutil.Process()
+    detector.set_ring(0, [Member(0, "a", 0, me.pid), Member(1, "b", 0, gone)])
+    hb.write(Beat(gone, "b", 0, boot_id(), me.create_time(), NOW, WAITING, NOW, 1))
+    assert detector.gone(now=NOW) == f"host b rank 1 (pid {gone}) on this machine is gone"
+    hb.path("b", 0).unlink()
+    assert detector.gone(now=NOW + 0.2) is not None, "within half a second the last answer stands"
+    assert detector.gone(now=NOW + 0.6) is None, "then it is looked up again"

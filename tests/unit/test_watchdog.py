@@ -489,14 +489,42 @@ def test_a_ring_member_gone_from_this_machine_aborts_an_overdue_step_that_no_fai
     hang.set_ring(0, [Member(0, "a", 0, me.pid), Member(1, "b", 0, gone)])
     heartbeats.write(Beat(gone, "b", 0, boot_id(), me.create_time(), time.time(), "waiting", time.time(), 3))
     marker = FailureMarker(tmp_path / "marker")
-    dog = CollectiveWatchdog(marker, host_removed=lambda: False, excluded_ports=lambda: (set(), set()), hang=hang)
     server, client, peer = _pair()
+    mine = {client.getsockname()[1], peer.getsockname()[1]}
+    others = lambda: ({p for p in range(65536) if p not in mine}, set())  # noqa: E731  only this test's pair
+    dog = CollectiveWatchdog(marker, host_removed=lambda: False, excluded_ports=others, hang=hang)
     try:
         dog.snapshot_ring()
+        assert len(dog._ring) == 2, "both ends of the pair are this process's"
         dog._step_started = time.time() - 10.0  # overdue; nothing recorded a failure
-        dog._check()
+        with capture_logs() as logs:
+            dog._check()
         assert dog.aborts == 1
+        [abort] = [e for e in logs if e["event"] == "aborting blocked collectives"]
+        assert abort["reason"].startswith(f"host b rank 1 (pid {gone}) on this machine is gone")
         assert peer.recv(1) == b"", "the ring's connection was shut down"
     finally:
         for s in (server, client, peer):
             s.close()
+
+
+def test_an_overdue_step_whose_ring_members_all_run_is_not_aborted(tmp_path):
+    import psutil
+
+    from elastictrain.hang import Beat, HangDetector, Heartbeats, HungVerdict, Member, boot_id
+
+    heartbeats = Heartbeats(tmp_path / "heartbeats")
+    hang = HangDetector(heartbeats, HungVerdict(tmp_path / "verdict"), host=lambda: "a", slot=lambda: 0)
+    me = psutil.Process()
+    parent = me.parent()
+    assert parent is not None
+    hang.set_ring(0, [Member(0, "a", 0, me.pid), Member(1, "b", 0, parent.pid)])
+    heartbeats.write(Beat(parent.pid, "b", 0, boot_id(), parent.create_time(), time.time(), "waiting", time.time(), 3))
+    every_port = (set(range(65536)), set())  # an empty ring: no connection of this process can be the signal
+    dog = CollectiveWatchdog(
+        FailureMarker(tmp_path / "marker"), host_removed=lambda: False, excluded_ports=lambda: every_port, hang=hang
+    )
+    dog.snapshot_ring()
+    dog._step_started = time.time() - 10.0
+    dog._check()
+    assert dog.aborts == 0
