@@ -2,7 +2,7 @@
 
 When workers die in the middle of a collective (two at once, or rank 0 during the controller's exchange), a survivor
 may receive a message from another survivor that is one step ahead or behind: its size does not match the
-buffer posted (``op.preamble.length <= op.nbytes. 776 vs 8``) or no buffer is posted for it. Gloo 's TCP pair
+buffer posted (``op.preamble.length <= op.nbytes. 776 vs 8``) or no buffer is posted for it. Gloo's TCP pair
 checks this with ``GLOO_ENFORCE`` on its device thread, where nothing catches it: ``std::terminate``, exit 134
 (horovod/horovod#3264), one more worker lost to a fault that hit others, and at ``--min-np`` the whole ring waits
 for hosts to come back. The Horovod patch (``scripts/patch_horovod.py``) turns it into an I/O error of that pair:
