@@ -186,10 +186,10 @@ def gone_peers(
     members: Sequence[Member],
     beats: dict[tuple[str, int], Beat],
     boot: str,
-    alive: Callable[[int, float], bool],
+    alive: Callable[[int], bool],
 ) -> list[str]:
     """The members of this ring (other than rank ``me``) whose process ran on this machine (their heartbeat's boot
-    id is ``boot``) and is gone now (``alive(pid, created)`` is false): why, one line each. Unlike a hang, a death
+    id is ``boot``) and is gone now (``alive(pid)`` is false): why, one line each. Unlike a hang, a death
     needs no bound: the process is not there. (Its Gloo connections do not always say so: a survivor whose
     operation waits on a live peer, itself waiting on it, sees nothing until the Gloo timeout.)"""
     out = []
@@ -197,16 +197,15 @@ def gone_peers(
         b = beats.get((m.host, m.slot))
         if m.rank == me or b is None or b.pid != m.pid or not boot or b.boot_id != boot:
             continue
-        if not alive(b.pid, b.created):
+        if not alive(b.pid):
             out.append(f"host {m.host} rank {m.rank} (pid {m.pid}) on this machine is gone")
     return out
 
 
-def process_alive(pid: int, created: float) -> bool:
-    """Whether ``pid`` still runs: False only when it is gone or a zombie. ``created`` is not compared (a start time
-    moves with a wall-clock step, and a wrong "gone" aborts a healthy step; a pid reused within a step is the far
-    rarer miss, and it only leaves the wait to the Gloo timeout). A process this user may not inspect counts as
-    running."""
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` still runs: False only when it is gone or a zombie. Its start time is not compared (it moves
+    with a wall-clock step, and a wrong "gone" aborts a healthy step; a pid reused within a step is the far rarer
+    miss, and it only leaves the wait to the Gloo timeout). A process this user may not inspect counts as running."""
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
