@@ -90,6 +90,7 @@ CELLS = (
     Cell(COMMIT, SIGKILL, 2.5, rank0_share=0.5),
     Cell(CHECKPOINT, SIGKILL, 2, rank0_share=1.0),
     Cell(AT_RENDEZVOUS, SIGKILL, 3, rank0_share=0.3),
+    Cell(AT_RENDEZVOUS, SIGSTOP, 1, rank0_share=0.2),
     Cell(AT_SYNC, SIGKILL, 3, rank0_share=0.3),
     Cell(FIRST_STEP, SIGKILL, 3, rank0_share=0.3),
     Cell(AT_STARTUP, SIGKILL, 3),
@@ -393,6 +394,16 @@ class Campaign:
         _sigkill(tree(w.proc))
         return record
 
+    def stop(self, w: Worker, **fields: Any) -> dict[str, Any]:
+        """SIGSTOP a worker and its helpers (a hang): never undone; the job's hang detector must end it."""
+        procs = tree(w.proc)
+        pids = [x.pid for x in procs]
+        record = self.run.log.log("hang-worker", job=self.run.job_name, pids=pids, **w.describe(), **fields)
+        for x in procs:
+            with contextlib.suppress(psutil.Error):
+                x.send_signal(signal.SIGSTOP)
+        return record
+
     def kind_of(self, kind: str, w: Worker, r0: Worker | None) -> str:
         return kind + (RANK0 if r0 is not None and w.pid == r0.pid else "")
 
@@ -413,10 +424,7 @@ class Campaign:
                 with contextlib.suppress(psutil.Error):
                     w.proc.send_signal(signal.SIGTERM)
             else:
-                f = log.log("hang-worker", job=job.job, pids=[x.pid for x in tree(w.proc)], **w.describe())
-                for x in tree(w.proc):
-                    with contextlib.suppress(psutil.Error):
-                        x.send_signal(signal.SIGSTOP)
+                f = self.stop(w)
             self.record(p, f, phase=STEP, kind=self.kind_of(p.kind, w, r0), hit=hit)
         elif p.kind == TWO:
             r0, others = self.workers(p.rank0)
@@ -476,8 +484,8 @@ class Campaign:
         return f, w
 
     def _aim_in_reset(self, p: Planned, want: Callable[[Beat], bool]) -> None:
-        """Prime a reset, then SIGKILL a survivor the moment one's heartbeat says ``want`` (the rank-0 worker when
-        the plan says so and it is there)."""
+        """Prime a reset, then SIGKILL (or SIGSTOP, as the plan's kind says) a survivor the moment one's heartbeat
+        says ``want`` (the rank-0 worker when the plan says so and it is there)."""
         r0, _ = self.workers(p.rank0)
         f0, primed = self._prime(p)
         since = float(f0["ts"])
@@ -496,8 +504,8 @@ class Campaign:
         if proc is None:
             raise NotAimed(f"the survivor in {p.phase} (pid {beat.pid}) was gone before the kill")
         w = Worker(proc, None, beat.host)
-        f = self.kill(w, phase_aimed=p.phase)
-        self.record(p, f, phase=p.phase, kind=self.kind_of(SIGKILL, w, r0), hit=self.hit(w.pid, p.phase))
+        f = self.stop(w, phase_aimed=p.phase) if p.kind == SIGSTOP else self.kill(w, phase_aimed=p.phase)
+        self.record(p, f, phase=p.phase, kind=self.kind_of(p.kind, w, r0), hit=self.hit(w.pid, p.phase))
 
     def _poll(self, found: Callable[[], Any], what: str) -> Any:
         try:

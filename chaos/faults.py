@@ -415,9 +415,12 @@ def kill_during_checkpoint(
     """Wait for a checkpoint temp file, then SIGKILL the writer and rank 0 (the worker above it) at once.
 
     Records whether the temp file was still there just after the kill (``mid_write``): the save was
-    interrupted, not merely followed.
+    interrupted, not merely followed. The writer is SIGSTOPped the moment its temp file is seen, before the
+    job's processes are looked up (a scan of every process's environment, tens of ms): a small model's save
+    ends in a few ms, and without the freeze most kills landed after it.
     """
-    for temp, pid, worker, run_dir in _checkpoint_writes(job, "kill-during-checkpoint", timeout, poll_seconds):
+    writes = _checkpoint_writes(job, "kill-during-checkpoint", timeout, poll_seconds, freeze=True)
+    for temp, pid, worker, run_dir in writes:
         writer = None
         with contextlib.suppress(psutil.Error):
             writer = psutil.Process(pid)
@@ -436,19 +439,32 @@ def kill_during_checkpoint(
 
 
 def _checkpoint_writes(
-    job: JobRef, name: str, timeout: float, poll_seconds: float
+    job: JobRef, name: str, timeout: float, poll_seconds: float, *, freeze: bool = False
 ) -> Iterator[tuple[Path, int, Worker, Path]]:
     """Checkpoint writes in flight, as ``(temp file, writer pid, the worker above it, run dir)``, polled every
-    ``poll_seconds``; :class:`JobNotFound` when none was seen within ``timeout``."""
+    ``poll_seconds``; :class:`JobNotFound` when none was seen within ``timeout``.
+
+    With ``freeze``, the writer pid named by the temp file is SIGSTOPped before it is looked up, and SIGCONTed
+    again when it is not a process of the job; a write that is yielded stays frozen for the caller to kill."""
     if job.run_dir is None:
         raise JobNotFound(f"{name} needs --run-dir")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for temp in checkpoint_temp_files(job.run_dir):
             pid = writer_pid(temp)
-            worker = job.worker_of(pid) if pid is not None else None
-            if pid is not None and worker is not None:
+            if pid is None or pid <= 1 or pid == os.getpid():
+                continue
+            frozen = False
+            if freeze:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGSTOP)
+                    frozen = True
+            worker = job.worker_of(pid)
+            if worker is not None:
                 yield temp, pid, worker, job.run_dir
+            elif frozen:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGCONT)
         time.sleep(poll_seconds)
     raise JobNotFound(f"no checkpoint write of job {job.job!r} seen within {timeout:g}s")
 

@@ -15,13 +15,22 @@ the kernel keeps its TCP connections open and even acknowledges them while the p
   ``startup`` (the process runs, ``hvd.init`` not called yet), ``rendezvous`` (a failure or host notice was caught,
   or a new process called ``hvd.init``: Horovod's reset), ``sync`` (the state sync), ``prologue`` (the training
   function's start); the first step of a ring is also written at once (``local`` then ``waiting`` with
-  ``steps`` 0). Only ``local`` and a stale beat are judged.
+  ``steps`` 0). Only ``local`` and a stale beat are judged. Until a worker's own detector runs (``startup``, its
+  first ``hvd.init``), a small thread keeps its announced beat fresh (:func:`announce`): a stale beat always means a
+  process that does not run.
 * **The verdict** (:func:`hung_peers`, pure): while this worker has waited ``hang_seconds`` in a step whose own work
   it has finished, a member of its ring (ranks, hosts and pids gathered after each rendezvous) is hung when its
   heartbeat is ``hang_seconds`` old, or says ``local`` since ``hang_seconds`` ago. Until the judge has completed a
   step in its ring (and so has every member: a step is synchronous), the bound is at least ``first_step_seconds``
   (imports, loader start-up of a worker that just joined). A member with no heartbeat here (the
   run_dir is not shared with its machine) is never judged.
+* **In a rendezvous** (:func:`silent_in_rendezvous`, pure): a survivor whose reset has waited ``min(hang_seconds,
+  first_step_seconds)`` in its rendezvous judges every heartbeat of the run written on this machine: the process
+  that wrote it (same pid and start time) still runs but has not beaten for that long, so it is hung. The
+  rendezvous waits for such a peer for good: the driver sees it alive, so it neither aborts the round nor leaves it
+  out, and each ``hvd.init`` attempt ends at the Gloo timeout. Killed, it is a dead peer, which the driver's abort
+  ends at once. Peers on other machines are not judged there (a stale beat cannot tell a hung peer from a dead one
+  there, and a dead one's host must not be evicted as it returns).
 * **A dead member** that ran on this machine needs no bound (:func:`gone_peers`): its pid is gone. The collective
   watchdog asks :meth:`HangDetector.gone` once a step is overdue and aborts the ring's connections then, since Gloo
   does not always notice (a survivor whose operation waits on a live peer that waits on it sees nothing until the
@@ -39,9 +48,10 @@ import contextlib
 import json
 import math
 import os
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +77,8 @@ GLOO_SHARE = 0.5
 BEAT_SECONDS = 1.0
 GONE_CHECK_SECONDS = 0.5
 MAX_BEAT_BYTES = 4096
+MAX_BEAT_FILES = 4096
+"""Heartbeat files read at most when a rendezvous judges the whole folder (the run_dir is untrusted)."""
 HEARTBEATS = Path(".elastic") / "heartbeats"
 """The heartbeat folder, relative to the run_dir."""
 
@@ -80,8 +92,9 @@ def gloo_timeout_seconds(environ: Mapping[str, str] | None = None) -> float | No
 def first_step_bound(gloo_timeout: float | None) -> float:
     """The silence that makes a peer hung in a ring's first step: :data:`FIRST_STEP_SECONDS`, at most
     :data:`GLOO_SHARE` of the Gloo timeout. Past the Gloo timeout the survivors' collectives fail and they go into the
-    next rendezvous, which waits for a stopped peer for good (the driver sees it alive, and no one judges heartbeats
-    in a rendezvous), so the verdict must come first."""
+    next rendezvous, where a stopped peer is judged only by its stale heartbeat (:func:`silent_in_rendezvous`), so
+    the verdict comes sooner from the step. Also the bound of a rendezvous's verdict: it must come before a
+    ``hvd.init`` attempt ends."""
     if gloo_timeout is None:
         return FIRST_STEP_SECONDS
     return min(FIRST_STEP_SECONDS, GLOO_SHARE * gloo_timeout)
@@ -202,6 +215,29 @@ def gone_peers(
     return out
 
 
+def silent_in_rendezvous(
+    *,
+    now: float,
+    beats: Iterable[Beat],
+    bound: float,
+    boot: str,
+    me: int,
+    runs: Callable[[Beat], bool],
+) -> list[Hung]:
+    """The processes on this machine (heartbeat boot id ``boot``, pid not ``me``) silent for ``bound`` seconds whose
+    writer still runs (``runs(beat)``: the same pid and start time, not a zombie): while a rendezvous waits, such a
+    process holds it. A dead one is the driver's (its exit aborts the round); a peer on another machine is not judged
+    here (see the module)."""
+    out = []
+    for b in beats:
+        if not boot or b.boot_id != boot or b.pid == me or now - b.ts < bound or not runs(b):
+            continue
+        who = f"host {b.host} slot {b.slot} (pid {b.pid})"
+        why = f"{who}: no heartbeat for {now - b.ts:.1f}s while its ring forms (in {b.phase}; stopped, or hangs)"
+        out.append(Hung(Member(-1, b.host, b.slot, b.pid), b, why))
+    return out
+
+
 def process_alive(pid: int) -> bool:
     """Whether ``pid`` still runs: False only when it is gone or a zombie. Its start time is not compared (it moves
     with a wall-clock step, and a wrong "gone" aborts a healthy step; a pid reused within a step is the far rarer
@@ -212,6 +248,16 @@ def process_alive(pid: int) -> bool:
         return False
     except psutil.Error:
         return True
+
+
+def beat_writer_runs(beat: Beat) -> bool:
+    """Whether the process that wrote ``beat`` still runs: its pid, not a zombie, started when the beat says (within
+    a second). Unlike :func:`process_alive` this errs towards False: it decides a SIGKILL."""
+    try:
+        p = psutil.Process(beat.pid)
+        return p.status() != psutil.STATUS_ZOMBIE and abs(p.create_time() - beat.created) < 1.0
+    except psutil.Error:
+        return False
 
 
 def boot_id() -> str:
@@ -252,6 +298,28 @@ class Heartbeats:
             beat = Beat.parse(raw)
             if beat is not None and beat.host == m.host and beat.slot == m.slot:
                 out[(m.host, m.slot)] = beat
+        return out
+
+    def read_all(self) -> list[Beat]:
+        """Every valid heartbeat in the folder (at most :data:`MAX_BEAT_FILES` files; one whose name is not its
+        own host and slot is refused)."""
+        out = []
+        try:
+            with os.scandir(self.folder) as entries:
+                names = [e.name for _, e in zip(range(MAX_BEAT_FILES), entries, strict=False)]
+        except OSError:
+            return []
+        for name in names:
+            if not name.endswith(".json"):
+                continue
+            try:
+                with open(self.folder / name, "rb") as f:
+                    raw = f.read(MAX_BEAT_BYTES + 1)
+            except OSError:
+                continue
+            beat = Beat.parse(raw)
+            if beat is not None and name == f"{beat.host}-{beat.slot}.json":
+                out.append(beat)
         return out
 
 
@@ -330,6 +398,8 @@ class HangDetector:
         return self._identity
 
     def beat(self, now: float) -> None:
+        if self.last_beat == 0.0:
+            stop_announcing()  # this detector beats from now on
         boot, created = self.identity()
         self.heartbeats.write(
             Beat(
@@ -352,6 +422,8 @@ class HangDetector:
         if now - self.last_beat >= BEAT_SECONDS:
             self.beat(now)
         bound = hang_bound(self.configured_seconds, typical_step)
+        if self.phase == RENDEZVOUS:
+            return self.judge_rendezvous(now, min(bound, self.first_step_seconds))
         if waited is None or self.phase != WAITING or waited < bound or now - self.last_check < BEAT_SECONDS:
             return []
         self.last_check = now
@@ -365,6 +437,29 @@ class HangDetector:
                 hang_seconds=bound,
                 ring_steps=self.steps,
                 first_step_seconds=self.first_step_seconds,
+            )
+            if h.member.pid not in self.cured
+        ]
+        for h in found:
+            self.cured = (*self.cured, h.member.pid)
+            self.cure(h)
+        return found
+
+    def judge_rendezvous(self, now: float, bound: float) -> list[Hung]:
+        """While this worker's reset has waited ``bound`` in its rendezvous: judge (once a second) and cure the
+        processes of this machine that hold it (:func:`silent_in_rendezvous`). Returns the peers cured now."""
+        if now - self.since < bound or now - self.last_check < BEAT_SECONDS:
+            return []
+        self.last_check = now
+        found = [
+            h
+            for h in silent_in_rendezvous(
+                now=now,
+                beats=self.heartbeats.read_all(),
+                bound=bound,
+                boot=self.identity()[0],
+                me=os.getpid(),
+                runs=beat_writer_runs,
             )
             if h.member.pid not in self.cured
         ]
@@ -404,7 +499,10 @@ class HangDetector:
 
 def announce(folder: Path, phase: str, environ: dict[str, str] | None = None) -> None:
     """A heartbeat of a worker that has no :class:`HangDetector` yet (``startup``, and ``rendezvous`` when it calls
-    ``hvd.init``), from horovodrun's ``HOROVOD_HOSTNAME`` and ``HOROVOD_LOCAL_RANK``; nothing outside horovodrun."""
+    ``hvd.init``), from horovodrun's ``HOROVOD_HOSTNAME`` and ``HOROVOD_LOCAL_RANK``; nothing outside horovodrun.
+    It is written at once and then kept fresh once a second by a daemon thread (:class:`BeatKeeper`) until the
+    worker's detector beats (:func:`stop_announcing`): a worker that starts slowly (cold imports, a long first
+    ``hvd.init``) is not silent, and one that is stopped is."""
     env = os.environ if environ is None else environ
     host, slot = env.get("HOROVOD_HOSTNAME", ""), env.get("HOROVOD_LOCAL_RANK", "")
     if not host or not slot.isdigit():
@@ -413,7 +511,53 @@ def announce(folder: Path, phase: str, environ: dict[str, str] | None = None) ->
         now = time.time()
         me = psutil.Process()
         beat = Beat(os.getpid(), host, int(slot), boot_id(), me.create_time(), now, phase, now, 0)
-        Heartbeats(folder).write(beat)
+        _KEEPER.keep(Heartbeats(folder), beat)
+
+
+class BeatKeeper:
+    """Re-writes the last announced heartbeat (a new ``ts``, the same phase and ``since``) every
+    :data:`BEAT_SECONDS` in a daemon thread of this process, until :meth:`stop`. After a fork the child keeps
+    nothing of its parent's (no thread crosses a fork)."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._current: tuple[Heartbeats, Beat] | None = None
+        self.thread: threading.Thread | None = None
+
+    def keep(self, heartbeats: Heartbeats, beat: Beat) -> None:
+        with self._lock:
+            if self._stop.is_set():
+                return  # the detector beats already: an announcement would write an older phase
+            heartbeats.write(beat)
+            self._current = (heartbeats, beat)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="heartbeat-keeper", daemon=True)
+                self.thread.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(BEAT_SECONDS):
+            with self._lock:
+                if self._stop.is_set() or self._current is None:
+                    return
+                heartbeats, beat = self._current
+                heartbeats.write(replace(beat, ts=time.time()))
+
+
+_KEEPER = BeatKeeper()
+os.register_at_fork(after_in_child=_KEEPER._reset)
+
+
+def stop_announcing() -> None:
+    """The worker's :class:`HangDetector` beats from now on: stop keeping the announced beat."""
+    _KEEPER.stop()
 
 
 def kill_if_same(pid: int, created: float) -> str:

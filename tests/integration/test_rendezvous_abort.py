@@ -6,7 +6,9 @@ Real horovodrun (:mod:`elastictrain.launcher.hvdrun`), real workers, Horovod as 
 worker of the current round exits; the survivors' Gloo set-up (``hvd.init``) sees it and asks for the next ring at
 once. In the sync: the collective watchdog guards it like a step (:func:`elastictrain.engine.watch.guard_sync`), so a
 survivor whose sync failed shuts the new ring's connections down and one blocked on a live peer aborts on the
-recorded failure, instead of waiting in a Gloo receive for ``HOROVOD_GLOO_TIMEOUT_SECONDS``.
+recorded failure, instead of waiting in a Gloo receive for ``HOROVOD_GLOO_TIMEOUT_SECONDS``. A worker that is
+stopped (SIGSTOP) while the ring forms is judged by its silent heartbeat
+(:func:`elastictrain.hang.silent_in_rendezvous`): a survivor SIGKILLs it, and from there it is a dead peer.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from elastictrain._testing.jobs import ElasticJob
 from elastictrain._testing.procs import HarnessError, wait_until
 from elastictrain.bench import kill_distribution as kd
 from elastictrain.events import Reset
-from elastictrain.hang import HEARTBEATS, RENDEZVOUS, SYNC, Beat
+from elastictrain.hang import HEARTBEATS, RENDEZVOUS, SYNC, Beat, HungVerdict
 from elastictrain.launcher.hosts import local_logical_hosts
 from tests.fixtures.elastic_job import job_config
 
@@ -156,3 +158,27 @@ def test_a_survivor_killed_in_the_state_sync_after_a_reset_does_not_hold_the_oth
     t_kill = time.time()
     psutil.Process(beat.pid).send_signal(signal.SIGKILL)
     _assert_recovers(job, t_kill, "in the sync", timeout=4 * GLOO_TIMEOUT_SECONDS)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(len(HOSTS) < 4, reason=f"needs 4 logical local hosts, found {HOSTS}")
+def test_a_survivor_stopped_while_its_ring_forms_is_judged_hung_and_the_others_go_on(jobs, tmp_path):
+    """4 workers; one is SIGKILLed (a reset begins), then a second survivor (not rank 0) is SIGSTOPped the moment its
+    heartbeat says it is in the reset's rendezvous (the campaign's hang "during a reset's rendezvous"). The driver
+    sees it alive: the rendezvous waited for it for good, each ``hvd.init`` ending at the Gloo timeout. Now a
+    survivor's detector SIGKILLs it after its silence bound (10 s here), and the last two train on."""
+    job, t_primer, spare = _primed_reset(jobs, tmp_path)
+    beat = wait_until(
+        lambda: _first_in(RENDEZVOUS, job.run_dir / HEARTBEATS, t_primer, spare),
+        60,
+        interval=0.005,
+        what="a survivor in the reset's rendezvous",
+    )
+    assert beat is not None  # wait_until returns only a truthy value
+    victim = psutil.Process(beat.pid)
+    t_stop = time.time()
+    for p in [*victim.children(recursive=True), victim]:
+        p.send_signal(signal.SIGSTOP)
+    _assert_recovers(job, t_stop, "after a SIGSTOP in the rendezvous", timeout=6 * GLOO_TIMEOUT_SECONDS)
+    why = HungVerdict(job.run_dir / ".elastic" / "hung-verdict").since(t_stop) or ""
+    assert f"(pid {victim.pid})" in why and "while its ring forms" in why and "killed pid" in why, why

@@ -30,6 +30,17 @@ import subprocess, sys, time
 if "--helper" in sys.argv:
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 print("ready", flush=True)
+if "--saver" in sys.argv:  # a checkpoint writer: a temp file for 0.2 s, then renamed into place, again and again
+    import os
+    step = os.path.join(sys.argv[sys.argv.index("--saver") + 1], "checkpoints", "step-00000010")
+    os.makedirs(step, exist_ok=True)
+    while True:
+        temp = os.path.join(step, f".state.pt.tmp-{os.getpid()}-{os.urandom(4).hex()}")
+        with open(temp, "wb") as f:
+            f.write(b"x" * 1024)
+        time.sleep(0.2)
+        os.replace(temp, os.path.join(step, "state.pt"))
+        time.sleep(0.05)
 if "--busy" in sys.argv:
     while True:
         pass
@@ -260,3 +271,27 @@ def test_a_duty_cycle_in_a_thread_slows_only_the_processes_it_is_given(
     wait_until(lambda: not stopped(proc), 1, what="the process running again")
     with pytest.raises(ValueError, match="--seconds"):
         faults.duty_cycle([proc], 0.5, seconds=0)
+
+
+@pytest.mark.timeout(60)
+def test_a_kill_during_a_checkpoint_freezes_the_writer_before_the_slow_process_lookup(
+    procs: ProcessGroup, script: Path, job: JobRef, tmp_path: Path
+) -> None:
+    """The lookup of the job's processes (an environment scan of every process) outlasted a small model's save, so
+    the kill landed after it. Here the lookup returns only once the writer is stopped or its save has ended: the
+    kill interrupts the save only if the writer was frozen first."""
+    run_dir = tmp_path / "run"
+    writer = start(procs, script, job.job, "--saver", str(run_dir), rank=0, host="h0")
+
+    class SlowLookup(JobRef):
+        def worker_of(self, pid: int):  # type: ignore[no-untyped-def]
+            temps = faults.checkpoint_temp_files(run_dir)
+            wait_until(lambda: stopped(writer) or not any(t.exists() for t in temps), 5, what="frozen or saved")
+            return JobRef.worker_of(self, pid)
+
+    log = faults.ChaosLog(tmp_path / "chaos.jsonl")
+    record = faults.kill_during_checkpoint(SlowLookup(job.job, run_dir), log, timeout=20)
+    assert record["writer_pid"] == writer.pid == record["pid"]
+    assert record["mid_write"] is True, "the save ended before the kill: the writer was not frozen"
+    procs.procs[-1].wait(timeout=5)
+    assert faults.checkpoint_temp_files(run_dir), "the interrupted save's temp file is left, as a crash leaves it"

@@ -11,6 +11,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from elastictrain import hang
+from elastictrain._testing.procs import wait_until
 from elastictrain.engine.reset import PAUSE_MARKS
 from elastictrain.engine.watch import mark_phases
 from elastictrain.hang import (
@@ -23,11 +25,13 @@ from elastictrain.hang import (
     SYNC,
     WAITING,
     Beat,
+    BeatKeeper,
     HangDetector,
     Heartbeats,
     HungVerdict,
     Member,
     announce,
+    beat_writer_runs,
     boot_id,
     first_step_bound,
     gathered_members,
@@ -37,6 +41,7 @@ from elastictrain.hang import (
     hung_peers,
     kill_if_same,
     process_alive,
+    silent_in_rendezvous,
 )
 
 NOW = 1000.0
@@ -194,7 +199,18 @@ def test_a_peer_in_a_resets_phase_is_judged_by_its_beats_age_only() -> None:
         assert verdict({("b", 0): beat("b", 11, phase=phase, ts=NOW - 12)})
 
 
-def test_announce_writes_a_workers_heartbeat_under_horovodrun_only(tmp_path: Path) -> None:
+@pytest.fixture
+def keeper(monkeypatch: pytest.MonkeyPatch):
+    """A keeper of this test's own for :func:`announce` (the module's serves the process), stopped at the end."""
+    k = BeatKeeper()
+    monkeypatch.setattr(hang, "_KEEPER", k)
+    yield k
+    k.stop()
+    if k.thread is not None:
+        k.thread.join(5)
+
+
+def test_announce_writes_a_workers_heartbeat_under_horovodrun_only(tmp_path: Path, keeper: BeatKeeper) -> None:
     announce(tmp_path, STARTUP, {})
     assert not list(tmp_path.iterdir()), "outside horovodrun: no host or slot, no file"
     announce(tmp_path, STARTUP, {"HOROVOD_HOSTNAME": "a", "HOROVOD_LOCAL_RANK": "x"})
@@ -298,3 +314,83 @@ def test_the_gone_lookup_is_made_at_most_twice_a_second(tmp_path: Path) -> None:
     hb.path("b", 0).unlink()
     assert detector.gone(now=NOW + 0.2) is not None, "within half a second the last answer stands"
     assert detector.gone(now=NOW + 0.6) is None, "then it is looked up again"
+
+
+def test_an_announced_beat_is_kept_fresh_until_the_detector_beats(tmp_path: Path, keeper: BeatKeeper) -> None:
+    """A starting worker (cold imports, its first ``hvd.init``) beats once a second although it has no detector yet:
+    in a rendezvous, a silent process must mean one that does not run."""
+    env = {"HOROVOD_HOSTNAME": "a", "HOROVOD_LOCAL_RANK": "0"}
+    announce(tmp_path, RENDEZVOUS, env)
+    first = _read(Heartbeats(tmp_path))
+    assert first is not None and first.phase == RENDEZVOUS
+    fresher = wait_until(lambda: (b := _read(Heartbeats(tmp_path))) and b.ts > first.ts and b, 10, what="a new beat")
+    assert (fresher.phase, fresher.since, fresher.pid) == (RENDEZVOUS, first.since, first.pid)
+    det = HangDetector(Heartbeats(tmp_path), HungVerdict(tmp_path / "v"), host=lambda: "a", slot=lambda: 0)
+    det.mark(PROLOGUE)  # the detector's first beat
+    assert keeper.thread is not None
+    keeper.thread.join(5)
+    assert not keeper.thread.is_alive(), "the keeper stops once the detector beats"
+    announce(tmp_path, STARTUP, env)
+    assert _read(Heartbeats(tmp_path)).phase == PROLOGUE, "an announcement never overwrites the detector's beat"
+
+
+def rv(beats: list[Beat], *, runs=lambda b: True, boot: str = "boot", bound: float = 7.5) -> list[str]:
+    return [h.beat.host for h in silent_in_rendezvous(now=NOW, beats=beats, bound=bound, boot=boot, me=10, runs=runs)]
+
+
+def test_in_a_rendezvous_a_silent_process_of_this_machine_that_still_runs_is_hung() -> None:
+    stopped = beat("b", 11, ts=NOW - 8, phase=RENDEZVOUS)
+    assert rv([stopped]) == ["b"]
+    assert rv([beat("b", 11, ts=NOW - 30, phase=STARTUP)]) == ["b"], "stopped while it started"
+    assert rv([beat("b", 11, ts=NOW - 7, phase=RENDEZVOUS)]) == [], "below the bound"
+    assert rv([stopped], runs=lambda b: False) == [], "dead, or its pid is another process's now"
+    assert rv([beat("a", 10, ts=NOW - 30)]) == [], "the judge itself"
+    other_machine = Beat(12, "c", 0, "another-boot", 1.0, NOW - 15, RENDEZVOUS, NOW - 15, 0)
+    assert rv([other_machine]) == [], "another machine's: not judged in a rendezvous"
+    assert rv([stopped], boot="") == [], "no machine identity: nothing is acted on"
+
+
+def test_a_beats_writer_runs_only_as_the_same_live_process() -> None:
+    me = psutil.Process()
+    mine = Beat(me.pid, "a", 0, "boot", me.create_time(), NOW, RENDEZVOUS, NOW, 0)
+    assert beat_writer_runs(mine)
+    assert not beat_writer_runs(Beat(me.pid, "a", 0, "boot", me.create_time() - 100, NOW, RENDEZVOUS, NOW, 0))
+    assert not beat_writer_runs(Beat(2**22 + 12345, "a", 0, "boot", 1.0, NOW, RENDEZVOUS, NOW, 0))
+
+
+def test_heartbeats_read_all_returns_the_valid_files_named_by_their_own_host_and_slot(tmp_path: Path) -> None:
+    hb = Heartbeats(tmp_path)
+    hb.write(beat("a", 10))
+    hb.write(beat("b", 11))
+    (tmp_path / "c-0.json").write_text(beat("z", 12).to_json())  # a file that names another slot
+    (tmp_path / "d-0.json").write_bytes(b"{not json")
+    (tmp_path / "notes.txt").write_text("x")
+    assert sorted(b.host for b in hb.read_all()) == ["a", "b"]
+    assert Heartbeats(tmp_path / "missing").read_all() == []
+
+
+def test_a_process_stopped_while_the_ring_forms_is_sigkilled_by_a_survivor_in_the_rendezvous(tmp_path: Path) -> None:
+    """The campaign's hang: a worker SIGSTOPped while its ring waits in a rendezvous. The driver sees it alive, so the
+    rendezvous waited for it for good; a survivor's detector now kills it (then the driver's abort ends the round)."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        p = psutil.Process(child.pid)
+        p.send_signal(signal.SIGSTOP)
+        det, hb = _detector(tmp_path)
+        det.first_step_seconds = first_step_bound(15.0)
+        det.set_ring(0, [Member(0, "a", 0, 1), Member(1, "b", 0, child.pid)])
+        det.mark(RENDEZVOUS)
+        boot, _ = det.identity()
+        now = time.time()
+        hb.write(Beat(child.pid, "b", 0, boot, p.create_time(), now, RENDEZVOUS, now, 0))
+        assert det.tick(now + 5, waited=None, typical_step=0.05) == [], "not before the bound"
+        found = det.tick(now + 8, waited=None, typical_step=0.05)
+        assert [h.member.pid for h in found] == [child.pid]
+        assert child.wait(10) == -signal.SIGKILL
+        assert "while its ring forms" in (HungVerdict(tmp_path / "v").since(0) or "")
+        det.mark(PROLOGUE)
+        assert det.tick(now + 20, waited=None, typical_step=0.05) == [], "judged in a rendezvous only"
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
