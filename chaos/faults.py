@@ -445,7 +445,9 @@ def _checkpoint_writes(
     ``poll_seconds``; :class:`JobNotFound` when none was seen within ``timeout``.
 
     With ``freeze``, the writer pid named by the temp file is SIGSTOPped before it is looked up, and SIGCONTed
-    again when it is not a process of the job; a write that is yielded stays frozen for the caller to kill."""
+    again when it is not a process of the job (or the lookup fails); a write that is yielded stays frozen for the
+    caller to kill. A pid that is stopped already (its stop is not ours to undo), or that started after the temp
+    file was last written (a reused pid of an older, interrupted save), is not touched."""
     if job.run_dir is None:
         raise JobNotFound(f"{name} needs --run-dir")
     deadline = time.monotonic() + timeout
@@ -454,19 +456,33 @@ def _checkpoint_writes(
             pid = writer_pid(temp)
             if pid is None or pid <= 1 or pid == os.getpid():
                 continue
-            frozen = False
-            if freeze:
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGSTOP)
-                    frozen = True
-            worker = job.worker_of(pid)
-            if worker is not None:
-                yield temp, pid, worker, job.run_dir
-            elif frozen:
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGCONT)
+            if freeze and not _freeze_writer(pid, temp):
+                continue
+            handed = False
+            try:
+                worker = job.worker_of(pid)
+                if worker is not None:
+                    handed = True
+                    yield temp, pid, worker, job.run_dir
+            finally:
+                if freeze and not handed:
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGCONT)
         time.sleep(poll_seconds)
     raise JobNotFound(f"no checkpoint write of job {job.job!r} seen within {timeout:g}s")
+
+
+def _freeze_writer(pid: int, temp: Path) -> bool:
+    """SIGSTOP ``pid`` when it runs (not stopped already) and started before ``temp`` was last written."""
+    try:
+        written = temp.stat().st_mtime
+        p = psutil.Process(pid)
+        if p.status() in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE) or p.create_time() > written + 1.0:
+            return False
+        os.kill(pid, signal.SIGSTOP)
+    except (OSError, psutil.Error):
+        return False
+    return True
 
 
 def kill_rank0_spare_writer(

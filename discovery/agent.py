@@ -634,13 +634,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def start_zygote(cmd: list[str], timeout: float, signals: Signals, log: Any) -> subprocess.Popen[bytes] | None:
+def start_zygote(
+    cmd: list[str], timeout: float, signals: Signals, log: Any, job: str = ""
+) -> subprocess.Popen[bytes] | None:
     """Start the warm worker process (in its own session: the agent's terminal signals are not its workers')
     and wait until it says it is ready, it exits, a signal arrives, or ``timeout``; a zygote that never gets
-    ready costs only the hot join (workers start cold)."""
+    ready costs only the hot join (workers start cold). Its environment names ``job`` (``ELASTICTRAIN_JOB``), as a
+    cold worker's does: the workers it forks show that environment, by which a survivor tells a worker of the job
+    (:func:`elastictrain.hang.job_worker_runs`)."""
     import threading
 
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, start_new_session=True)
+    env = {**os.environ, envnames.JOB: job} if job else None
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, start_new_session=True, env=env)
     ready, ended = threading.Event(), threading.Event()
 
     def pump() -> None:  # reads every line for the process's life, so it never blocks on a full pipe
@@ -732,6 +737,7 @@ def main(argv: list[str]) -> int:
             args.warm_timeout,
             signals,
             get_logger("agent"),
+            job=cfg.job,
         )
     try:
         code = agent.run()

@@ -26,7 +26,9 @@ the kernel keeps its TCP connections open and even acknowledges them while the p
   run_dir is not shared with its machine) is never judged.
 * **In a rendezvous** (:func:`silent_in_rendezvous`, pure): a survivor whose reset has waited ``min(hang_seconds,
   first_step_seconds)`` in its rendezvous judges every heartbeat of the run written on this machine: the process
-  that wrote it (same pid and start time) still runs but has not beaten for that long, so it is hung. The
+  that wrote it (same pid and start time, a worker by its environment) still exists but has not beaten
+  for that long, and has used no CPU time for :data:`QUIET_SECONDS` (so a stopped or deadlocked process, not one
+  whose start-up holds the GIL, nor a judge whose clock jumped or whose disk refuses writes), so it is hung. The
   rendezvous waits for such a peer for good: the driver sees it alive, so it neither aborts the round nor leaves it
   out, and each ``hvd.init`` attempt ends at the Gloo timeout. Killed, it is a dead peer, which the driver's abort
   ends at once. Peers on other machines are not judged there (a stale beat cannot tell a hung peer from a dead one
@@ -59,6 +61,7 @@ import psutil
 
 from discovery.fileio import write_atomic
 from discovery.wire import check_name
+from elastictrain import envnames
 from elastictrain.logconf import get_logger
 
 log = get_logger("elastictrain.hang")
@@ -76,6 +79,8 @@ GIL), unless the Gloo timeout is shorter: :func:`first_step_bound`."""
 GLOO_SHARE = 0.5
 BEAT_SECONDS = 1.0
 GONE_CHECK_SECONDS = 0.5
+QUIET_SECONDS = 2.0
+"""How long a process silent in a rendezvous must also have used no CPU time before it is hung."""
 MAX_BEAT_BYTES = 4096
 MAX_BEAT_FILES = 4096
 """Heartbeat files read at most when a rendezvous judges the whole folder (the run_dir is untrusted)."""
@@ -225,9 +230,9 @@ def silent_in_rendezvous(
     runs: Callable[[Beat], bool],
 ) -> list[Hung]:
     """The processes on this machine (heartbeat boot id ``boot``, pid not ``me``) silent for ``bound`` seconds whose
-    writer still runs (``runs(beat)``: the same pid and start time, not a zombie): while a rendezvous waits, such a
-    process holds it. A dead one is the driver's (its exit aborts the round); a peer on another machine is not judged
-    here (see the module)."""
+    writer still exists (``runs(beat)``: :func:`job_worker_runs`): while a rendezvous waits, such a process may hold
+    it (the caller also asks that it used no CPU time). A dead one is the driver's (its exit aborts the round); a
+    peer on another machine is not judged here (see the module)."""
     out = []
     for b in beats:
         if not boot or b.boot_id != boot or b.pid == me or now - b.ts < bound or not runs(b):
@@ -250,14 +255,41 @@ def process_alive(pid: int) -> bool:
         return True
 
 
-def beat_writer_runs(beat: Beat) -> bool:
-    """Whether the process that wrote ``beat`` still runs: its pid, not a zombie, started when the beat says (within
-    a second). Unlike :func:`process_alive` this errs towards False: it decides a SIGKILL."""
+def job_worker_runs(beat: Beat, job: str) -> bool:
+    """Whether the process that wrote ``beat`` still exists as a worker: its pid, not a zombie, started when the
+    beat says (within a second), and by its environment a worker of ``job`` (``ELASTICTRAIN_JOB``, which ``launch``
+    gives every worker and an agent its zygote) or horovodrun's worker of the beat's host and slot
+    (``HOROVOD_HOSTNAME``, ``HOROVOD_LOCAL_RANK``). A heartbeat file is untrusted: it must not get any other process
+    killed. Unlike :func:`process_alive` this errs towards False: it decides a SIGKILL."""
     try:
         p = psutil.Process(beat.pid)
-        return p.status() != psutil.STATUS_ZOMBIE and abs(p.create_time() - beat.created) < 1.0
-    except psutil.Error:
+        if p.status() == psutil.STATUS_ZOMBIE or abs(p.create_time() - beat.created) >= 1.0:
+            return False
+        env = p.environ()
+    except (psutil.Error, OSError):
         return False
+    if job and env.get(envnames.JOB) == job:
+        return True
+    return env.get("HOROVOD_HOSTNAME") == beat.host and env.get("HOROVOD_LOCAL_RANK") == str(beat.slot)
+
+
+def cpu_ns(pid: int) -> int | None:
+    """CPU time the process has used, in ns, summed over its threads (``/proc/<pid>/task/*/schedstat``: exact,
+    where ``/proc/<pid>/stat``'s clock ticks miss a thread that runs a few microseconds a second); None when
+    unreadable."""
+    total, seen = 0, False
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+            seen = True
+        except (OSError, ValueError, IndexError):
+            continue
+    return total if seen else None
 
 
 def boot_id() -> str:
@@ -299,6 +331,14 @@ class Heartbeats:
             if beat is not None and beat.host == m.host and beat.slot == m.slot:
                 out[(m.host, m.slot)] = beat
         return out
+
+    def remove(self, host: str, slot: int, pid: int) -> None:
+        """Delete ``host``/``slot``'s heartbeat when it is ``pid``'s (a newer process of the slot keeps its own)."""
+        with contextlib.suppress(OSError, ValueError):
+            path = self.path(host, slot)
+            beat = Beat.parse(path.read_bytes())
+            if beat is not None and beat.pid == pid:
+                path.unlink()
 
     def read_all(self) -> list[Beat]:
         """Every valid heartbeat in the folder (at most :data:`MAX_BEAT_FILES` files; one whose name is not its
@@ -366,6 +406,8 @@ class HangDetector:
     last_gone_check: float = 0.0
     gone_found: str | None = None
     cured: tuple[int, ...] = ()
+    quiet: dict[int, tuple[int, float]] | None = None
+    """Suspects of a rendezvous: pid -> (CPU ns when first seen at that value, when)."""
     _identity: tuple[str, float] | None = None
 
     def set_ring(self, me: int, members: Sequence[Member]) -> None:
@@ -385,7 +427,9 @@ class HangDetector:
     def mark(self, phase: str) -> None:
         """A phase of a (re)start (:data:`RESET_PHASES`) begins: set it and write a heartbeat at once."""
         self.steps = 0
-        self.phase, self.since = phase, time.time()
+        self.since = time.time()  # before the phase: the watchdog's thread reads them without a lock
+        self.phase = phase
+        self.quiet = None
         self.beat(self.since)
 
     def step_done(self) -> None:
@@ -423,7 +467,7 @@ class HangDetector:
             self.beat(now)
         bound = hang_bound(self.configured_seconds, typical_step)
         if self.phase == RENDEZVOUS:
-            return self.judge_rendezvous(now, min(bound, self.first_step_seconds))
+            return self.judge_rendezvous(now, min(bound, self.first_step_seconds), cpu_ns)
         if waited is None or self.phase != WAITING or waited < bound or now - self.last_check < BEAT_SECONDS:
             return []
         self.last_check = now
@@ -445,28 +489,44 @@ class HangDetector:
             self.cure(h)
         return found
 
-    def judge_rendezvous(self, now: float, bound: float) -> list[Hung]:
-        """While this worker's reset has waited ``bound`` in its rendezvous: judge (once a second) and cure the
-        processes of this machine that hold it (:func:`silent_in_rendezvous`). Returns the peers cured now."""
-        if now - self.since < bound or now - self.last_check < BEAT_SECONDS:
+    def judge_rendezvous(self, now: float, bound: float, cpu: Callable[[int], int | None]) -> list[Hung]:
+        """While this worker's reset waits in its rendezvous: from half ``bound`` on, once a second, note the CPU time
+        of this machine's processes silent for half ``bound``; from ``bound`` on, cure those silent for ``bound``
+        whose CPU time has not moved for :data:`QUIET_SECONDS` (:func:`silent_in_rendezvous`). Returns the peers
+        cured now."""
+        if now - self.since < bound / 2 or now - self.last_check < BEAT_SECONDS:
             return []
         self.last_check = now
-        found = [
-            h
-            for h in silent_in_rendezvous(
-                now=now,
-                beats=self.heartbeats.read_all(),
-                bound=bound,
-                boot=self.identity()[0],
-                me=os.getpid(),
-                runs=beat_writer_runs,
-            )
-            if h.member.pid not in self.cured
-        ]
+        job = os.environ.get(envnames.JOB, "")
+        suspects = silent_in_rendezvous(
+            now=now,
+            beats=self.heartbeats.read_all(),
+            bound=bound / 2,
+            boot=self.identity()[0],
+            me=os.getpid(),
+            runs=lambda b: job_worker_runs(b, job),
+        )
+        quiet, self.quiet = self.quiet or {}, {}
+        found = []
+        for h in suspects:
+            used = cpu(h.member.pid)
+            if used is None or h.member.pid in self.cured:
+                continue
+            seen = quiet.get(h.member.pid)
+            self.quiet[h.member.pid] = seen if seen is not None and seen[0] == used else (used, now)
+            first = self.quiet[h.member.pid][1]
+            if now - self.since >= bound and now - h.beat.ts >= bound and now - first >= QUIET_SECONDS:
+                found.append(h)
         for h in found:
             self.cured = (*self.cured, h.member.pid)
             self.cure(h)
         return found
+
+    def retire(self) -> None:
+        """This worker is closing (its watchdog stopped): its heartbeat goes, so that a process that only finishes
+        its last checkpoint or its tracking, beating no more, is never taken for a hung one."""
+        with contextlib.suppress(ValueError):
+            self.heartbeats.remove(self.host(), self.slot(), os.getpid())
 
     def gone(self, now: float | None = None) -> str | None:
         """Why a member of this ring that ran on this machine is gone (see :func:`gone_peers`), or None; looked up at

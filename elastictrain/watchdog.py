@@ -439,7 +439,16 @@ class CollectiveWatchdog:
         log.warning("aborting blocked collectives", reason=reason, connections=n)
 
     def stop(self) -> None:
+        """End the thread (waited for, so that it writes no heartbeat after) and retire this worker's heartbeat."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(STOP_JOIN_SECONDS)
+        if self.hang is not None:
+            self.hang.retire()
+
+
+STOP_JOIN_SECONDS = 5.0
+"""At most this long :meth:`CollectiveWatchdog.stop` waits for the thread's current check."""
 
 
 class NullWatchdog:

@@ -6,7 +6,7 @@ Horovod 0.28.1's elastic driver runs ``--host-discovery-script`` every second th
 interpreter that re-imports the ``horovodrun`` script, every second, for the whole job (what that costs:
 docs/decisions.md).
 
-This entry point is horovodrun itself (same flags, same driver, same rendezvous) with five repairs:
+This entry point is horovodrun itself (same flags, same driver, same rendezvous) with six repairs:
 
 1. **Discovery by fork.** :func:`run_discovery_script` runs the script with ``subprocess`` in its own
    session, kills that session when the script outlives :data:`DISCOVERY_TIMEOUT_SECONDS`, and fails on a
@@ -48,6 +48,13 @@ This entry point is horovodrun itself (same flags, same driver, same rendezvous)
    formed is read by no one (the survivors' collectives fail on their own). A worker whose own Gloo set-up fails
    writes the same marker (the patched Horovod does), so a live worker that gave up holds no one either.
 
+6. **No host change is lost.** The driver stamps each host-change notice with ``int(time.time())``, and a worker
+   acts only on a notice stamped later than the last one it acted on. Two changes within one second (a host's key
+   expires and its restarted agent registers it again a moment later, so the host is removed, then added) gave
+   the second the same stamp: the workers dropped it, discovery did not change again, and the job stayed at the
+   smaller size for good (the fault campaign: two returned hosts never got a worker again). :func:`install` stamps
+   notices with :class:`NoticeClock`: wall-clock seconds as a float, strictly increasing.
+
 The repairs replace private methods of Horovod 0.28.1's runner; on any other Horovod version this entry
 point exits 2 with one line.
 
@@ -63,6 +70,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 from elastictrain.errors import ElastictrainError
@@ -161,8 +169,26 @@ class LocalAddresses(set[str]):
         return super().__contains__(address) or (isinstance(address, str) and is_loopback(address))
 
 
+class NoticeClock:
+    """Stamps of host-change notices (repair 6): ``time.time()``, but always at least :data:`NOTICE_STEP_SECONDS`
+    after the previous stamp, so that no two notices share one and a clock stepped back cannot hide a notice."""
+
+    def __init__(self, now: Any = None) -> None:
+        self._now = now if now is not None else time.time
+        self._last = 0.0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            self._last = max(float(self._now()), self._last + NOTICE_STEP_SECONDS)
+            return self._last
+
+
+NOTICE_STEP_SECONDS = 0.001
+
+
 def install() -> None:
-    """Apply the five repairs to Horovod's runner (in this process). Idempotent.
+    """Apply the six repairs to Horovod's runner (in this process). Idempotent.
 
     Raises :class:`UnsupportedHorovod` on any Horovod but :data:`HOROVOD_VERSION`.
     """
@@ -175,6 +201,7 @@ def install() -> None:
             f"found Horovod {found}"
         )
     from horovod.runner.elastic import discovery
+    from horovod.runner.elastic import driver as driver_module
     from horovod.runner.elastic.driver import ElasticDriver
     from horovod.runner.http.http_server import RendezvousHTTPServer
     from horovod.runner.util import network
@@ -194,6 +221,8 @@ def install() -> None:
         return run_discovery_script(self._discovery_script)
 
     discovery.HostDiscoveryScript._execute_discovery_script = _execute_discovery_script
+    if not isinstance(driver_module._epoch_time_s, NoticeClock):
+        driver_module._epoch_time_s = NoticeClock()
     if getattr(ElasticDriver, "_elastictrain_repaired", False):
         return
     init = ElasticDriver.__init__

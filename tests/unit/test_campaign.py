@@ -84,7 +84,7 @@ def test_figures_time_each_fault_to_the_next_completed_step_and_count_lost_steps
         _record(10.0),
         _record(14.5, kind="SIGKILL (rank 0)"),
         _record(100.5, kind=JOB),
-        _record(251.0, phase=AT_MIN_NP, hit=AT_MIN_NP, returned_ts=290.0),
+        _record(251.0, phase=AT_MIN_NP, hit=AT_MIN_NP, returned_ts=290.0, index=3),
     ]
     f = figures(records, events)
     rows = {(r["phase"], r["kind"]): r for r in f["rows"]}
@@ -100,6 +100,10 @@ def test_figures_time_each_fault_to_the_next_completed_step_and_count_lost_steps
     assert f["longest_stretch_without_a_step_s"] == pytest.approx(46.0)
     assert f["faults"] == 4 and f["cells"] == 4
     assert f["sigkill_recovery"]["count"] == 3 and f["sigkill_recovery"]["max_s"] == pytest.approx(46.0 - 0.5)
+    off = f["sigkill_recovery_off_min_np"]
+    assert off["count"] == 2 and off["max_s"] == pytest.approx(46.0 - 0.5), "all but the boundary's kill"
+    boundary = figures([_record(10.0, index=5, role="primer"), _record(251.0, index=5, phase=AT_MIN_NP)], events)
+    assert boundary["sigkill_recovery"]["count"] == 2 and boundary["sigkill_recovery_off_min_np"]["count"] == 0
     assert [r["phase"] for r in f["rows"]] == sorted((r["phase"] for r in f["rows"]), key=PHASES.index)
     assert HANG_SECONDS < 46
 

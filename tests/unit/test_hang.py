@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -31,14 +32,15 @@ from elastictrain.hang import (
     HungVerdict,
     Member,
     announce,
-    beat_writer_runs,
     boot_id,
+    cpu_ns,
     first_step_bound,
     gathered_members,
     gloo_timeout_seconds,
     gone_peers,
     hang_bound,
     hung_peers,
+    job_worker_runs,
     kill_if_same,
     process_alive,
     silent_in_rendezvous,
@@ -350,12 +352,138 @@ def test_in_a_rendezvous_a_silent_process_of_this_machine_that_still_runs_is_hun
     assert rv([stopped], boot="") == [], "no machine identity: nothing is acted on"
 
 
-def test_a_beats_writer_runs_only_as_the_same_live_process() -> None:
-    me = psutil.Process()
-    mine = Beat(me.pid, "a", 0, "boot", me.create_time(), NOW, RENDEZVOUS, NOW, 0)
-    assert beat_writer_runs(mine)
-    assert not beat_writer_runs(Beat(me.pid, "a", 0, "boot", me.create_time() - 100, NOW, RENDEZVOUS, NOW, 0))
-    assert not beat_writer_runs(Beat(2**22 + 12345, "a", 0, "boot", 1.0, NOW, RENDEZVOUS, NOW, 0))
+JOB = "job-under-test"
+
+
+def _sleeper(
+    job: str | None = JOB, code: str = "import time; time.sleep(60)", slot: tuple[str, str] | None = None
+) -> subprocess.Popen:
+    drop = ("ELASTICTRAIN_JOB", "HOROVOD_HOSTNAME", "HOROVOD_LOCAL_RANK")
+    env = {k: v for k, v in os.environ.items() if k not in drop} | ({"ELASTICTRAIN_JOB": job} if job else {})
+    if slot is not None:
+        env |= {"HOROVOD_HOSTNAME": slot[0], "HOROVOD_LOCAL_RANK": slot[1]}
+    return subprocess.Popen([sys.executable, "-c", code], env=env)
+
+
+def _end(child: subprocess.Popen) -> None:
+    if child.poll() is None:
+        child.kill()
+        child.wait()
+
+
+def test_a_beats_writer_runs_only_as_the_same_live_worker_of_the_job() -> None:
+    """A heartbeat file is untrusted: only the process that wrote it, started when it says and a worker of this job
+    by its environment, is ever acted on."""
+    child, other, plain = _sleeper(), _sleeper(job="another-job"), _sleeper(job=None, slot=("b", "0"))
+    try:
+        for proc in (child, other, plain):
+            wait_until(lambda p=proc: psutil.Process(p.pid).environ(), 10, what="the child's environment")
+        made = psutil.Process(child.pid).create_time()
+        ours = Beat(child.pid, "b", 0, "boot", made, NOW, RENDEZVOUS, NOW, 0)
+        assert job_worker_runs(ours, JOB)
+        assert not job_worker_runs(ours, ""), "no job to match, and not horovodrun's worker of host b slot 0"
+        made_plain = psutil.Process(plain.pid).create_time()
+        horovodruns = Beat(plain.pid, "b", 0, "boot", made_plain, NOW, RENDEZVOUS, NOW, 0)
+        assert job_worker_runs(horovodruns, ""), "horovodrun's worker of the beat's host and slot (no launch)"
+        assert not job_worker_runs(Beat(plain.pid, "c", 0, "boot", made_plain, NOW, RENDEZVOUS, NOW, 0), "")
+        assert not job_worker_runs(Beat(child.pid, "b", 0, "boot", made - 100, NOW, RENDEZVOUS, NOW, 0), JOB)
+        theirs = Beat(other.pid, "b", 0, "boot", psutil.Process(other.pid).create_time(), NOW, RENDEZVOUS, NOW, 0)
+        assert not job_worker_runs(theirs, JOB), "another job's process (or the launcher, etcd, a shell)"
+        assert not job_worker_runs(Beat(2**22 + 12345, "b", 0, "boot", 1.0, NOW, RENDEZVOUS, NOW, 0), JOB)
+    finally:
+        for proc in (child, other, plain):
+            _end(proc)
+
+
+def test_cpu_time_is_read_over_every_thread_and_stands_still_for_a_stopped_process() -> None:
+    child = _sleeper(code="while True: pass")
+    try:
+        first = wait_until(lambda: cpu_ns(child.pid), 10, what="the busy child's first CPU time")
+        wait_until(lambda: (cpu_ns(child.pid) or 0) > first, 10, what="the busy child's CPU time to grow")
+        os.kill(child.pid, signal.SIGSTOP)
+        wait_until(lambda: psutil.Process(child.pid).status() == psutil.STATUS_STOPPED, 10, what="stopped")
+        stopped = cpu_ns(child.pid)
+        time.sleep(0.2)  # a stopped process: its CPU time must not move over any interval
+        assert cpu_ns(child.pid) == stopped
+        assert cpu_ns(2**22 + 12345) is None
+    finally:
+        _end(child)
+
+
+def _judge(tmp_path: Path, child_pid: int, created: float, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("ELASTICTRAIN_JOB", JOB)
+    det, hb = _detector(tmp_path)
+    det.first_step_seconds = first_step_bound(15.0)  # a rendezvous's bound: 7.5 s
+    det.set_ring(0, [Member(0, "a", 0, 1), Member(1, "b", 0, child_pid)])
+    det.mark(RENDEZVOUS)
+    boot, _ = det.identity()
+    now = time.time()
+    hb.write(Beat(child_pid, "b", 0, boot, created, now, RENDEZVOUS, now, 0))
+    return det, now
+
+
+def test_a_silent_peer_that_still_uses_cpu_is_not_hung_in_a_rendezvous(tmp_path: Path, monkeypatch) -> None:
+    """Start-up that holds the GIL (a native library's import) keeps a worker from beating, but not from running; a
+    judge whose clock jumped, or whose beats were not written, sees every peer silent, and every one running."""
+    child = _sleeper()
+    try:
+        det, now = _judge(tmp_path, child.pid, psutil.Process(child.pid).create_time(), monkeypatch)
+        wait_until(lambda: psutil.Process(child.pid).environ(), 10, what="the child's environment")
+        used = iter(range(10**6, 10**9, 10**6))
+        for later in (4, 6, 8, 10, 12):
+            assert det.judge_rendezvous(now + later, 7.5, lambda pid: next(used)) == []
+        still = 10**6
+        assert det.judge_rendezvous(now + 14, 7.5, lambda pid: still) == [], "quiet for 0 s yet"
+        assert [h.member.pid for h in det.judge_rendezvous(now + 16, 7.5, lambda pid: still)] == [child.pid]
+    finally:
+        _end(child)
+
+
+def test_a_process_stopped_while_the_ring_forms_is_sigkilled_by_a_survivor_in_the_rendezvous(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The campaign's hang: a worker SIGSTOPped while its ring waits in a rendezvous. The driver sees it alive, so the
+    rendezvous waited for it for good; a survivor's detector now kills it (then the driver's abort ends the round)."""
+    child = _sleeper()
+    try:
+        p = psutil.Process(child.pid)
+        wait_until(lambda: p.environ(), 10, what="the child's environment")
+        p.send_signal(signal.SIGSTOP)
+        det, now = _judge(tmp_path, child.pid, p.create_time(), monkeypatch)
+        assert det.tick(now + 3, waited=None, typical_step=0.05) == [], "nothing before half the bound"
+        assert det.tick(now + 5, waited=None, typical_step=0.05) == [], "its CPU time noted, not judged"
+        found = det.tick(now + 8, waited=None, typical_step=0.05)
+        assert [h.member.pid for h in found] == [child.pid]
+        assert child.wait(10) == -signal.SIGKILL
+        assert "while its ring forms" in (HungVerdict(tmp_path / "v").since(0) or "")
+    finally:
+        _end(child)
+
+
+def test_a_stopped_peer_is_judged_only_while_the_judge_is_in_a_rendezvous(tmp_path: Path, monkeypatch) -> None:
+    child = _sleeper()
+    try:
+        p = psutil.Process(child.pid)
+        wait_until(lambda: p.environ(), 10, what="the child's environment")
+        p.send_signal(signal.SIGSTOP)
+        det, now = _judge(tmp_path, child.pid, p.create_time(), monkeypatch)
+        det.mark(PROLOGUE)
+        for later in (5, 8, 12):
+            assert det.tick(now + later, waited=None, typical_step=0.05) == []
+        assert p.status() == psutil.STATUS_STOPPED, "not killed"
+    finally:
+        _end(child)
+
+
+def test_a_closing_worker_retires_its_heartbeat_and_leaves_a_newer_process_of_its_slot_alone(tmp_path: Path) -> None:
+    det, hb = _detector(tmp_path)
+    det.mark(RENDEZVOUS)
+    assert _read(hb) is not None
+    det.retire()
+    assert _read(hb) is None, "a closing worker beats no more: no heartbeat to be judged by"
+    hb.write(beat("a", 4242))
+    det.retire()
+    assert _read(hb) is not None and _read(hb).pid == 4242
 
 
 def test_heartbeats_read_all_returns_the_valid_files_named_by_their_own_host_and_slot(tmp_path: Path) -> None:
@@ -367,30 +495,3 @@ def test_heartbeats_read_all_returns_the_valid_files_named_by_their_own_host_and
     (tmp_path / "notes.txt").write_text("x")
     assert sorted(b.host for b in hb.read_all()) == ["a", "b"]
     assert Heartbeats(tmp_path / "missing").read_all() == []
-
-
-def test_a_process_stopped_while_the_ring_forms_is_sigkilled_by_a_survivor_in_the_rendezvous(tmp_path: Path) -> None:
-    """The campaign's hang: a worker SIGSTOPped while its ring waits in a rendezvous. The driver sees it alive, so the
-    rendezvous waited for it for good; a survivor's detector now kills it (then the driver's abort ends the round)."""
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        p = psutil.Process(child.pid)
-        p.send_signal(signal.SIGSTOP)
-        det, hb = _detector(tmp_path)
-        det.first_step_seconds = first_step_bound(15.0)
-        det.set_ring(0, [Member(0, "a", 0, 1), Member(1, "b", 0, child.pid)])
-        det.mark(RENDEZVOUS)
-        boot, _ = det.identity()
-        now = time.time()
-        hb.write(Beat(child.pid, "b", 0, boot, p.create_time(), now, RENDEZVOUS, now, 0))
-        assert det.tick(now + 5, waited=None, typical_step=0.05) == [], "not before the bound"
-        found = det.tick(now + 8, waited=None, typical_step=0.05)
-        assert [h.member.pid for h in found] == [child.pid]
-        assert child.wait(10) == -signal.SIGKILL
-        assert "while its ring forms" in (HungVerdict(tmp_path / "v").since(0) or "")
-        det.mark(PROLOGUE)
-        assert det.tick(now + 20, waited=None, typical_step=0.05) == [], "judged in a rendezvous only"
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()

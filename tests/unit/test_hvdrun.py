@@ -4,6 +4,7 @@ non-zero exit), without a Python interpreter per call, and nothing left behind b
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import sys
 import time
@@ -326,3 +327,33 @@ def test_the_driver_writes_the_abort_marker_where_the_patched_gloo_store_looks()
     spec.loader.exec_module(ph)
     assert f"{hvdrun.ABORT_SCOPE}/{hvdrun.ABORT_KEY}" == ph.ABORT_PATH
     assert f'"{ph.ABORT_PATH}"' in ph.STORE_DEFINE_PATCHED
+
+
+def test_two_host_changes_within_one_second_both_reach_the_workers(monkeypatch) -> None:
+    """Horovod's driver stamped notices with whole seconds and its workers act only on a later stamp: a host removed
+    and added again within one second left the second notice unread, and the job at the smaller size for good."""
+    pytest.importorskip("horovod.runner.elastic.driver")
+    from horovod.common.elastic import State
+    from horovod.common.exceptions import HostsUpdatedInterrupt
+    from horovod.runner.elastic import driver as driver_module
+    from horovod.runner.elastic.worker import HostUpdateResult
+
+    from elastictrain.launcher import hvdrun
+
+    hvdrun.install()
+    monkeypatch.setattr(time, "time", lambda: 1_796_000_000.25)  # both notices in one second
+    state = State(bcast_object=lambda obj: obj, get_rank=lambda: 0)  # Horovod's own worker-side check
+    for update in (HostUpdateResult.removed, HostUpdateResult.added):
+        state.on_hosts_updated(driver_module._epoch_time_s(), update)  # the stamp the driver sends
+        with pytest.raises(HostsUpdatedInterrupt):
+            state.check_host_updates()
+
+
+def test_notice_stamps_are_wall_clock_and_strictly_increasing_even_when_the_clock_steps_back() -> None:
+    from elastictrain.launcher.hvdrun import NoticeClock
+
+    times = iter([100.5, 100.5, 99.0, 200.25])
+    clock = NoticeClock(lambda: next(times))
+    stamps = [clock() for _ in range(4)]
+    assert stamps[0] == 100.5 and stamps[3] == 200.25
+    assert all(b > a for a, b in itertools.pairwise(stamps))
