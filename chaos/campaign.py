@@ -66,6 +66,8 @@ AGENT, DRAIN, ETCD, JOB = "agent SIGKILL", "host drain", "etcd SIGKILL + restart
 KINDS = (SIGKILL, SIGTERM, SIGSTOP, TWO, AGENT, DRAIN, ETCD, JOB)
 RANK0 = " (rank 0)"
 """Appended to the kind when the victim held rank 0."""
+HANG_PRIMER = "SIGKILL priming a hang"
+"""The figures' kind of a primer whose fault is a SIGSTOP: its reset waits for the hang's verdict."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -654,14 +656,19 @@ def figures(records: Sequence[Mapping[str, Any]], events: Sequence[Event]) -> di
     """Per phase x kind (pure): count, hits, seconds from each fault to the job's next completed step, steps lost
     (the ``lost_steps`` of the first reset after it), hangs; and the longest stretch without a completed step
     outside the waits that are by design (a relaunch's start, below ``--min-np`` until the hosts return). ``hangs``
-    counts stretches (several faults late in one stretch are one hang); ``faults_in_hangs`` counts the faults."""
+    counts stretches (several faults late in one stretch are one hang); ``faults_in_hangs`` counts the faults.
+    The primer of a hang (the SIGKILL that starts the reset in which a survivor is then SIGSTOPped) waits for the
+    hang's verdict: it has a row of its own (:data:`HANG_PRIMER`), outside the SIGKILL figures."""
     events = sorted(events, key=lambda e: e.ts)
     resets = [e for e in events if isinstance(e, Reset)]
     rows: dict[tuple[str, str], Row] = {}
     excused: list[tuple[float, float]] = []
     hung: list[tuple[float, float]] = []
     per_fault = []
+    aimed_kind = {rec.get("index"): str(rec["kind"]) for rec in records if rec.get("role") == "aimed"}
     for rec in sorted(records, key=lambda r: float(r["fault_ts"])):
+        if rec.get("role") == "primer" and aimed_kind.get(rec.get("index"), "").startswith(SIGSTOP):
+            rec = {**rec, "kind": HANG_PRIMER}
         row = rows.setdefault((str(rec["phase"]), str(rec["kind"])), Row(str(rec["phase"]), str(rec["kind"])))
         row.count += 1
         row.hit += rec.get("hit") == rec["phase"]
@@ -694,14 +701,18 @@ def figures(records: Sequence[Mapping[str, Any]], events: Sequence[Event]) -> di
         else:
             merged.append((a, b))
     outside = [w for w in merged if not any(ga <= w[0] and w[1] <= gb for ga, gb in long_gaps)]
-    sigkills = [x for r in rows.values() if r.kind.startswith((SIGKILL, TWO)) for x in r.recovery]
+    killed = [r for r in rows.values() if r.kind.startswith((SIGKILL, TWO)) and r.kind != HANG_PRIMER]
+    sigkills = [x for r in killed for x in r.recovery]
     # The --min-np boundary's kills (its primers too) end when hosts return and start workers: no recovery of the
     # job's own can come sooner, so they are also summed up apart.
     boundary = {rec.get("index") for rec in records if rec["phase"] == AT_MIN_NP}
     elsewhere = [
         p["to_next_step_s"]
         for p in per_fault
-        if str(p["kind"]).startswith((SIGKILL, TWO)) and p["index"] not in boundary and p["to_next_step_s"] is not None
+        if str(p["kind"]).startswith((SIGKILL, TWO))
+        and p["kind"] != HANG_PRIMER
+        and p["index"] not in boundary
+        and p["to_next_step_s"] is not None
     ]
     return {
         "rows": [rows[k].as_dict() for k in sorted(rows, key=lambda k: (PHASES.index(k[0]), k[1]))],
@@ -876,6 +887,29 @@ def run_campaign(
     out(markdown(report))
     ok = inv.passed(checks) and figs["hangs"] == 0
     return 0 if ok else 1
+
+
+def refigure(run_dir: Path, out_path: Path | None = None, out: Callable[[str], None] = print) -> int:
+    """The figures of a campaign's run dir computed again by this code's :func:`figures` from the run's own logs
+    (its ``campaign-fault`` records and its run log), written over ``campaign.json``/``.md`` there (and ``out_path``);
+    the report says so (``refigured``). Returns the campaign's exit code for the new figures."""
+    from chaos.run import EVENTS_FILE
+    from elastictrain.events import read_events
+
+    report = json.loads((run_dir / "campaign.json").read_text())
+    records = [e for e in faults.read_chaos(run_dir / "chaos.jsonl") if e.get("action") == "campaign-fault"]
+    events = read_events(run_dir / EVENTS_FILE, on_skip=lambda line, reason: None)
+    figs = figures(records, events)
+    hang_check = f"no hang (no step for > {HANG_SECONDS:g} s)"
+    checks = [c for c in report["checks"] if c["name"] != hang_check]
+    checks.append({"name": hang_check, "ok": figs["hangs"] == 0, "detail": str(figs["hangs"])})
+    report |= {"figures": figs, "checks": checks, "refigured": time.strftime("%Y-%m-%d %H:%M:%S")}
+    (run_dir / "campaign.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    (run_dir / "campaign.md").write_text(markdown(report))
+    if out_path is not None:
+        write_results_pair(report, out_path.parent, out_path.name.removesuffix(".json"))
+    out(markdown(report))
+    return 0 if all(c["ok"] is not False for c in checks) else 1
 
 
 def write_results_pair(report: Mapping[str, Any], folder: Path, stem: str) -> None:

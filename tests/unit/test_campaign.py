@@ -13,19 +13,23 @@ import pytest
 
 from chaos.campaign import (
     AT_MIN_NP,
+    AT_RENDEZVOUS,
     AT_STARTUP,
     CELLS,
     CHECKPOINT,
+    HANG_PRIMER,
     HANG_SECONDS,
     JOB,
     PHASES,
     SIGKILL,
+    SIGSTOP,
     STEP,
     RunLog,
     campaign_config,
     figures,
     plan,
     read_beats,
+    refigure,
 )
 from elastictrain.events import Commit, Metrics, Reset, Start, encode
 from elastictrain.hang import STARTUP, Beat, Heartbeats
@@ -152,3 +156,39 @@ def test_the_plan_can_be_printed_without_a_job() -> None:
         text=True,
     )
     assert r.returncode == 0 and len(r.stdout.splitlines()) == 20
+
+
+def _hang_after_a_primer() -> tuple[list[dict], list]:
+    events = [*_steps(1, 2), *_steps(12.5, 13), *_steps(20.3)]
+    records = [
+        _record(2.5, index=4, role="primer"),  # starts a reset ...
+        _record(2.6, index=4, phase=AT_RENDEZVOUS, kind=SIGSTOP, hit=AT_RENDEZVOUS),  # ... in which one is stopped
+        _record(20.0, index=5),
+    ]
+    return records, events
+
+
+def test_the_primer_of_a_hang_waits_for_the_hangs_verdict_and_is_no_sigkill_figure() -> None:
+    f = figures(*_hang_after_a_primer())
+    rows = {(r["phase"], r["kind"]): r for r in f["rows"]}
+    assert rows[(STEP, HANG_PRIMER)]["recovery_max_s"] == pytest.approx(10.0)
+    assert rows[(STEP, SIGKILL)]["count"] == 1 and rows[(STEP, SIGKILL)]["recovery_max_s"] == pytest.approx(0.3)
+    assert f["sigkill_recovery"]["count"] == 1 and f["sigkill_recovery"]["max_s"] == pytest.approx(0.3)
+    assert f["sigkill_recovery_off_min_np"]["count"] == 1
+
+
+def test_refigure_computes_a_run_dirs_figures_again_from_its_own_logs(tmp_path: Path) -> None:
+    records, events = _hang_after_a_primer()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "chaos.jsonl").write_text("".join(json.dumps({"action": "campaign-fault", **r}) + "\n" for r in records))
+    (run / "events.jsonl").write_bytes(b"".join(encode(e) for e in events))
+    old = {"figures": {}, "checks": [{"name": "job completed", "ok": True, "detail": "exit 0"}]}
+    report = {"command": "x", "date": "d", "machine_line": "m", "wall_seconds": 1.0, "planned": 2, "injected": 2,
+              "skipped": 0, "not_reached": 0, "returns_missed": [], "stuck": [], **old}  # fmt: skip
+    (run / "campaign.json").write_text(json.dumps(report))
+    assert refigure(run, tmp_path / "out" / "r.json", out=lambda text: None) == 0
+    again = json.loads((run / "campaign.json").read_text())
+    assert again["refigured"] and again["figures"]["sigkill_recovery"]["count"] == 1
+    assert [c["name"] for c in again["checks"]] == ["job completed", f"no hang (no step for > {HANG_SECONDS:g} s)"]
+    assert HANG_PRIMER in (tmp_path / "out" / "r.md").read_text()
