@@ -76,6 +76,18 @@ def _first_in(phase: str, beats_dir: Path, since: float, spare: set[int]) -> Bea
     return next((b for b in beats if b.phase == phase and b.since >= since and b.pid not in spare), None)
 
 
+def _survivor_in(phase: str, job: ElasticJob, since: float, spare: set[int], interval: float) -> Beat:
+    """The first survivor (not in ``spare``) whose heartbeat says it entered ``phase`` after ``since``."""
+    beat = wait_until(
+        lambda: _first_in(phase, job.run_dir / HEARTBEATS, since, spare),
+        60,
+        interval=interval,
+        what=f"a survivor in the reset's {phase}",
+    )
+    assert beat is not None  # wait_until returns only a truthy value
+    return beat
+
+
 def _primed_reset(jobs: list[ElasticJob], tmp_path: Path) -> tuple[ElasticJob, float, set[int]]:
     """A 4-worker job, whole; then one worker (not rank 0) SIGKILLed, so that a reset begins. Returns the job, the
     kill's time and the pids a second kill must spare (the dead one and rank 0)."""
@@ -124,13 +136,7 @@ def test_a_survivor_killed_in_the_gloo_set_up_of_the_next_ring_does_not_hold_the
     This is the campaign's kill "during a reset's rendezvous"; the last two must go on well inside the Gloo timeout.
     """
     job, t_primer, spare = _primed_reset(jobs, tmp_path)
-    beat = wait_until(
-        lambda: _first_in(RENDEZVOUS, job.run_dir / HEARTBEATS, t_primer, spare),
-        60,
-        interval=0.005,
-        what="a survivor in the reset's rendezvous",
-    )
-    assert beat is not None  # wait_until returns only a truthy value
+    beat = _survivor_in(RENDEZVOUS, job, t_primer, spare, interval=0.005)
     victim = psutil.Process(beat.pid)
     before = _listening_ports(victim)  # Horovod's notification service, ...
     wait_until(lambda: _listening_ports(victim) - before, 60, interval=0.002, what="the victim's Gloo pairs")
@@ -148,13 +154,7 @@ def test_a_survivor_killed_in_the_state_sync_after_a_reset_does_not_hold_the_oth
     says it is in the sync of the ring that reset formed (the campaign's kill "during a reset's sync"). The last two
     must reach a completed step well inside the Gloo timeout."""
     job, t_primer, spare = _primed_reset(jobs, tmp_path)
-    beat = wait_until(
-        lambda: _first_in(SYNC, job.run_dir / HEARTBEATS, t_primer, spare),
-        60,
-        interval=0.002,
-        what="a survivor in the reset's sync",
-    )
-    assert beat is not None  # wait_until returns only a truthy value
+    beat = _survivor_in(SYNC, job, t_primer, spare, interval=0.002)
     t_kill = time.time()
     psutil.Process(beat.pid).send_signal(signal.SIGKILL)
     _assert_recovers(job, t_kill, "in the sync", timeout=4 * GLOO_TIMEOUT_SECONDS)
@@ -168,13 +168,7 @@ def test_a_survivor_stopped_while_its_ring_forms_is_judged_hung_and_the_others_g
     sees it alive: the rendezvous waited for it for good, each ``hvd.init`` ending at the Gloo timeout. Now a
     survivor's detector SIGKILLs it after its silence bound (10 s here), and the last two train on."""
     job, t_primer, spare = _primed_reset(jobs, tmp_path)
-    beat = wait_until(
-        lambda: _first_in(RENDEZVOUS, job.run_dir / HEARTBEATS, t_primer, spare),
-        60,
-        interval=0.005,
-        what="a survivor in the reset's rendezvous",
-    )
-    assert beat is not None  # wait_until returns only a truthy value
+    beat = _survivor_in(RENDEZVOUS, job, t_primer, spare, interval=0.005)
     victim = psutil.Process(beat.pid)
     t_stop = time.time()
     for p in [*victim.children(recursive=True), victim]:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -410,6 +412,19 @@ def test_cpu_time_is_read_over_every_thread_and_stands_still_for_a_stopped_proce
         _end(child)
 
 
+@contextlib.contextmanager
+def _stopped_sleeper() -> Iterator[psutil.Process]:
+    """A child of this job, SIGSTOPped (ended at the exit)."""
+    child = _sleeper()
+    try:
+        p = psutil.Process(child.pid)
+        wait_until(lambda: p.environ(), 10, what="the child's environment")
+        p.send_signal(signal.SIGSTOP)
+        yield p
+    finally:
+        _end(child)
+
+
 def _judge(tmp_path: Path, child_pid: int, created: float, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("ELASTICTRAIN_JOB", JOB)
     det, hb = _detector(tmp_path)
@@ -444,35 +459,23 @@ def test_a_process_stopped_while_the_ring_forms_is_sigkilled_by_a_survivor_in_th
 ) -> None:
     """The campaign's hang: a worker SIGSTOPped while its ring waits in a rendezvous. The driver sees it alive, so the
     rendezvous waited for it for good; a survivor's detector now kills it (then the driver's abort ends the round)."""
-    child = _sleeper()
-    try:
-        p = psutil.Process(child.pid)
-        wait_until(lambda: p.environ(), 10, what="the child's environment")
-        p.send_signal(signal.SIGSTOP)
-        det, now = _judge(tmp_path, child.pid, p.create_time(), monkeypatch)
+    with _stopped_sleeper() as p:
+        det, now = _judge(tmp_path, p.pid, p.create_time(), monkeypatch)
         assert det.tick(now + 3, waited=None, typical_step=0.05) == [], "nothing before half the bound"
         assert det.tick(now + 5, waited=None, typical_step=0.05) == [], "its CPU time noted, not judged"
         found = det.tick(now + 8, waited=None, typical_step=0.05)
-        assert [h.member.pid for h in found] == [child.pid]
-        assert child.wait(10) == -signal.SIGKILL
+        assert [h.member.pid for h in found] == [p.pid]
+        wait_until(lambda: p.status() == psutil.STATUS_ZOMBIE, 10, what="the stopped child killed")
         assert "while its ring forms" in (HungVerdict(tmp_path / "v").since(0) or "")
-    finally:
-        _end(child)
 
 
 def test_a_stopped_peer_is_judged_only_while_the_judge_is_in_a_rendezvous(tmp_path: Path, monkeypatch) -> None:
-    child = _sleeper()
-    try:
-        p = psutil.Process(child.pid)
-        wait_until(lambda: p.environ(), 10, what="the child's environment")
-        p.send_signal(signal.SIGSTOP)
-        det, now = _judge(tmp_path, child.pid, p.create_time(), monkeypatch)
+    with _stopped_sleeper() as p:
+        det, now = _judge(tmp_path, p.pid, p.create_time(), monkeypatch)
         det.mark(PROLOGUE)
         for later in (5, 8, 12):
             assert det.tick(now + later, waited=None, typical_step=0.05) == []
         assert p.status() == psutil.STATUS_STOPPED, "not killed"
-    finally:
-        _end(child)
 
 
 def test_a_closing_worker_retires_its_heartbeat_and_leaves_a_newer_process_of_its_slot_alone(tmp_path: Path) -> None:
