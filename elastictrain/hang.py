@@ -16,8 +16,9 @@ the kernel keeps its TCP connections open and even acknowledges them while the p
   or a new process called ``hvd.init``: Horovod's reset), ``sync`` (the state sync), ``prologue`` (the training
   function's start); the first step of a ring is also written at once (``local`` then ``waiting`` with
   ``steps`` 0). Only ``local`` and a stale beat are judged. Until a worker's own detector runs (``startup``, its
-  first ``hvd.init``), a small thread keeps its announced beat fresh (:func:`announce`): a stale beat always means a
-  process that does not run.
+  first ``hvd.init``), a small thread keeps its announced beat fresh (:func:`announce`), so a stale beat means a
+  process that does not run, or one whose start-up holds the GIL (which a rendezvous's verdict tells apart by CPU
+  time, below).
 * **The verdict** (:func:`hung_peers`, pure): while this worker has waited ``hang_seconds`` in a step whose own work
   it has finished, a member of its ring (ranks, hosts and pids gathered after each rendezvous) is hung when its
   heartbeat is ``hang_seconds`` old, or says ``local`` since ``hang_seconds`` ago. Until the judge has completed a
