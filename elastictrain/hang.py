@@ -43,6 +43,10 @@ the kernel keeps its TCP connections open and even acknowledges them while the p
   hung process when it runs on this machine (checked by boot id, pid and start time) -- from there the job
   recovers exactly as after a SIGKILL -- or else evict its host through etcd (a drain: Horovod removes the host,
   stops its worker, and the watchdog's host-removed path ends the wait).
+
+Size: the heartbeat's format, its two writers (the detector, the start-up keeper) and the three verdicts that read
+it (a step's, a rendezvous's, a dead member's) share one set of rules (boot id, pid and start time, the phases);
+split, each rule would be stated, and kept in step, twice.
 """
 
 from __future__ import annotations
