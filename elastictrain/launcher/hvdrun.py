@@ -6,7 +6,7 @@ Horovod 0.28.1's elastic driver runs ``--host-discovery-script`` every second th
 interpreter that re-imports the ``horovodrun`` script, every second, for the whole job (what that costs:
 docs/decisions.md).
 
-This entry point is horovodrun itself (same flags, same driver, same rendezvous) with six repairs:
+This entry point is horovodrun itself (same flags, same driver, same rendezvous) with seven repairs:
 
 1. **Discovery by fork.** :func:`run_discovery_script` runs the script with ``subprocess`` in its own
    session, kills that session when the script outlives :data:`DISCOVERY_TIMEOUT_SECONDS`, and fails on a
@@ -55,6 +55,18 @@ This entry point is horovodrun itself (same flags, same driver, same rendezvous)
    smaller size for good (the fault campaign: two returned hosts never got a worker again). :func:`install` stamps
    notices with :class:`NoticeClock`: wall-clock seconds as a float, strictly increasing.
 
+7. **An added host is told again until the job takes it.** The driver tells rank 0 of a change once, when discovery
+   sees it, and a worker empties its queue of notices when its reset ends (``State.on_reset``). A notice that arrived
+   while the survivors were still in the reset of a round formed without the new host (rank 0 and another worker
+   killed: their hosts' blacklist cooldown ends while the survivors' next ring forms) was dropped, and the job
+   stayed at the smaller size for good. So was a notice to a rank 0 not yet registered to be told. :func:`install`
+   makes the discovery loop, each time it finds no new change, compare the slots the hosts allow now with the
+   current round's (:func:`untold_change`) and, while the hosts allow slots that the round lacks, tell rank 0
+   again (not when rank 0's process has exited). A removal is not told again: one that is lost leaves the job
+   training at its size. Deciding and telling hold the lock under which a round starts: a notice sent before
+   a round that has the new host lands before that round's reset ends (which drops it, rightly), and after such
+   a round starts none is sent.
+
 The repairs replace private methods of Horovod 0.28.1's runner; on any other Horovod version this entry
 point exits 2 with one line.
 
@@ -65,12 +77,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from elastictrain.errors import ElastictrainError
@@ -187,8 +201,22 @@ class NoticeClock:
 NOTICE_STEP_SECONDS = 0.001
 
 
+def untold_change(current: Mapping[str, Iterable[Any]], allowed: Mapping[str, Iterable[Any]]) -> int:
+    """Repair 7's rule: how the slots ``allowed`` by the hosts now (``{host: [SlotInfo]}``, as Horovod's driver
+    assigns them) differ from the ``current`` round's, as Horovod's ``HostUpdateResult`` flags (0: no change;
+    ``removed``; ``added``; both). Slots are compared as ``(host, local_rank)``: ranks that would only be numbered
+    otherwise are no change to tell."""
+    from horovod.runner.elastic.worker import HostUpdateResult
+
+    def slots(assignments: Mapping[str, Iterable[Any]]) -> set[tuple[str, int]]:
+        return {(host, s.local_rank) for host, host_slots in assignments.items() for s in host_slots}
+
+    now, then = slots(allowed), slots(current)
+    return int((HostUpdateResult.added if now - then else 0) | (HostUpdateResult.removed if then - now else 0))
+
+
 def install() -> None:
-    """Apply the six repairs to Horovod's runner (in this process). Idempotent.
+    """Apply the seven repairs to Horovod's runner (in this process). Idempotent.
 
     Raises :class:`UnsupportedHorovod` on any Horovod but :data:`HOROVOD_VERSION`.
     """
@@ -203,6 +231,7 @@ def install() -> None:
     from horovod.runner.elastic import discovery
     from horovod.runner.elastic import driver as driver_module
     from horovod.runner.elastic.driver import ElasticDriver
+    from horovod.runner.elastic.worker import HostUpdateResult
     from horovod.runner.http.http_server import RendezvousHTTPServer
     from horovod.runner.util import network
 
@@ -227,6 +256,7 @@ def install() -> None:
         return
     init = ElasticDriver.__init__
     update_assignments = ElasticDriver._update_host_assignments
+    notify = ElasticDriver._notify_workers_host_changes
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         self._elastictrain_slots = _SlotProcesses()
@@ -266,9 +296,53 @@ def install() -> None:
                 self._host_assignments = {host: slots for host, slots in live.items() if slots}
             return update_assignments(self, current_hosts)
 
+    def _notify_workers_host_changes(self: Any, current_hosts: Any, update_res: Any) -> None:
+        with self._elastictrain_round:  # a notice is sent before a round forms, or decided on after it
+            notify(self, current_hosts, update_res)
+
+    def tell_again(self: Any) -> None:
+        """Repair 7: tell rank 0 again of a change of hosts that the current round does not have."""
+        current_hosts = self._host_manager.current_hosts
+        with self._elastictrain_round:
+            allowed = {}
+            if current_hosts.count_available_slots() >= self._min_num_proc:
+                allowed, _ = self._get_host_assignments(current_hosts)
+            update = HostUpdateResult(untold_change(self._host_assignments, allowed))
+            rank0 = self.get_coordinator_info()
+            gone = rank0 is not None and (rank0.hostname, rank0.local_rank) in self._elastictrain_slots.dead()
+            if update & HostUpdateResult.added and not gone:
+                notify(self, current_hosts, update)
+
+    def _discover_hosts(self: Any) -> None:
+        # Horovod 0.28.1's own loop, which also tells again what the job has not acted on (repair 7).
+        first_update = True
+        while not self._shutdown.is_set():
+            self._wait_hosts_cond.acquire()
+            try:
+                update_res = self._host_manager.update_available_hosts()
+                if update_res != HostUpdateResult.no_update:
+                    self._notify_workers_host_changes(self._host_manager.current_hosts, update_res)
+                    self._wait_hosts_cond.notify_all()
+                elif not first_update:
+                    tell_again(self)
+            except BaseException as e:
+                if first_update:
+                    # Misconfiguration, fail the job immediately
+                    self._shutdown.set()
+                    self._wait_hosts_cond.notify_all()
+                    raise
+                # Transient error, retry until timeout
+                logging.warning(str(e))
+            finally:
+                self._wait_hosts_cond.release()
+            first_update = False
+            self._shutdown.wait(driver_module.DISCOVER_HOSTS_FREQUENCY_SECS)
+
     ElasticDriver.__init__ = __init__
     ElasticDriver._start_worker_process = _start_worker_process
     ElasticDriver._update_host_assignments = _update_host_assignments
+    ElasticDriver._notify_workers_host_changes = _notify_workers_host_changes
+    ElasticDriver._discover_hosts = _discover_hosts
     ElasticDriver._elastictrain_repaired = True
 
 

@@ -357,3 +357,100 @@ def test_notice_stamps_are_wall_clock_and_strictly_increasing_even_when_the_cloc
     stamps = [clock() for _ in range(4)]
     assert stamps[0] == 100.5 and stamps[3] == 200.25
     assert all(b > a for a, b in itertools.pairwise(stamps))
+
+
+def test_untold_change_names_the_slots_the_hosts_allow_that_the_round_lacks_and_back() -> None:
+    pytest.importorskip("horovod.runner.elastic.worker")
+    from horovod.runner.common.util.hosts import SlotInfo
+    from horovod.runner.elastic.worker import HostUpdateResult
+
+    from elastictrain.launcher.hvdrun import untold_change
+
+    def round_of(*slots: tuple[str, int]) -> dict[str, list[Any]]:
+        out: dict[str, list[Any]] = {}
+        for rank, (host, local_rank) in enumerate(slots):
+            out.setdefault(host, []).append(SlotInfo(host, rank, local_rank, 0, len(slots), 1, 1))
+        return out
+
+    two, four = round_of(("a", 0), ("b", 0)), round_of(("a", 0), ("b", 0), ("c", 0), ("d", 0))
+    assert untold_change(two, four) == HostUpdateResult.added
+    assert untold_change(four, two) == HostUpdateResult.removed
+    assert untold_change(two, round_of(("a", 0), ("c", 0))) == HostUpdateResult.added | HostUpdateResult.removed
+    assert untold_change(two, round_of(("b", 0), ("a", 0))) == HostUpdateResult.no_update  # ranks only
+    assert untold_change(four, four) == HostUpdateResult.no_update
+
+
+class _Discovered:
+    """Host discovery whose hosts the test sets; counts its calls (one per iteration of the driver's loop)."""
+
+    def __init__(self, hosts: dict[str, int]) -> None:
+        import threading
+
+        self.lock = threading.Lock()
+        self.hosts = dict(hosts)
+        self.calls = 0
+
+    def set(self, hosts: dict[str, int]) -> None:
+        with self.lock:
+            self.hosts = dict(hosts)
+
+    def find_available_hosts_and_slots(self) -> dict[str, int]:
+        with self.lock:
+            self.calls += 1
+            return dict(self.hosts)
+
+
+def test_an_added_host_whose_notice_the_survivors_reset_dropped_is_told_again_until_the_round_has_it(
+    monkeypatch,
+) -> None:
+    """Horovod's driver told rank 0 of an added host once, and the worker's ``State.on_reset`` empties the queue of
+    notices: a notice that arrived while the survivors' reset was still running (the CI run: rank 0 and another
+    worker killed, their hosts back after the cooldown while the survivors' ring formed) was lost, and the job stayed
+    at 2 workers for good. Horovod's own driver and worker-side ``State``; the notices go straight into the State."""
+    pytest.importorskip("horovod.runner.elastic.driver")
+    from unittest import mock
+
+    from horovod.common.elastic import State
+    from horovod.common.exceptions import HostsUpdatedInterrupt
+    from horovod.runner.elastic import driver as driver_module
+    from horovod.runner.elastic.driver import ElasticDriver
+
+    from elastictrain.launcher import hvdrun
+
+    hvdrun.install()
+    monkeypatch.setattr(driver_module, "DISCOVER_HOSTS_FREQUENCY_SECS", 0.02)
+    state = State(bcast_object=lambda obj: obj, get_rank=lambda: 0)  # rank 0's, as Horovod's workers hold it
+    told: list[tuple[float, int]] = []
+
+    class Rank0:
+        def notify_hosts_updated(self, timestamp: float, update: int) -> None:
+            told.append((timestamp, update))
+            state.on_hosts_updated(timestamp, update)
+
+    hosts = _Discovered({"a": 1, "b": 1})
+    workers = _Workers()
+    driver = ElasticDriver(mock.MagicMock(), hosts, min_num_proc=2, max_num_proc=4, timeout=10)
+    try:
+        driver.start(2, workers)
+        wait_until(lambda: len(workers.started) == 2, 10, what="every worker started")
+        rank0 = driver.get_coordinator_info()
+        driver._worker_clients[(rank0.hostname, rank0.local_rank)] = Rank0()
+
+        hosts.set({"a": 1, "b": 1, "c": 1, "d": 1})  # c and d back while the survivors' reset runs
+        wait_until(lambda: told, 10, what="the first notice")
+        state.on_reset()  # the survivors' reset ends: Horovod drops what it was told
+        state.check_host_updates()  # nothing left to act on (this is how the job stayed at 2)
+
+        first = len(told)
+        wait_until(lambda: len(told) > first, 10, what="the added hosts told again")
+        assert told[-1][1] == 2 and told[-1][0] > told[0][0]  # HostUpdateResult.added, a newer stamp
+        with pytest.raises(HostsUpdatedInterrupt):
+            state.check_host_updates()
+
+        driver._update_host_assignments(driver._host_manager.current_hosts)  # the round that has c and d
+        settled, calls = len(told), hosts.calls
+        wait_until(lambda: hosts.calls >= calls + 5, 10, what="five more discovery rounds")
+        assert len(told) == settled, "told again after the round had the hosts"
+    finally:
+        workers.end_all()
+        driver.stop()
