@@ -60,12 +60,15 @@ This entry point is horovodrun itself (same flags, same driver, same rendezvous)
    while the survivors were still in the reset of a round formed without the new host (rank 0 and another worker
    killed: their hosts' blacklist cooldown ends while the survivors' next ring forms) was dropped, and the job
    stayed at the smaller size for good. So was a notice to a rank 0 not yet registered to be told. :func:`install`
-   makes the discovery loop, each time it finds no new change, compare the slots the hosts allow now with the
+   makes the discovery loop, each pass that finds no new change, compare the slots the hosts allow now with the
    current round's (:func:`untold_change`) and, while the hosts allow slots that the round lacks, tell rank 0
-   again (not when rank 0's process has exited). A removal is not told again: one that is lost leaves the job
-   training at its size. Deciding and telling hold the lock under which a round starts: a notice sent before
-   a round that has the new host lands before that round's reset ends (which drops it, rightly), and after such
-   a round starts none is sent.
+   again (a notice that only removes slots is not told again: one that is lost leaves the job training at its
+   size). Deciding and telling hold the lock under which a round starts: a notice sent before a round that has the
+   new host lands before that round's reset ends (which drops it, rightly), and after such a round starts none is
+   sent. Every notice, the first one too, goes out in one attempt bounded by :data:`NOTICE_TIMEOUT_SECONDS`
+   (:func:`send_notice`; Horovod's client waits without limit, so a stopped rank 0 held the driver's discovery);
+   a rank 0 whose process has exited is not told, and one whose notice failed is left alone for
+   :data:`NOTICE_BACKOFF_SECONDS`.
 
 The repairs replace private methods of Horovod 0.28.1's runner; on any other Horovod version this entry
 point exits 2 with one line.
@@ -215,6 +218,49 @@ def untold_change(current: Mapping[str, Iterable[Any]], allowed: Mapping[str, It
     return int((HostUpdateResult.added if now - then else 0) | (HostUpdateResult.removed if then - now else 0))
 
 
+NOTICE_TIMEOUT_SECONDS = 2.0
+"""How long the driver waits for rank 0 to take a host-change notice (Horovod's own client waits without limit, while
+the driver holds its locks: a stopped rank 0 held its discovery, and with repair 7 its exits too)."""
+
+NOTICE_BACKOFF_SECONDS = 5.0
+"""After a failed notice, how long the driver leaves that rank 0 alone (it is likely dead or stopped; the watchdog or
+its exit ends that soon, and a new rank 0 is told)."""
+
+
+def send_notice(client: Any, timestamp: float, update: int, timeout: float | None = None) -> None:
+    """Horovod's ``WorkerNotificationClient.notify_hosts_updated`` (its request, its signed wire format, the first
+    of the worker's vetted addresses) in one attempt of at most ``timeout`` seconds (default
+    :data:`NOTICE_TIMEOUT_SECONDS`) for the connection and for the reply. Raises ``OSError`` (``TimeoutError``
+    included) or the wire's error on a bad reply."""
+    import socket
+
+    from horovod.runner.elastic.worker import HostsUpdatedRequest
+
+    timeout = NOTICE_TIMEOUT_SECONDS if timeout is None else timeout
+
+    address = next(iter(client.addresses().values()))[0]
+    with socket.create_connection(tuple(address), timeout=timeout) as sock:
+        sock.settimeout(timeout)
+        with sock.makefile("rb") as rfile, sock.makefile("wb") as wfile:
+            client._wire.write(HostsUpdatedRequest(timestamp, update), wfile)
+            client._wire.read(rfile)
+
+
+class _BackOff:
+    """Slots whose last notice failed, each left alone for ``seconds`` (monotonic clock)."""
+
+    def __init__(self, seconds: float, clock: Any = time.monotonic) -> None:
+        self._seconds = seconds
+        self._clock = clock
+        self._until: dict[tuple[str, int], float] = {}
+
+    def ready(self, slot: tuple[str, int]) -> bool:
+        return self._clock() >= self._until.get(slot, 0.0)
+
+    def failed(self, slot: tuple[str, int]) -> None:
+        self._until[slot] = self._clock() + self._seconds
+
+
 def install() -> None:
     """Apply the seven repairs to Horovod's runner (in this process). Idempotent.
 
@@ -256,11 +302,11 @@ def install() -> None:
         return
     init = ElasticDriver.__init__
     update_assignments = ElasticDriver._update_host_assignments
-    notify = ElasticDriver._notify_workers_host_changes
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         self._elastictrain_slots = _SlotProcesses()
-        self._elastictrain_round = threading.Lock()  # an exit vs. the start of a round (repairs 2 and 5)
+        self._elastictrain_round = threading.Lock()  # an exit, a notice vs. the start of a round (repairs 2, 5, 7)
+        self._elastictrain_quiet = _BackOff(NOTICE_BACKOFF_SECONDS)
         init(self, *args, **kwargs)
 
     def _start_worker_process(self: Any, slot_info: Any) -> None:
@@ -296,22 +342,40 @@ def install() -> None:
                 self._host_assignments = {host: slots for host, slots in live.items() if slots}
             return update_assignments(self, current_hosts)
 
+    def tell_rank0(self: Any, update: Any) -> None:
+        """Send ``update`` to the current round's rank 0 (the caller holds the round lock); repair 7."""
+        rank0 = self.get_coordinator_info()
+        if rank0 is None:
+            return
+        slot = (rank0.hostname, rank0.local_rank)
+        client = self.get_worker_client(rank0)
+        if client is None or slot in self._elastictrain_slots.dead() or not self._elastictrain_quiet.ready(slot):
+            return
+        try:
+            send_notice(client, driver_module._epoch_time_s(), update)
+        except Exception as e:  # refused, timed out, a bad reply: told again after the back-off
+            self._elastictrain_quiet.failed(slot)
+            logging.warning(f"host-change notice to {slot[0]}[{slot[1]}] failed ({type(e).__name__}: {e})")
+
     def _notify_workers_host_changes(self: Any, current_hosts: Any, update_res: Any) -> None:
-        with self._elastictrain_round:  # a notice is sent before a round forms, or decided on after it
-            notify(self, current_hosts, update_res)
+        # Horovod 0.28.1's own rule (no notice when the slots would not change), sent by tell_rank0.
+        allowed = {}
+        if current_hosts.count_available_slots() >= self._min_num_proc:
+            allowed, _ = self._get_host_assignments(current_hosts)
+        with self._elastictrain_round:
+            if allowed != self.host_assignments:
+                tell_rank0(self, update_res)
 
     def tell_again(self: Any) -> None:
-        """Repair 7: tell rank 0 again of a change of hosts that the current round does not have."""
+        """Repair 7: tell rank 0 again of slots that the hosts allow and the current round lacks."""
         current_hosts = self._host_manager.current_hosts
+        allowed = {}
+        if current_hosts.count_available_slots() >= self._min_num_proc:
+            allowed, _ = self._get_host_assignments(current_hosts)
         with self._elastictrain_round:
-            allowed = {}
-            if current_hosts.count_available_slots() >= self._min_num_proc:
-                allowed, _ = self._get_host_assignments(current_hosts)
             update = HostUpdateResult(untold_change(self._host_assignments, allowed))
-            rank0 = self.get_coordinator_info()
-            gone = rank0 is not None and (rank0.hostname, rank0.local_rank) in self._elastictrain_slots.dead()
-            if update & HostUpdateResult.added and not gone:
-                notify(self, current_hosts, update)
+            if update & HostUpdateResult.added:
+                tell_rank0(self, update)
 
     def _discover_hosts(self: Any) -> None:
         # Horovod 0.28.1's own loop, which also tells again what the job has not acted on (repair 7).

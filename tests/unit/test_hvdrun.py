@@ -400,57 +400,157 @@ class _Discovered:
             return dict(self.hosts)
 
 
+class _Rank0:
+    """Rank 0's side of Horovod's notices: its real ``WorkerNotificationService`` (registered with the driver as a
+    worker registers it) feeding Horovod's own worker-side ``State``. ``hold`` keeps the service from answering (a
+    stopped rank 0: it takes the connection and never replies)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        from horovod.common.elastic import State
+        from horovod.runner.common.util import secret
+        from horovod.runner.elastic.worker import WorkerNotificationService
+
+        self.state = State(bcast_object=lambda obj: obj, get_rank=lambda: 0)
+        self.told: list[tuple[float, int]] = []
+        self.hold = threading.Event()
+        self.released = threading.Event()
+        self.key = secret.make_secret_key()
+        self.service = WorkerNotificationService(self.key, {"lo"}, self)
+
+    def handle_hosts_updated(self, timestamp: float, update: int) -> None:
+        if self.hold.is_set():
+            self.released.wait(30)
+            return
+        self.state.on_hosts_updated(timestamp, update)  # in the State before the test can see it told
+        self.told.append((timestamp, update))
+
+    def register(self, driver: Any) -> None:
+        rank0 = driver.get_coordinator_info()
+        driver.register_worker_server(rank0.hostname, rank0.local_rank, self.service.addresses(), self.key)
+
+    def close(self) -> None:
+        self.released.set()
+        self.service.shutdown()
+
+
+def _elastic_driver(hosts: _Discovered, workers: _Workers, min_np: int, max_np: int) -> Any:
+    from unittest import mock
+
+    from horovod.runner.elastic.driver import ElasticDriver
+
+    driver = ElasticDriver(mock.MagicMock(), hosts, min_num_proc=min_np, max_num_proc=max_np, timeout=10)
+    driver.start(min_np, workers)
+    wait_until(lambda: len(workers.started) == driver.world_size(), 10, what="every worker started")
+    driver._worker_registry = mock.MagicMock()  # as in _driver: the registry's barrier is not under test
+    return driver
+
+
 def test_an_added_host_whose_notice_the_survivors_reset_dropped_is_told_again_until_the_round_has_it(
     monkeypatch,
 ) -> None:
     """Horovod's driver told rank 0 of an added host once, and the worker's ``State.on_reset`` empties the queue of
     notices: a notice that arrived while the survivors' reset was still running (the CI run: rank 0 and another
     worker killed, their hosts back after the cooldown while the survivors' ring formed) was lost, and the job stayed
-    at 2 workers for good. Horovod's own driver and worker-side ``State``; the notices go straight into the State."""
+    at 2 workers for good. Horovod's own driver, notification service and client, and worker-side ``State``."""
     pytest.importorskip("horovod.runner.elastic.driver")
-    from unittest import mock
-
-    from horovod.common.elastic import State
     from horovod.common.exceptions import HostsUpdatedInterrupt
     from horovod.runner.elastic import driver as driver_module
-    from horovod.runner.elastic.driver import ElasticDriver
 
     from elastictrain.launcher import hvdrun
 
     hvdrun.install()
     monkeypatch.setattr(driver_module, "DISCOVER_HOSTS_FREQUENCY_SECS", 0.02)
-    state = State(bcast_object=lambda obj: obj, get_rank=lambda: 0)  # rank 0's, as Horovod's workers hold it
-    told: list[tuple[float, int]] = []
-
-    class Rank0:
-        def notify_hosts_updated(self, timestamp: float, update: int) -> None:
-            told.append((timestamp, update))
-            state.on_hosts_updated(timestamp, update)
-
-    hosts = _Discovered({"a": 1, "b": 1})
-    workers = _Workers()
-    driver = ElasticDriver(mock.MagicMock(), hosts, min_num_proc=2, max_num_proc=4, timeout=10)
+    hosts, workers, rank0 = _Discovered({"a": 1, "b": 1}), _Workers(), _Rank0()
+    driver = _elastic_driver(hosts, workers, 2, 4)
     try:
-        driver.start(2, workers)
-        wait_until(lambda: len(workers.started) == 2, 10, what="every worker started")
-        rank0 = driver.get_coordinator_info()
-        driver._worker_clients[(rank0.hostname, rank0.local_rank)] = Rank0()
-
+        rank0.register(driver)
         hosts.set({"a": 1, "b": 1, "c": 1, "d": 1})  # c and d back while the survivors' reset runs
-        wait_until(lambda: told, 10, what="the first notice")
-        state.on_reset()  # the survivors' reset ends: Horovod drops what it was told
-        state.check_host_updates()  # nothing left to act on (this is how the job stayed at 2)
+        wait_until(lambda: rank0.told, 10, what="the first notice")
+        rank0.state.on_reset()  # the survivors' reset ends: Horovod drops what it was told
+        rank0.state.check_host_updates()  # nothing left to act on (this is how the job stayed at 2)
 
-        first = len(told)
-        wait_until(lambda: len(told) > first, 10, what="the added hosts told again")
-        assert told[-1][1] == 2 and told[-1][0] > told[0][0]  # HostUpdateResult.added, a newer stamp
+        first = len(rank0.told)
+        wait_until(lambda: len(rank0.told) > first, 10, what="the added hosts told again")
+        assert rank0.told[-1][1] == 2 and rank0.told[-1][0] > rank0.told[0][0]  # HostUpdateResult.added, newer
         with pytest.raises(HostsUpdatedInterrupt):
-            state.check_host_updates()
+            rank0.state.check_host_updates()
 
         driver._update_host_assignments(driver._host_manager.current_hosts)  # the round that has c and d
-        settled, calls = len(told), hosts.calls
+        settled, calls = len(rank0.told), hosts.calls
         wait_until(lambda: hosts.calls >= calls + 5, 10, what="five more discovery rounds")
-        assert len(told) == settled, "told again after the round had the hosts"
+        assert len(rank0.told) == settled, "told again after the round had the hosts"
     finally:
+        rank0.close()
+        workers.end_all()
+        driver.stop()
+
+
+def test_a_removal_alone_is_not_told_again_and_a_rank0_whose_process_exited_is_told_nothing(monkeypatch) -> None:
+    pytest.importorskip("horovod.runner.elastic.driver")
+    from horovod.runner.elastic import driver as driver_module
+
+    from elastictrain.launcher import hvdrun
+
+    hvdrun.install()
+    monkeypatch.setattr(driver_module, "DISCOVER_HOSTS_FREQUENCY_SECS", 0.02)
+    hosts, workers, rank0 = _Discovered({"a": 1, "b": 1}), _Workers(), _Rank0()
+    driver = _elastic_driver(hosts, workers, 1, 4)
+    try:
+        rank0.register(driver)
+        name = driver.get_coordinator_info().hostname
+
+        hosts.set({name: 1})  # the other host is gone: told once (Horovod's notice), never again
+        wait_until(lambda: rank0.told, 10, what="the removal's notice")
+        calls = hosts.calls
+        wait_until(lambda: hosts.calls >= calls + 5, 10, what="five more discovery rounds")
+        assert [update for _, update in rank0.told] == [1]  # HostUpdateResult.removed, once
+
+        hosts.set({name: 1, "x": 1})  # x added, and told again while the round lacks it ...
+        wait_until(lambda: len(rank0.told) >= 3, 10, what="x told, then told again")
+        index = {slot: i for i, (slot, _) in enumerate(workers.exits)}
+        workers.end(index[(name, 0)], 137)  # ... until rank 0's process exits
+        wait_until(lambda: (name, 0) in driver._elastictrain_slots.dead(), 10, what="rank 0's exit recorded")
+        told, calls = len(rank0.told), hosts.calls
+        wait_until(lambda: hosts.calls >= calls + 5, 10, what="five more discovery rounds")
+        assert len(rank0.told) == told, "a rank 0 whose process exited was told again"
+    finally:
+        rank0.close()
+        workers.end_all()
+        driver.stop()
+
+
+def test_a_stopped_rank0_holds_neither_the_discovery_loop_nor_a_worker_exit(monkeypatch) -> None:
+    """Horovod's notice client waits for rank 0's reply without limit, and the driver holds its locks meanwhile: a
+    SIGSTOPped rank 0 (it takes the connection, never replies) held discovery for as long as it stayed stopped."""
+    pytest.importorskip("horovod.runner.elastic.driver")
+    from horovod.runner.elastic import driver as driver_module
+
+    from elastictrain.launcher import hvdrun
+
+    hvdrun.install()
+    monkeypatch.setattr(driver_module, "DISCOVER_HOSTS_FREQUENCY_SECS", 0.02)
+    monkeypatch.setattr(hvdrun, "NOTICE_TIMEOUT_SECONDS", 0.2, raising=False)
+    monkeypatch.setattr(hvdrun, "NOTICE_BACKOFF_SECONDS", 0.5, raising=False)
+    hosts, workers, rank0 = _Discovered({"a": 1, "b": 1}), _Workers(), _Rank0()
+    driver = _elastic_driver(hosts, workers, 1, 4)
+    try:
+        rank0.register(driver)
+        name = driver.get_coordinator_info().hostname
+        other = "b" if name == "a" else "a"
+        rank0.hold.set()  # stopped
+        hosts.set({"a": 1, "b": 1, "c": 1})
+        calls = hosts.calls
+        wait_until(lambda: hosts.calls >= calls + 10, 10, what="discovery going on while rank 0 is stopped")
+        index = {slot: i for i, (slot, _) in enumerate(workers.exits)}
+        workers.end(index[(other, 0)], 137)
+        wait_until(lambda: (other, 0) in driver._elastictrain_slots.dead(), 10, what="a worker's exit recorded")
+        assert rank0.told == []
+        rank0.hold.clear()  # rank 0 answers again: c is told after the back-off
+        wait_until(lambda: rank0.told, 10, what="c told once rank 0 answers")
+        assert rank0.told[-1][1] & 2
+    finally:
+        rank0.close()
         workers.end_all()
         driver.stop()
