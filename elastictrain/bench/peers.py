@@ -342,17 +342,26 @@ def samples_per_second(lines: Iterable[Line], t_from: float, t_to: float) -> flo
 
 
 def audit(lines: Iterable[Line], num_samples: int) -> dict[int, dict[str, int]]:
-    """Per completed epoch (a kept line of a later epoch exists): ids trained, ids never trained, duplicates."""
+    """Per completed epoch (a kept line of a later epoch exists): ids trained, ids never trained, duplicates, and
+    ``unlogged``: processes that took part in a kept step (its lines say a world larger than their number) and wrote
+    no line for it. A process writes its line after its optimizer step, so one killed between its gradients' sum
+    and its line took part (a collective of that world needs every member) but its ids are not in the log: they
+    count as missing, and ``unlogged`` says how many batches may explain them."""
     kept = replay(lines).kept
     last_epoch = max((ln.epoch for ln in kept), default=0)
     out: dict[int, dict[str, int]] = {}
     for epoch in sorted({ln.epoch for ln in kept if ln.epoch < last_epoch}):
-        ids = [i for ln in kept if ln.epoch == epoch for i in ln.ids]
+        of_epoch = [ln for ln in kept if ln.epoch == epoch]
+        ids = [i for ln in of_epoch for i in ln.ids]
         distinct = set(ids)
+        per_step: dict[int, list[Line]] = {}
+        for ln in of_epoch:
+            per_step.setdefault(ln.step, []).append(ln)
         out[epoch] = {
             "seen": len(ids),
             "missing": len(set(range(num_samples)) - distinct),
             "duplicated": len(ids) - len(distinct),
+            "unlogged": sum(max(0, max(ln.world for ln in ls) - len(ls)) for ls in per_step.values()),
         }
     return out
 
@@ -842,8 +851,9 @@ def goodput_run(name: str, workdir: Path, hosts: list[str], quick: bool, log: Ca
     epochs = audit(lines, NUM_SAMPLES)
     once = bool(epochs) and all(e["missing"] == 0 and e["duplicated"] == 0 for e in epochs.values())
     value = goodput(lines, t_start, t_end)
+    unlogged = sum(e["unlogged"] for e in epochs.values())
     log(f"{name}: goodput {value:.3f}, {len(kills)} kills, {sum(n for _, n in rep.rollbacks)} steps redone, "
-        f"exactly once {once} over {len(epochs)} epochs")  # fmt: skip
+        f"exactly once {once} over {len(epochs)} epochs ({unlogged} batches unlogged)")  # fmt: skip
     return {
         "goodput": value,
         "window_seconds": window,

@@ -164,9 +164,22 @@ def test_audit_finds_missing_and_repeated_samples_per_completed_epoch():
         return Line("a", step, epoch, step, step + 1, 1, True, tuple(ids))
 
     once = [ln(1, 0, [0, 1]), ln(2, 0, [2, 3]), ln(3, 1, [1])]
-    assert audit(once, 4) == {0: {"seen": 4, "missing": 0, "duplicated": 0}}
+    assert audit(once, 4) == {0: {"seen": 4, "missing": 0, "duplicated": 0, "unlogged": 0}}
     skipped = [ln(1, 0, [0, 1]), ln(2, 0, [1, 2]), ln(3, 1, [0])]
-    assert audit(skipped, 4) == {0: {"seen": 4, "missing": 1, "duplicated": 1}}
+    assert audit(skipped, 4) == {0: {"seen": 4, "missing": 1, "duplicated": 1, "unlogged": 0}}
+
+
+def test_audit_counts_the_batch_of_a_process_that_died_after_its_step_was_summed_and_before_its_line():
+    """The full peers run: a worker SIGKILLed between its step's allreduce and its line; the survivors' lines of that
+    step say world 3, so three took part, and the step log lacks one batch of ids."""
+
+    def ln(writer: str, step: int, epoch: int, ids: list[int], world: int) -> Line:
+        return Line(writer, step, epoch, step, step + 0.5, world, True, tuple(ids))
+
+    lines = [ln(w, 1, 0, [i], 3) for w, i in (("a", 0), ("b", 1), ("c", 2))]
+    lines += [ln("a", 2, 0, [3], 3), ln("b", 2, 0, [4], 3)]  # c died after the sum: no line, id 5 unlogged
+    lines += [ln("a", 3, 1, [0], 2), ln("b", 3, 1, [1], 2)]
+    assert audit(lines, 6) == {0: {"seen": 5, "missing": 1, "duplicated": 0, "unlogged": 1}}
 
 
 def test_samples_per_second_counts_kept_samples_after_the_window_start():
