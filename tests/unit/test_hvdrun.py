@@ -8,6 +8,7 @@ import itertools
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -435,16 +436,34 @@ class _Rank0:
         self.service.shutdown()
 
 
-def _elastic_driver(hosts: _Discovered, workers: _Workers, min_np: int, max_np: int) -> Any:
+@contextlib.contextmanager
+def _notices(
+    monkeypatch: Any, hosts: dict[str, int], min_np: int
+) -> Iterator[tuple[Any, _Discovered, _Workers, _Rank0]]:
+    """Horovod's driver with the repairs, a discovery pass every 20 ms over ``hosts`` (max 4 slots), fake workers
+    (the registry's barrier is not under test, as in :func:`_driver`) and rank 0's real notification service."""
+    pytest.importorskip("horovod.runner.elastic.driver")
     from unittest import mock
 
+    from horovod.runner.elastic import driver as driver_module
     from horovod.runner.elastic.driver import ElasticDriver
 
-    driver = ElasticDriver(mock.MagicMock(), hosts, min_num_proc=min_np, max_num_proc=max_np, timeout=10)
-    driver.start(min_np, workers)
-    wait_until(lambda: len(workers.started) == driver.world_size(), 10, what="every worker started")
-    driver._worker_registry = mock.MagicMock()  # as in _driver: the registry's barrier is not under test
-    return driver
+    from elastictrain.launcher import hvdrun
+
+    hvdrun.install()
+    monkeypatch.setattr(driver_module, "DISCOVER_HOSTS_FREQUENCY_SECS", 0.02)
+    discovered, workers, rank0 = _Discovered(hosts), _Workers(), _Rank0()
+    driver = ElasticDriver(mock.MagicMock(), discovered, min_num_proc=min_np, max_num_proc=4, timeout=10)
+    try:
+        driver.start(min_np, workers)
+        wait_until(lambda: len(workers.started) == driver.world_size(), 10, what="every worker started")
+        driver._worker_registry = mock.MagicMock()
+        rank0.register(driver)
+        yield driver, discovered, workers, rank0
+    finally:
+        rank0.close()
+        workers.end_all()
+        driver.stop()
 
 
 def test_an_added_host_whose_notice_the_survivors_reset_dropped_is_told_again_until_the_round_has_it(
@@ -454,18 +473,9 @@ def test_an_added_host_whose_notice_the_survivors_reset_dropped_is_told_again_un
     notices: a notice that arrived while the survivors' reset was still running (the CI run: rank 0 and another
     worker killed, their hosts back after the cooldown while the survivors' ring formed) was lost, and the job stayed
     at 2 workers for good. Horovod's own driver, notification service and client, and worker-side ``State``."""
-    pytest.importorskip("horovod.runner.elastic.driver")
     from horovod.common.exceptions import HostsUpdatedInterrupt
-    from horovod.runner.elastic import driver as driver_module
 
-    from elastictrain.launcher import hvdrun
-
-    hvdrun.install()
-    monkeypatch.setattr(driver_module, "DISCOVER_HOSTS_FREQUENCY_SECS", 0.02)
-    hosts, workers, rank0 = _Discovered({"a": 1, "b": 1}), _Workers(), _Rank0()
-    driver = _elastic_driver(hosts, workers, 2, 4)
-    try:
-        rank0.register(driver)
+    with _notices(monkeypatch, {"a": 1, "b": 1}, 2) as (driver, hosts, _, rank0):
         hosts.set({"a": 1, "b": 1, "c": 1, "d": 1})  # c and d back while the survivors' reset runs
         wait_until(lambda: rank0.told, 10, what="the first notice")
         rank0.state.on_reset()  # the survivors' reset ends: Horovod drops what it was told
@@ -481,24 +491,10 @@ def test_an_added_host_whose_notice_the_survivors_reset_dropped_is_told_again_un
         settled, calls = len(rank0.told), hosts.calls
         wait_until(lambda: hosts.calls >= calls + 5, 10, what="five more discovery rounds")
         assert len(rank0.told) == settled, "told again after the round had the hosts"
-    finally:
-        rank0.close()
-        workers.end_all()
-        driver.stop()
 
 
 def test_a_removal_alone_is_not_told_again_and_a_rank0_whose_process_exited_is_told_nothing(monkeypatch) -> None:
-    pytest.importorskip("horovod.runner.elastic.driver")
-    from horovod.runner.elastic import driver as driver_module
-
-    from elastictrain.launcher import hvdrun
-
-    hvdrun.install()
-    monkeypatch.setattr(driver_module, "DISCOVER_HOSTS_FREQUENCY_SECS", 0.02)
-    hosts, workers, rank0 = _Discovered({"a": 1, "b": 1}), _Workers(), _Rank0()
-    driver = _elastic_driver(hosts, workers, 1, 4)
-    try:
-        rank0.register(driver)
+    with _notices(monkeypatch, {"a": 1, "b": 1}, 1) as (driver, hosts, workers, rank0):
         name = driver.get_coordinator_info().hostname
 
         hosts.set({name: 1})  # the other host is gone: told once (Horovod's notice), never again
@@ -515,28 +511,16 @@ def test_a_removal_alone_is_not_told_again_and_a_rank0_whose_process_exited_is_t
         told, calls = len(rank0.told), hosts.calls
         wait_until(lambda: hosts.calls >= calls + 5, 10, what="five more discovery rounds")
         assert len(rank0.told) == told, "a rank 0 whose process exited was told again"
-    finally:
-        rank0.close()
-        workers.end_all()
-        driver.stop()
 
 
 def test_a_stopped_rank0_holds_neither_the_discovery_loop_nor_a_worker_exit(monkeypatch) -> None:
     """Horovod's notice client waits for rank 0's reply without limit, and the driver holds its locks meanwhile: a
     SIGSTOPped rank 0 (it takes the connection, never replies) held discovery for as long as it stayed stopped."""
-    pytest.importorskip("horovod.runner.elastic.driver")
-    from horovod.runner.elastic import driver as driver_module
-
     from elastictrain.launcher import hvdrun
 
-    hvdrun.install()
-    monkeypatch.setattr(driver_module, "DISCOVER_HOSTS_FREQUENCY_SECS", 0.02)
     monkeypatch.setattr(hvdrun, "NOTICE_TIMEOUT_SECONDS", 0.2, raising=False)
     monkeypatch.setattr(hvdrun, "NOTICE_BACKOFF_SECONDS", 0.5, raising=False)
-    hosts, workers, rank0 = _Discovered({"a": 1, "b": 1}), _Workers(), _Rank0()
-    driver = _elastic_driver(hosts, workers, 1, 4)
-    try:
-        rank0.register(driver)
+    with _notices(monkeypatch, {"a": 1, "b": 1}, 1) as (driver, hosts, workers, rank0):
         name = driver.get_coordinator_info().hostname
         other = "b" if name == "a" else "a"
         rank0.hold.set()  # stopped
@@ -550,7 +534,3 @@ def test_a_stopped_rank0_holds_neither_the_discovery_loop_nor_a_worker_exit(monk
         rank0.hold.clear()  # rank 0 answers again: c is told after the back-off
         wait_until(lambda: rank0.told, 10, what="c told once rank 0 answers")
         assert rank0.told[-1][1] & 2
-    finally:
-        rank0.close()
-        workers.end_all()
-        driver.stop()
