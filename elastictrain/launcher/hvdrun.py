@@ -357,21 +357,22 @@ def install() -> None:
             self._elastictrain_quiet.failed(slot)
             logging.warning(f"host-change notice to {slot[0]}[{slot[1]}] failed ({type(e).__name__}: {e})")
 
+    def allowed_slots(self: Any, current_hosts: Any) -> Any:
+        """The assignment the hosts allow now (none below the minimum), as Horovod's driver computes it."""
+        if current_hosts.count_available_slots() < self._min_num_proc:
+            return {}
+        return self._get_host_assignments(current_hosts)[0]
+
     def _notify_workers_host_changes(self: Any, current_hosts: Any, update_res: Any) -> None:
         # Horovod 0.28.1's own rule (no notice when the slots would not change), sent by tell_rank0.
-        allowed = {}
-        if current_hosts.count_available_slots() >= self._min_num_proc:
-            allowed, _ = self._get_host_assignments(current_hosts)
+        allowed = allowed_slots(self, current_hosts)
         with self._elastictrain_round:
             if allowed != self.host_assignments:
                 tell_rank0(self, update_res)
 
     def tell_again(self: Any) -> None:
         """Repair 7: tell rank 0 again of slots that the hosts allow and the current round lacks."""
-        current_hosts = self._host_manager.current_hosts
-        allowed = {}
-        if current_hosts.count_available_slots() >= self._min_num_proc:
-            allowed, _ = self._get_host_assignments(current_hosts)
+        allowed = allowed_slots(self, self._host_manager.current_hosts)
         with self._elastictrain_round:
             update = HostUpdateResult(untold_change(self._host_assignments, allowed))
             if update & HostUpdateResult.added:
