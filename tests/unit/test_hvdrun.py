@@ -123,17 +123,30 @@ class _Workers:
             self.exits[i][1][1].set()
 
 
-def _driver(hosts: dict[str, int], workers: _Workers, cls: Any = None, rendezvous: Any = None) -> Any:
+def _driver(
+    hosts: dict[str, int],
+    workers: _Workers,
+    cls: Any = None,
+    rendezvous: Any = None,
+    *,
+    discovery: Any = None,
+    min_np: int | None = None,
+    max_np: int | None = None,
+) -> Any:
+    """Horovod's driver over ``hosts`` (``discovery``, else Horovod's ``FixedHosts``; min and max: every slot) with
+    its first round's workers started (``workers``) and its registry mocked."""
     from unittest import mock
 
     from horovod.runner.elastic.discovery import FixedHosts
     from horovod.runner.elastic.driver import ElasticDriver
 
     n = sum(hosts.values())
+    min_np, max_np = min_np or n, max_np or n
     rendezvous = rendezvous or mock.MagicMock()
-    driver = (cls or ElasticDriver)(rendezvous, FixedHosts(hosts), min_num_proc=n, max_num_proc=n, timeout=10)
-    driver.start(n, workers)
-    wait_until(lambda: len(workers.started) == n, 10, what="every worker started")
+    discovery = discovery or FixedHosts(hosts)
+    driver = (cls or ElasticDriver)(rendezvous, discovery, min_num_proc=min_np, max_num_proc=max_np, timeout=10)
+    driver.start(min_np, workers)
+    wait_until(lambda: len(workers.started) == driver.world_size(), 10, what="every worker started")
     # Horovod's registry would block the exit threads in a barrier until every worker reports; not under test.
     driver._worker_registry = mock.MagicMock()
     return driver
@@ -441,23 +454,18 @@ def _notices(
     monkeypatch: Any, hosts: dict[str, int], min_np: int
 ) -> Iterator[tuple[Any, _Discovered, _Workers, _Rank0]]:
     """Horovod's driver with the repairs, a discovery pass every 20 ms over ``hosts`` (max 4 slots), fake workers
-    (the registry's barrier is not under test, as in :func:`_driver`) and rank 0's real notification service."""
+    (:func:`_driver`) and rank 0's real notification service."""
     pytest.importorskip("horovod.runner.elastic.driver")
-    from unittest import mock
-
     from horovod.runner.elastic import driver as driver_module
-    from horovod.runner.elastic.driver import ElasticDriver
 
     from elastictrain.launcher import hvdrun
 
     hvdrun.install()
     monkeypatch.setattr(driver_module, "DISCOVER_HOSTS_FREQUENCY_SECS", 0.02)
-    discovered, workers, rank0 = _Discovered(hosts), _Workers(), _Rank0()
-    driver = ElasticDriver(mock.MagicMock(), discovered, min_num_proc=min_np, max_num_proc=4, timeout=10)
+    discovered, workers = _Discovered(hosts), _Workers()
+    driver = _driver(hosts, workers, discovery=discovered, min_np=min_np, max_np=4)
+    rank0 = _Rank0()
     try:
-        driver.start(min_np, workers)
-        wait_until(lambda: len(workers.started) == driver.world_size(), 10, what="every worker started")
-        driver._worker_registry = mock.MagicMock()
         rank0.register(driver)
         yield driver, discovered, workers, rank0
     finally:
