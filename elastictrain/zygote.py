@@ -16,6 +16,12 @@ Contract:
   directory and standard streams: the entry point of a cold worker. It dies with the zygote
   (PR_SET_PDEATHSIG) and is SIGKILLed when its client's connection closes (the client died).
 - With no zygote (no socket, no answer, an ``error``), the client execs the cold command: the same worker.
+  A zygote that is still warming keeps a marker beside its socket's path (its pid, start time and when it began)
+  until it listens. A client that finds no socket but the marker of a live process says so on stderr and waits
+  for the socket, up to :data:`WARMING_WAIT_SECONDS` after the warm-up began; then, or once that process is
+  gone, it starts cold (a relayed signal that comes meanwhile ends the wait and then acts as on a cold worker).
+  horovodrun may start a worker on a host whose agent has just restarted: a cold start takes about as long as
+  the warm-up it would race, and on the same CPUs slows it down.
 - Only the zygote's own user may connect (a 0700 folder, a 0600 socket, SO_PEERCRED checked): a request
   runs code as that user. It forks only for its own config and ``--set`` overrides (:class:`JobSpec`); a
   request of another job that shares the socket's job and host name is refused and starts cold.
@@ -45,6 +51,7 @@ import contextlib
 import hashlib
 import itertools
 import json
+import math
 import os
 import signal
 import socket
@@ -63,6 +70,10 @@ DIR_ENV = envnames.ZYGOTE_DIR
 MAX_MESSAGE = 1 << 20
 RELAYED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 CONNECT_TIMEOUT_SECONDS = 5.0
+WARMING_WAIT_SECONDS = 20.0
+"""How long after a warm-up began a client still waits for that zygote instead of starting its worker cold (a
+warm-up takes 3-4 s of CPU here; one that takes much longer is stuck, or its agent gave up on it)."""
+WARMING_POLL_SECONDS = 0.05
 READY_LINE = "zygote ready"
 STAMP_CHECK_SECONDS = 2.0
 """How often an idle zygote compares the code it imported with the files on disk."""
@@ -94,6 +105,60 @@ def socket_path(job: str, host: str) -> Path:
     """Where the zygote of ``job`` on ``host`` listens (short: AF_UNIX paths have a 107-byte limit)."""
     key = hashlib.sha256(f"{job}\n{host}".encode()).hexdigest()[:20]  # names hold no newline (check_name)
     return socket_dir() / f"{key}.sock"
+
+
+def warming_path(path: Path) -> Path:
+    """The marker a zygote keeps beside its socket's ``path`` while it warms."""
+    return path.with_name(f"{path.stem}.warming")
+
+
+def _start_time(pid: int) -> int | None:
+    """The start time of the live process ``pid`` (clock ticks since boot), or None: gone, or a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()  # the name may hold anything
+        return None if fields[0] in (b"Z", b"X", b"x") else int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def mark_warming(path: Path) -> str | None:
+    """Write this process's warming marker for the socket ``path`` (atomically) and return what it holds; None when
+    it could not be written (clients then start cold while we warm, as without a marker)."""
+    folder = path.parent
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    check_folder(folder)
+    started = _start_time(os.getpid())
+    if started is None:
+        return None
+    mark = f"{os.getpid()} {started} {time.time():.3f}"
+    tmp = folder / f".{path.stem}.{os.getpid()}.tmp"
+    try:
+        tmp.write_text(mark)
+        os.replace(tmp, warming_path(path))
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        return None
+    return mark
+
+
+def unmark_warming(path: Path, mark: str | None) -> None:
+    """Remove the warming marker of ``path`` if it is still the one this process wrote (``mark``)."""
+    with contextlib.suppress(OSError):
+        if mark is not None and warming_path(path).read_text() == mark:
+            warming_path(path).unlink()
+
+
+def warming_since(path: Path) -> tuple[int, float] | None:
+    """(pid, Unix time its warm-up began) of the zygote warming for the socket ``path``: its marker (untrusted) names
+    a live process with that start time; else None."""
+    try:
+        with warming_path(path).open("rb") as f:
+            pid_, started_, since_ = f.read(96).split()
+        pid, started, since = int(pid_), int(started_), float(since_)
+    except (OSError, ValueError):
+        return None
+    return (pid, since) if pid > 0 and _start_time(pid) == started and math.isfinite(since) else None
 
 
 def send_message(sock: socket.socket, msg: dict[str, Any], fds: list[int] | None = None) -> None:
@@ -211,18 +276,46 @@ class _Relay:
             os.kill(os.getpid(), signum)
 
 
+def _connect(path: Path, relay: _Relay) -> socket.socket:
+    """A connection to the zygote at ``path``; while that zygote warms (no socket yet, a live marker), the socket is
+    tried again every :data:`WARMING_POLL_SECONDS` until :data:`WARMING_WAIT_SECONDS` after its warm-up began."""
+    said = False
+    while True:
+        warming = warming_since(path)  # read before the attempt: a zygote removes its marker only once it listens
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(CONNECT_TIMEOUT_SECONDS)
+        try:
+            if relay.pending:
+                raise ConnectionAbortedError("a signal came while the zygote warmed")
+            sock.connect(str(path))
+            return sock
+        except (FileNotFoundError, ConnectionRefusedError):
+            sock.close()
+            if warming is None or time.time() >= warming[1] + WARMING_WAIT_SECONDS:
+                raise
+        except BaseException:
+            sock.close()
+            raise
+        if not said:
+            print(
+                f"elastictrain zygote: waiting for the warming zygote (pid {warming[0]})", file=sys.stderr, flush=True
+            )
+            said = True
+        time.sleep(WARMING_POLL_SECONDS)
+
+
 def _request(path: Path, args: list[str], relay: _Relay) -> socket.socket | None:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock = None
     try:
         check_folder(path.parent)
-        sock.settimeout(CONNECT_TIMEOUT_SECONDS)
-        sock.connect(str(path))
+        sock = _connect(path, relay)
         if peer_uid(sock) != os.getuid():
             raise PermissionError("the zygote socket is served by another user")
         send_message(sock, {"args": args, "env": dict(os.environ), "cwd": os.getcwd()}, [0, 1, 2])
         reply, _ = recv_message(sock)
     except (OSError, ProtocolError):
-        sock.close()
+        if sock is not None:
+            sock.close()
         return None
     pid = reply.get("pid") if reply else None
     if type(pid) is not int or pid <= 0:
@@ -665,10 +758,13 @@ def serve_main(argv: list[str]) -> int:
     args: argparse.Namespace = p.parse_args(argv)
     path = socket_path(args.job, args.host)
     restarts = int(os.environ.get(envnames.ZYGOTE_RESTARTS, "0") or 0)
+    mark = None
     try:
+        mark = mark_warming(path)  # clients that come meanwhile wait for us (they find no socket yet)
         stamp = warm(args.config, args.overrides)  # before listening: nobody queues what a busy zygote cannot answer
         listener = listen(path)
     except Exception as e:
+        unmark_warming(path, mark)
         if restarts:  # the new code does not warm yet (a half-saved file?): try again later, do not give up hot join
             return retry_later(restarts, f"{type(e).__name__}: {str(e)[:300]}")
         if isinstance(e, ConfigError):
@@ -677,6 +773,7 @@ def serve_main(argv: list[str]) -> int:
             print(f"elastictrain zygote: error: {e}", file=sys.stderr)
             return 1
         raise
+    unmark_warming(path, mark)
     zygote = Zygote(listener, path, stamp, JobSpec.of(args.config, args.overrides))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked across a restart (see restart()); handled now
     _say(f"{READY_LINE} {path} pid {os.getpid()}")

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import psutil
@@ -339,22 +340,26 @@ def real_zygote(procs: ProcessGroup, folder: Path, task: str) -> subprocess.Pope
     return proc
 
 
-def test_a_zygote_whose_task_code_changed_sends_clients_cold_and_restarts_itself_warm(procs, sockdir, tmp_path):
+def test_a_zygote_whose_task_code_changed_forks_nothing_of_the_old_code_and_restarts_itself_warm(
+    procs, sockdir, tmp_path
+):
     (tmp_path / "upgraded_task.py").write_text("VERSION = 1\n\ndef build():\n    raise NotImplementedError\n")
     proc = real_zygote(procs, tmp_path, "upgraded_task:build")
     first = proc.stdout.readline()
     assert first.startswith(zygote.READY_LINE), first
     (tmp_path / "upgraded_task.py").write_text("VERSION = 2\n\ndef build():\n    raise NotImplementedError\n")
-    cold = client(procs, "x")
-    out, _ = cold.communicate(timeout=30)
-    assert out.startswith("cold "), "a client of a zygote with old code starts its worker cold"
-    said = proc.stdout.readline()
-    assert "upgraded_task.py changed since it warmed; restarting" in said, said
-    again = proc.stdout.readline()  # the same process, re-executed: warm again, with the new code
-    assert again.startswith(zygote.READY_LINE) and again.split()[-1] == str(proc.pid), again
+    c = client(procs, "x")
+    out, _ = c.communicate(timeout=60)
+    said = []  # what the zygote said until it was ready again
+    while not (line := proc.stdout.readline()).startswith(zygote.READY_LINE):
+        assert line, f"the zygote ended: {said}"
+        said.append(line)
+    assert any("upgraded_task.py changed since it warmed; restarting" in x for x in said), said
+    assert not any("forked worker" in x for x in said), "no worker is forked from the old code"
+    assert line.split()[-1] == str(proc.pid), line  # the same process, re-executed: warm again, with the new code
+    if not out.startswith("cold "):  # the client came while the new code warmed, waited, and was forked from it
+        assert "forked worker" in proc.stdout.readline()
     assert proc.poll() is None
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 0
 
 
 def test_the_forked_worker_of_a_client_is_found_by_the_streams_it_was_handed(server, procs):
@@ -430,9 +435,11 @@ def test_a_zygote_whose_changed_code_does_not_warm_yet_tries_again_and_recovers(
     assert "changed since it warmed; restarting" in proc.stdout.readline()
     line = proc.stdout.readline()
     assert "warming the changed code failed" in line and "trying again in 2s" in line, line
+    assert zygote.warming_since(zygote.socket_path("job1", "h1")) is None, "no client waits for a failed warm-up"
     (tmp_path / "flaky_task.py").write_text(good + "# fixed\n")
     again = proc.stdout.readline()  # the retry re-executes the same process, which warms the fixed code
     assert again.startswith(zygote.READY_LINE) and again.split()[-1] == str(proc.pid), again
+    assert not zygote.warming_path(zygote.socket_path("job1", "h1")).exists(), "the marker goes once it listens"
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
 
@@ -457,3 +464,97 @@ def test_a_zygote_forks_only_for_the_config_and_overrides_it_warmed(procs, sockd
         theirs = client(procs, *args, cwd=tmp_path)
         out, err = theirs.communicate(timeout=30)
         assert out.startswith("cold ") and "this zygote warmed" in err, (out, err)
+
+
+WARMING_SERVER = SERVER.replace(
+    "z = zygote.Zygote(zygote.listen(path), path)",
+    "mark = zygote.mark_warming(path)\n"
+    "print('warming', flush=True)\n"
+    "sys.stdin.readline()  # warm until the test says\n"
+    "listener = zygote.listen(path)\n"
+    "zygote.unmark_warming(path, mark)\n"
+    "z = zygote.Zygote(listener, path)",
+)
+assert WARMING_SERVER != SERVER
+
+
+def warming_zygote(procs: ProcessGroup) -> subprocess.Popen:
+    proc = procs.start(
+        [sys.executable, "-c", WARMING_SERVER],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "warming"
+    return proc
+
+
+def waiting_client(procs: ProcessGroup, zygote_pid: int) -> subprocess.Popen:
+    c = client(procs, "3")
+    assert c.stderr is not None
+    said = c.stderr.readline()
+    assert f"waiting for the warming zygote (pid {zygote_pid})" in said, said
+    return c
+
+
+def test_a_client_that_comes_while_its_zygote_warms_waits_for_it_and_gets_a_warm_worker(procs, sockdir):
+    server = warming_zygote(procs)
+    c = waiting_client(procs, server.pid)
+    assert server.stdin is not None and server.stdout is not None
+    server.stdin.write("go\n")
+    server.stdin.flush()
+    assert server.stdout.readline().startswith(zygote.READY_LINE)
+    out, err = c.communicate(timeout=60)
+    assert c.returncode == 3, err
+    assert out.split(" ")[:2] == ["worker", str(server.pid)], "forked by the zygote it waited for, not cold"
+    assert not zygote.warming_path(zygote.socket_path("job1", "h1")).exists(), "the marker goes once it listens"
+
+
+def test_a_client_whose_warming_zygote_dies_starts_cold(procs, sockdir):
+    server = warming_zygote(procs)
+    c = waiting_client(procs, server.pid)
+    server.kill()  # not reaped: a zygote whose agent has not waited for it yet is a zombie
+    out, _ = c.communicate(timeout=zygote.WARMING_WAIT_SECONDS / 2)
+    assert (c.returncode, out.strip()) == (0, "cold train 3")
+
+
+def test_a_signal_to_a_waiting_client_ends_it_with_that_signal_and_starts_nothing(procs, sockdir):
+    server = warming_zygote(procs)
+    c = waiting_client(procs, server.pid)
+    c.send_signal(signal.SIGTERM)
+    out, _ = c.communicate(timeout=zygote.WARMING_WAIT_SECONDS / 2)
+    assert (c.returncode, out) == (-signal.SIGTERM, "")
+
+
+def test_a_client_waits_for_a_warm_up_only_until_the_bound_after_it_began(sockdir, monkeypatch):
+    path = zygote.socket_path("job1", "h1")
+    mark = zygote.mark_warming(path)
+    assert mark is not None
+    pid, started, since = mark.split()
+    relay = types.SimpleNamespace(pending=[])
+    zygote.warming_path(path).write_text(f"{pid} {started} {float(since) - zygote.WARMING_WAIT_SECONDS}")
+    with pytest.raises(FileNotFoundError):  # warming for longer than the bound: cold at once
+        zygote._connect(path, relay)
+    monkeypatch.setattr(zygote, "WARMING_WAIT_SECONDS", 0.3)
+    zygote.warming_path(path).write_text(mark)
+    with pytest.raises(FileNotFoundError):  # still warming when the bound passes: cold
+        zygote._connect(path, relay)
+
+
+def test_a_warming_marker_counts_only_while_the_process_it_names_runs(sockdir):
+    path = zygote.socket_path("job1", "h1")
+    assert zygote.warming_since(path) is None  # no marker
+    mark = zygote.mark_warming(path)
+    assert mark is not None
+    assert zygote.warming_since(path) == (os.getpid(), float(mark.split()[2]))
+    pid, started, since = mark.split()
+    marker = zygote.warming_path(path)
+    for other in (f"{pid} {int(started) + 1} {since}", f"999999999 1 {since}", f"{pid} {started} nan", "x y z", ""):
+        marker.write_text(other)  # a reused pid, no such process, garbage
+        assert zygote.warming_since(path) is None, other
+    zygote.unmark_warming(path, mark)
+    assert marker.exists(), "a marker another process wrote is left alone"
+    marker.write_text(mark)
+    zygote.unmark_warming(path, mark)
+    assert not marker.exists()
