@@ -48,6 +48,7 @@ so that the two sides cannot drift apart.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import itertools
 import json
@@ -59,6 +60,7 @@ import stat
 import struct
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -481,6 +483,39 @@ def warm(config: str, overrides: list[str]) -> CodeStamp:
     return CodeStamp.take(packages=(package,), extra=(config,), since_ns=started_ns)
 
 
+WARM_SLOT_WAIT_SECONDS = 60.0
+"""How long a zygote waits for a warm-up slot of its machine before it warms anyway."""
+
+
+@contextlib.contextmanager
+def warm_slot(folder: Path, slots: int, wait: float) -> Iterator[bool]:
+    """Hold one of the machine's ``slots`` warm-up slots (``warm-<i>.lock`` in the zygote ``folder``, taken with
+    ``flock``, so a dead holder frees its slot) while the block runs; yields False when none was free within
+    ``wait`` seconds (the block runs anyway). A warm-up is a few seconds of one core: the agents of several logical
+    hosts that start at once (a launch, hosts returning together) would otherwise share the cores so that none is
+    warm before all are; with a slot per core, the first ones are warm in the time of one, and the last no later."""
+    deadline, fd = time.monotonic() + wait, None
+    while fd is None:
+        for i in range(slots):
+            f = os.open(folder / f"warm-{i}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(f)
+                continue
+            fd = f
+            break
+        else:
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(WARMING_POLL_SECONDS)
+    try:
+        yield fd is not None
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
 def listen(path: Path) -> socket.socket:
     """Bind the socket at ``path``; a live zygote already serving there is an error, a stale socket is replaced."""
     folder = path.parent
@@ -750,6 +785,7 @@ def serve_main(argv: list[str]) -> int:
     from elastictrain.cliutil import OneLineParser
     from elastictrain.config import ConfigError
     from elastictrain.config_cli import add_config_args, report_config_error
+    from elastictrain.launcher.commands import usable_cores
 
     p = OneLineParser(prog="elastictrain zygote serve", description="a warm worker factory for one job and host")
     add_config_args(p)
@@ -761,7 +797,9 @@ def serve_main(argv: list[str]) -> int:
     mark = None
     try:
         mark = mark_warming(path)  # clients that come meanwhile wait for us (they find no socket yet)
-        stamp = warm(args.config, args.overrides)  # before listening: nobody queues what a busy zygote cannot answer
+        with warm_slot(path.parent, usable_cores(), WARM_SLOT_WAIT_SECONDS):
+            # before listening: nobody queues what a busy zygote cannot answer
+            stamp = warm(args.config, args.overrides)
         listener = listen(path)
     except Exception as e:
         unmark_warming(path, mark)

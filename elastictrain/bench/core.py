@@ -21,6 +21,7 @@ from typing import Any, Literal, TextIO, TypeVar
 
 from discovery.fileio import write_atomic
 from elastictrain.errors import ToolError
+from elastictrain.launcher.commands import usable_cores
 
 T = TypeVar("T")
 
@@ -196,13 +197,6 @@ class BenchContext:
     def scratch(self, name: str) -> Path:
         """A fresh folder under the work dir (removed with it at the end of the run)."""
         return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self.workdir))
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def threads_per_worker(workers: int, cores: int | None = None) -> int:

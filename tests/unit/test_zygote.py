@@ -558,3 +558,28 @@ def test_a_warming_marker_counts_only_while_the_process_it_names_runs(sockdir):
     marker.write_text(mark)
     zygote.unmark_warming(path, mark)
     assert not marker.exists()
+
+
+def test_warm_ups_take_the_machines_slots_one_each_and_go_ahead_without_one_after_the_wait(tmp_path):
+    with zygote.warm_slot(tmp_path, 2, 0) as first, zygote.warm_slot(tmp_path, 2, 0) as second:
+        assert first and second
+        with zygote.warm_slot(tmp_path, 2, 0.2) as third:  # every slot held: after the wait it warms anyway
+            assert not third
+    with zygote.warm_slot(tmp_path, 1, 0) as again:  # released when the block ends
+        assert again
+
+
+def test_a_dead_warm_up_frees_its_slot(procs, tmp_path):
+    holder = procs.start(
+        [sys.executable, "-c", "import sys\nfrom pathlib import Path\nfrom elastictrain import zygote\n"
+         "with zygote.warm_slot(Path(sys.argv[1]), 1, 0) as got:\n    print(got, flush=True)\n    sys.stdin.read()",
+         str(tmp_path)],
+        env={**os.environ, "PYTHONPATH": str(REPO)}, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "True"
+    with zygote.warm_slot(tmp_path, 1, 0) as got:
+        assert not got, "the other process holds the only slot"
+    holder.kill()
+    holder.wait(timeout=10)
+    with zygote.warm_slot(tmp_path, 1, 0) as got:
+        assert got
