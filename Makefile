@@ -64,8 +64,8 @@ chaos: $(STAMP)
 	$(PY) -m chaos run soak --run-dir runs/chaos/soak-$$(date +%Y%m%d-%H%M%S) $(CHAOS_ARGS)
 
 # The fault campaign (chaos/campaign.py): 300 faults aimed at every phase x kind of one 4-worker job, then the
-# invariants and the figures per phase x kind, to bench/results/<date>-<host>-campaign.json/.md. About 1.5 hours on
-# 2 cores (17 s a fault), plus a fault-free run of the same job the first time (about as long in training steps;
+# invariants and the figures per phase x kind, to bench/results/<date>-<host>-campaign.json/.md. 37-52 minutes
+# on 2 cores (the runs of 2026-12-04 and -05), plus a fault-free run of the same job the first time (36 minutes there;
 # cached under runs/chaos/.chaos-reference). CAMPAIGN_ARGS=--no-reference skips it.
 CAMPAIGN_FAULTS ?= 300
 CAMPAIGN_SEED ?= 1

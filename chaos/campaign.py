@@ -652,13 +652,17 @@ def next_step_after(events: Sequence[Event], t: float) -> Event | None:
     return next((e for e in events if e.ts > t and step_done(e)), None)
 
 
-def figures(records: Sequence[Mapping[str, Any]], events: Sequence[Event]) -> dict[str, Any]:
+def figures(
+    records: Sequence[Mapping[str, Any]], events: Sequence[Event], aimed_at: Mapping[int, str] | None = None
+) -> dict[str, Any]:
     """Per phase x kind (pure): count, hits, seconds from each fault to the job's next completed step, steps lost
     (the ``lost_steps`` of the first reset after it), hangs; and the longest stretch without a completed step
     outside the waits that are by design (a relaunch's start, below ``--min-np`` until the hosts return). ``hangs``
     counts stretches (several faults late in one stretch are one hang); ``faults_in_hangs`` counts the faults.
     The primer of a hang (the SIGKILL that starts the reset in which a survivor is then SIGSTOPped) waits for the
-    hang's verdict: it has a row of its own (:data:`HANG_PRIMER`), outside the SIGKILL figures."""
+    hang's verdict: it has a row of its own (:data:`HANG_PRIMER`), outside the SIGKILL figures. ``aimed_at`` (the
+    plan's phase by index) puts the primers of a ``--min-np`` fault whose last kill never came (its wait ran out) with
+    the boundary's kills too."""
     events = sorted(events, key=lambda e: e.ts)
     resets = [e for e in events if isinstance(e, Reset)]
     rows: dict[tuple[str, str], Row] = {}
@@ -706,6 +710,7 @@ def figures(records: Sequence[Mapping[str, Any]], events: Sequence[Event]) -> di
     # The --min-np boundary's kills (its primers too) end when hosts return and start workers: no recovery of the
     # job's own can come sooner, so they are also summed up apart.
     boundary = {rec.get("index") for rec in records if rec["phase"] == AT_MIN_NP}
+    boundary |= {i for i, phase in (aimed_at or {}).items() if phase == AT_MIN_NP}
     elsewhere = [
         p["to_next_step_s"]
         for p in per_fault
@@ -843,7 +848,7 @@ def run_campaign(
     loaded, refused = load_weights_only(run_dir)
     detail = f"{loaded} loaded; refused: {refused[:3]}" if refused else f"{loaded} loaded"
     checks = [*result.checks, inv.Check("checkpoints load with weights_only=True", not refused and loaded > 0, detail)]
-    figs = figures(campaign.records, run.events())
+    figs = figures(campaign.records, run.events(), {p.index: p.phase for p in planned})
     checks.append(inv.Check(f"no hang (no step for > {HANG_SECONDS:g} s)", figs["hangs"] == 0, str(figs["hangs"])))
     if error is not None:
         checks.append(inv.Check("the campaign ran to its end", False, error))
@@ -899,7 +904,7 @@ def refigure(run_dir: Path, out_path: Path | None = None, out: Callable[[str], N
     report = json.loads((run_dir / "campaign.json").read_text())
     records = [e for e in faults.read_chaos(run_dir / "chaos.jsonl") if e.get("action") == "campaign-fault"]
     events = read_events(run_dir / EVENTS_FILE, on_skip=lambda line, reason: None)
-    figs = figures(records, events)
+    figs = figures(records, events, {int(p["index"]): str(p["phase"]) for p in report.get("plan", [])})
     hang_check = f"no hang (no step for > {HANG_SECONDS:g} s)"
     checks = [c for c in report["checks"] if c["name"] != hang_check]
     checks.append({"name": hang_check, "ok": figs["hangs"] == 0, "detail": str(figs["hangs"])})

@@ -108,6 +108,9 @@ def test_figures_time_each_fault_to_the_next_completed_step_and_count_lost_steps
     assert off["count"] == 2 and off["max_s"] == pytest.approx(46.0 - 0.5), "all but the boundary's kill"
     boundary = figures([_record(10.0, index=5, role="primer"), _record(251.0, index=5, phase=AT_MIN_NP)], events)
     assert boundary["sigkill_recovery"]["count"] == 2 and boundary["sigkill_recovery_off_min_np"]["count"] == 0
+    primers_only = [_record(10.0, index=5, role="primer")]  # the boundary's last kill never came (its wait ran out)
+    assert figures(primers_only, events)["sigkill_recovery_off_min_np"]["count"] == 1
+    assert figures(primers_only, events, {5: AT_MIN_NP})["sigkill_recovery_off_min_np"]["count"] == 0
     assert [r["phase"] for r in f["rows"]] == sorted((r["phase"] for r in f["rows"]), key=PHASES.index)
     assert HANG_SECONDS < 46
 
