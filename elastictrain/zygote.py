@@ -22,6 +22,8 @@ Contract:
   gone, it starts cold (a relayed signal that comes meanwhile ends the wait and then acts as on a cold worker).
   horovodrun may start a worker on a host whose agent has just restarted: a cold start takes about as long as
   the warm-up it would race, and on the same CPUs slows it down.
+- The zygotes of one machine warm at most one per usable core at a time (:func:`warm_slot`; a zygote that finds
+  no slot free for :data:`WARM_SLOT_WAIT_SECONDS` warms anyway).
 - Only the zygote's own user may connect (a 0700 folder, a 0600 socket, SO_PEERCRED checked): a request
   runs code as that user. It forks only for its own config and ``--set`` overrides (:class:`JobSpec`); a
   request of another job that shares the socket's job and host name is refused and starts cold.
