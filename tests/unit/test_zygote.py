@@ -583,3 +583,8 @@ def test_a_dead_warm_up_frees_its_slot(procs, tmp_path):
     holder.wait(timeout=10)
     with zygote.warm_slot(tmp_path, 1, 0) as got:
         assert got
+
+
+def test_a_warm_up_whose_slot_files_cannot_be_opened_goes_ahead_without_a_slot(tmp_path):
+    with zygote.warm_slot(tmp_path / "missing", 2, 60) as got:  # no such folder: no slot (it raised before)
+        assert not got
