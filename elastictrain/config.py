@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import os
 import types
 import typing
@@ -188,7 +189,9 @@ class ElasticConfig:
     window_steps: int = 100
     """Steps in each host's rolling window of compute times (a host is judged once it is filled)."""
     straggler_cooldown_seconds: float = 300.0
-    """How long an evicted host stays out; doubled for each earlier eviction of the same host (probation)."""
+    """How long an evicted host stays out (> 0); doubled for each earlier eviction of the same host (probation).
+    Straggler drains and hung-host evictions use it; with ``stragglers: report`` or ``off`` no host is drained as a
+    straggler."""
     hang_seconds: float | None = None
     """A peer that makes no progress this long while the others wait for it is a failure: it is killed (same
     machine) or its host evicted, and the job continues without it. None: 10 x the typical step, at least 10 s
@@ -216,9 +219,9 @@ class ElasticConfig:
         _check(self.slow_ratio > 1.0, "elastic.slow_ratio", f"must be > 1, got {self.slow_ratio}")
         _check(self.window_steps >= 4, "elastic.window_steps", f"must be >= 4, got {self.window_steps}")
         _check(
-            self.straggler_cooldown_seconds >= 0,
+            0 < self.straggler_cooldown_seconds < math.inf,
             "elastic.straggler_cooldown_seconds",
-            f"must be >= 0, got {self.straggler_cooldown_seconds}",
+            f"must be > 0 and finite, got {self.straggler_cooldown_seconds:g}",
         )
         if self.hang_seconds is not None:
             _check(self.hang_seconds >= 1, "elastic.hang_seconds", f"must be >= 1 or null, got {self.hang_seconds}")

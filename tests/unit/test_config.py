@@ -126,6 +126,12 @@ def test_config_is_frozen():
         (BASE, ["checkpoint.keep_last=0"], "checkpoint.keep_last: must be >= 1"),
         (BASE, ["elastic.rollback=nonee"], "elastic.rollback: must be one of 'commit', 'none', got 'nonee'"),
         ({**BASE, "elastic": {"rollback": None}}, [], "elastic.rollback: must be one of 'commit', 'none', got None"),
+        (
+            BASE,
+            ["elastic.straggler_cooldown_seconds=0"],
+            "elastic.straggler_cooldown_seconds: must be > 0 and finite, got 0",
+        ),
+        (BASE, ["elastic.straggler_cooldown_seconds=.nan"], "elastic.straggler_cooldown_seconds: must be > 0"),
     ],
 )
 def test_bad_config_is_one_line_naming_the_key(data, overrides, message):
