@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -20,6 +20,7 @@ from discovery.endpoints import EtcdAccess, parse_endpoints
 from discovery.record import (
     DEFAULT_PREFIX,
     DRAINING,
+    READY,
     HostRecord,
     MalformedRecord,
     check_drain_reason,
@@ -40,6 +41,10 @@ class LeaseLost(RegistryError):
 
 class HostNotFound(RegistryError):
     """No key for the host."""
+
+
+class BelowMinNp(RegistryError):
+    """An eviction refused: the hosts discovery would still list as ready would hold fewer slots than min_np."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,12 +136,13 @@ class HostRegistry(abc.ABC):
         """
 
     @abc.abstractmethod
-    def compare_and_set(self, entry: Entry, record: HostRecord) -> bool:
-        """Replace the value read as ``entry`` with ``record``, keeping the key's lease.
+    def compare_and_set(self, entry: Entry, record: HostRecord, *, unchanged: Sequence[Entry] = ()) -> bool:
+        """Replace the value read as ``entry`` with ``record``, keeping the key's lease, provided the keys read as
+        ``unchanged`` (other hosts a decision counted on) are still as read.
 
-        Atomic operation: compare-and-set, a Txn comparing the key's mod_revision with
-        ``entry.mod_revision`` whose success branch is a Put with ``entry.lease_id``. Returns False
-        when the key changed (or vanished) since it was read; the caller re-reads and decides again.
+        Atomic operation: compare-and-set, a Txn comparing the mod_revision of the key and of every key of
+        ``unchanged`` with the one read, whose success branch is a Put with ``entry.lease_id``. Returns False
+        when any of them changed (or vanished) since it was read; the caller re-reads and decides again.
         """
 
     @abc.abstractmethod
@@ -177,7 +183,14 @@ def set_state(registry: HostRegistry, host: str, state: str, attempts: int = 5) 
 
 
 def evict(
-    registry: HostRegistry, host: str, *, reason: str, cooldown_seconds: float, now: float, attempts: int = 5
+    registry: HostRegistry,
+    host: str,
+    *,
+    reason: str,
+    cooldown_seconds: float,
+    now: float,
+    min_np: int,
+    attempts: int = 5,
 ) -> HostRecord:
     """Drain a ready host for ``cooldown_seconds`` (a straggler, a hung worker); return its record as it is now.
 
@@ -192,22 +205,33 @@ def evict(
     once), another eviction not yet readmitted by its agent, or a drain that is not an eviction (an operator's,
     SIGTERM's, a cordon's: those are never turned into a timed one).
 
+    The job never falls below ``min_np`` through an eviction: the other hosts that discovery lists now (ready, not
+    draining for any reason) must hold at least ``min_np`` slots, else :class:`BelowMinNp` is raised and nothing is
+    written. The write is conditional on those hosts' keys being unchanged since they were counted, so a host that
+    starts draining meanwhile (a spot notice, another eviction) makes it count again. ``min_np=0`` checks nothing.
+
     Raises ``ValueError`` for a ``reason`` that is not a token of 1 to 32 of ``[a-z0-9_-]`` or a
-    ``cooldown_seconds`` that is not finite and > 0, and :class:`HostNotFound` or :class:`RegistryError` as
-    :func:`set_state` does.
+    ``cooldown_seconds`` that is not finite and > 0, :class:`BelowMinNp` as above, and :class:`HostNotFound` or
+    :class:`RegistryError` as :func:`set_state` does.
     """
     if not check_drain_reason(reason):
         raise ValueError("drain_reason of an eviction must not be empty")
     if not 0 < cooldown_seconds < float("inf"):
         raise ValueError(f"cooldown_seconds must be finite and > 0, got {cooldown_seconds!r}")
     for _ in range(attempts):
-        entry = registry.get(host)
+        listed = {e.record.host: e for e in registry.list_hosts().entries} if min_np > 0 else {}
+        entry = listed[host] if host in listed else registry.get(host)
         if entry is None:
             raise HostNotFound(f"no host {host!r} in job {registry.job!r}")
         if entry.record.state == DRAINING:
             return entry.record
+        ready = [e for h, e in listed.items() if h != host and e.record.state == READY]
+        slots = sum(e.record.slots for e in ready)
+        if slots < min_np:
+            plural = "" if slots == 1 else "s"
+            raise BelowMinNp(f"evicting host {host!r} would leave {slots} ready slot{plural} < min_np {min_np}")
         evicted = entry.record.evicted_until(reason, now + cooldown_seconds)
-        if registry.compare_and_set(entry, evicted):
+        if registry.compare_and_set(entry, evicted, unchanged=ready):
             return evicted
     raise RegistryError(f"host {host!r} changed concurrently {attempts} times; try again")
 
@@ -300,13 +324,13 @@ class InMemoryRegistry(HostRegistry):
             entries.append(Entry(record, mod_revision, lease_id))
         return Listing.of(entries, malformed)
 
-    def compare_and_set(self, entry: Entry, record: HostRecord) -> bool:
+    def compare_and_set(self, entry: Entry, record: HostRecord, *, unchanged: Sequence[Entry] = ()) -> bool:
         self._check()
-        key = self.key(record.host)
-        item = self.store.keys.get(key)
-        if item is None or item[1] != entry.mod_revision:
-            return False
-        self.store.put(key, record.to_json(), entry.lease_id)
+        for read in (entry, *unchanged):
+            item = self.store.keys.get(self.key(read.record.host))
+            if item is None or item[1] != read.mod_revision:
+                return False
+        self.store.put(self.key(record.host), record.to_json(), entry.lease_id)
         return True
 
     def delete(self, host: str) -> bool:
@@ -491,12 +515,15 @@ class EtcdRegistry(HostRegistry):
             entries.append(Entry(record, int(kv.mod_revision), int(kv.lease)))
         return Listing.of(entries, malformed)
 
-    def compare_and_set(self, entry: Entry, record: HostRecord) -> bool:
+    def compare_and_set(self, entry: Entry, record: HostRecord, *, unchanged: Sequence[Entry] = ()) -> bool:
         key = self.key(record.host).encode()
 
         async def txn(c: Any) -> bool:
             ok, _ = await c.transaction(
-                compare=[c.transactions.mod(key) == entry.mod_revision],
+                compare=[
+                    c.transactions.mod(self.key(read.record.host).encode()) == read.mod_revision
+                    for read in (entry, *unchanged)
+                ],
                 success=[c.transactions.put(key, record.to_json(), lease=entry.lease_id or None)],
                 failure=[],
             )

@@ -38,8 +38,8 @@ def compose(cfg: JobConfig, collective: Collective) -> Trainer:
     """The worker's trainer over ``collective`` (initialised): parts, services, the armed watchdog, SIGTERM."""
     trainer = Trainer.build(cfg, collective)
     elastic_dir = cfg.run_path / ".elastic"
-    evictor = EtcdEvictor.from_env(os.environ)
     policy = trainer.straggler_policy
+    evictor = EtcdEvictor.from_env(os.environ, min_np=policy.min_np)
     if policy.mode == "evict":
         trainer.stragglers.evictor = evictor
 

@@ -13,12 +13,14 @@ every rank's figures at the same commit, and no collective is added to a step.
 - :func:`plan_eviction` (pure): with ``elastic.stragglers: evict``, drain a slow host only when the job is
   predicted faster without it: throughput (samples/s) at ``N - slots`` workers (the measured step time scaled by the
   slowest remaining worker's per-sample work x its new share) above throughput at ``N`` with it; never below
-  ``min_np``.
+  ``min_np``, counting only hosts that are not already leaving.
 - :class:`StragglerMonitor`: fed at every commit on every rank (so a new rank 0 keeps the history); rank 0 writes
   the ``straggler`` and ``eviction`` events and asks its :class:`Evictor` to drain (in the background: training
-  never waits on etcd). The drain is a spot notice's path: the host's etcd record goes ``draining`` with a
-  cool-down (``straggler_cooldown_seconds`` x 2 ** earlier evictions) and its agent readmits it when that runs out;
-  if it is still slow it is drained again, for longer.
+  never waits on etcd). The registry refuses a drain that would leave the hosts discovery lists as ready with fewer
+  than ``min_np`` slots (a host leaving that this monitor did not drain: a spot notice, an operator, a hung-host
+  eviction); the refusal is an ``eviction`` event with action ``keep``. The drain is a spot notice's path: the
+  host's etcd record goes ``draining`` with a cool-down (``straggler_cooldown_seconds`` x 2 ** earlier evictions)
+  and its agent readmits it when that runs out; if it is still slow it is drained again, for longer.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ from __future__ import annotations
 import math
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from discovery.registry import BelowMinNp
 from elastictrain import envnames
 from elastictrain.config import ElasticConfig
 from elastictrain.events import Event, Eviction, Straggler
@@ -241,16 +244,19 @@ def plan_eviction(
     *,
     global_batch: int | None,
     per_worker_batch: int,
+    leaving: Collection[str] = (),
 ) -> EvictionPlan:
     """Drain ``slow`` or keep it (pure): drain when the hosts without it are predicted to process more samples per
-    second than all of them with it, and the world stays at least ``policy.min_np``."""
+    second than all of them with it, and the hosts that stay, not counting ``leaving`` (hosts of the ring already
+    on their way out, e.g. drained before), hold at least ``policy.min_np`` slots."""
     hosts = sorted(windows)
-    world = sum(windows[h].slots for h in hosts)
+    world = sum(windows[h].slots for h in hosts if h not in leaving)
     now = predicted_samples_per_sec(windows, hosts, global_batch=global_batch, per_worker_batch=per_worker_batch)
     rest = [h for h in hosts if h != slow]
     without = predicted_samples_per_sec(windows, rest, global_batch=global_batch, per_worker_batch=per_worker_batch)
     if world - windows[slow].slots < policy.min_np:
-        return EvictionPlan("keep", f"draining it would leave {world - windows[slow].slots} < min_np", now, without)
+        left = world - windows[slow].slots
+        return EvictionPlan("keep", f"draining it would leave {left} < min_np {policy.min_np}", now, without)
     if without <= now:
         return EvictionPlan("keep", "the job is not predicted faster without it", now, without)
     return EvictionPlan("drain", "straggler", now, without)
@@ -261,7 +267,8 @@ class Evictor(Protocol):
 
     def evict(self, host: str, reason: str, cooldown: Callable[[int], float]) -> tuple[int, float]:
         """Drain ``host``; ``cooldown(earlier_evictions)`` gives its seconds out. Returns (evictions so far, this
-        one included; the cool-down applied). Raises on failure."""
+        one included; the cool-down applied). Raises :class:`~discovery.registry.BelowMinNp` when the drain would
+        take the job below min_np, anything else on failure."""
 
 
 @dataclass(slots=True)
@@ -325,8 +332,14 @@ class StragglerMonitor:
             last = self.decided.get(host)
             again = last is None or (last[0] == "keep" and j.ratio >= 1.1 * last[1])
             if host in self.named and again and self.policy.mode == "evict":
+                drained = {h for h, (action, _) in self.decided.items() if action == "drain"}
                 plan = plan_eviction(
-                    self.windows, host, self.policy, global_batch=global_batch, per_worker_batch=per_worker_batch
+                    self.windows,
+                    host,
+                    self.policy,
+                    global_batch=global_batch,
+                    per_worker_batch=per_worker_batch,
+                    leaving=drained,
                 )
                 self.decided[host] = (plan.action, j.ratio)
                 self._act(host, j, plan, step, epoch, world)
@@ -376,6 +389,11 @@ class StragglerMonitor:
         def drain() -> None:
             try:
                 evictions, cooldown = evictor.evict(host, "straggler", self.policy.cooldown)
+            except BelowMinNp as e:  # a host left that this monitor did not drain
+                self.decided[host] = ("keep", j.ratio)
+                self.emit(event(action="keep", reason=str(e)))
+                log.warning("straggler kept", host=host, reason=str(e))
+                return
             except Exception as e:  # etcd down: reported, training goes on with the slow host
                 self.emit(event(action="drain", reason="straggler", error=str(e).splitlines()[0][:300]))
                 log.warning("straggler drain failed", host=host, error=str(e))

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from discovery.record import HostRecord
-from discovery.registry import EtcdRegistry, evict
+from discovery.registry import BelowMinNp, EtcdRegistry, evict, set_state
 from tests.fixtures.etcd import EtcdServer
 from tests.fixtures.procs import REPO, VENV_BIN, ProcessGroup, wait_until
 
@@ -203,8 +203,9 @@ def test_an_evicted_host_leaves_discovery_at_once_and_its_agent_readmits_it_afte
     lease = lease_of(etcd_server, "node-a")
 
     with EtcdRegistry(etcd_server.endpoint, JOB, timeout_seconds=1.0) as registry:  # what rank 0 does
-        evicted = evict(registry, "node-a", reason="straggler", cooldown_seconds=3, now=time.time())
-        assert evict(registry, "node-a", reason="straggler", cooldown_seconds=3, now=time.time()) == evicted
+        evicted = evict(registry, "node-a", reason="straggler", cooldown_seconds=3, now=time.time(), min_np=0)
+        again = evict(registry, "node-a", reason="straggler", cooldown_seconds=3, now=time.time(), min_np=0)
+        assert again == evicted
     assert (evicted.state, evicted.drain_reason, evicted.evictions) == ("draining", "straggler", 1)
     out = discover(etcd_server.endpoint, cache)
     assert (out.returncode, out.stdout) == (0, ""), "discover.sh stops listing the host at once"
@@ -220,6 +221,26 @@ def test_an_evicted_host_leaves_discovery_at_once_and_its_agent_readmits_it_afte
     r = entry.record
     assert (r.state, r.drain_reason, r.drain_until, r.evictions) == ("ready", "", 0.0, 1)
     assert decisions(log, "cool-down of the straggler eviction over; marking host ready (evictions: 1)")
+
+
+def test_an_eviction_that_would_leave_fewer_ready_slots_than_min_np_is_refused_by_etcd(
+    etcd_server: EtcdServer,
+) -> None:
+    """3 hosts x 1 slot, min_np 2, node-c draining on a spot notice: evicting node-a is refused and writes nothing;
+    with node-c back, the conditional write over the three keys goes through."""
+    with EtcdRegistry(etcd_server.endpoint, JOB, timeout_seconds=1.0) as registry:
+        lease = registry.grant_lease(30)
+        for host in ("node-a", "node-b", "node-c"):
+            assert registry.register(HostRecord(host=host, slots=1, addr="127.0.0.1"), lease)
+        set_state(registry, "node-c", "draining")
+        with pytest.raises(BelowMinNp, match="would leave 1 ready slot < min_np 2"):
+            evict(registry, "node-a", reason="straggler", cooldown_seconds=30, now=time.time(), min_np=2)
+        assert states(etcd_server) == {"node-a": "ready", "node-b": "ready", "node-c": "draining"}
+        set_state(registry, "node-c", "ready")
+        evicted = evict(registry, "node-a", reason="straggler", cooldown_seconds=30, now=time.time(), min_np=2)
+        assert (evicted.state, evicted.evictions) == ("draining", 1)
+        assert states(etcd_server) == {"node-a": "draining", "node-b": "ready", "node-c": "ready"}
+        registry.revoke_lease(lease)
 
 
 def test_agent_gives_up_with_one_line_when_etcd_is_unreachable_at_startup(tmp_path: Path) -> None:

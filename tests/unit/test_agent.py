@@ -288,7 +288,7 @@ def test_agent_readmits_its_evicted_host_after_the_cooldown_and_keeps_the_count(
     h = Harness()
     h.cycle()
     for n in (1, 2):
-        evicted = evict(h.registry, "node-a", reason="straggler", cooldown_seconds=10, now=h.wall())
+        evicted = evict(h.registry, "node-a", reason="straggler", cooldown_seconds=10, now=h.wall(), min_np=0)
         assert (evicted.evictions, evicted.drain_until) == (n, h.wall() + 10)
         assert h.agent.run_cycle().reason.startswith(
             f"lease {0x1000:x} refreshed; host draining (straggler eviction until"
@@ -316,7 +316,7 @@ def test_agent_never_readmits_an_operator_drain() -> None:
 def test_an_operator_undrain_during_the_cooldown_readmits_at_once_and_keeps_the_count() -> None:
     h = Harness()
     h.cycle()
-    evict(h.registry, "node-a", reason="hung", cooldown_seconds=600, now=h.wall())
+    evict(h.registry, "node-a", reason="hung", cooldown_seconds=600, now=h.wall(), min_np=0)
     h.cycle(3.0)
     set_state(h.registry, "node-a", READY)
     assert h.cycle(3.0).endswith("refreshed; host ready")
@@ -326,7 +326,7 @@ def test_an_operator_undrain_during_the_cooldown_readmits_at_once_and_keeps_the_
 def test_a_readmission_rereads_the_key_and_leaves_a_drain_written_since_alone() -> None:
     h = Harness()
     h.cycle()
-    evict(h.registry, "node-a", reason="straggler", cooldown_seconds=3, now=h.wall())
+    evict(h.registry, "node-a", reason="straggler", cooldown_seconds=3, now=h.wall(), min_np=0)
     h.clock.advance(3.0)
     obs = h.agent.observe()
     decision = decide(h.agent.cfg, h.agent.state, obs)
@@ -340,7 +340,7 @@ def test_a_readmission_rereads_the_key_and_leaves_a_drain_written_since_alone() 
 def test_agent_keeps_the_eviction_when_it_registers_under_a_new_lease() -> None:
     h = Harness()
     h.cycle()
-    evict(h.registry, "node-a", reason="straggler", cooldown_seconds=20, now=h.wall())
+    evict(h.registry, "node-a", reason="straggler", cooldown_seconds=20, now=h.wall(), min_np=0)
     h.cycle(3.0)
     h.registry.lose_everything()  # etcd lost its data: the agent registers again
     assert h.cycle(3.0).startswith("lease lost; registering node-a (2 slots) as draining (straggler eviction until")
@@ -354,7 +354,7 @@ def test_agent_keeps_the_eviction_when_it_registers_under_a_new_lease() -> None:
 def test_agent_draining_on_sigterm_never_readmits_its_evicted_host() -> None:
     h = Harness()
     h.cycle()
-    evict(h.registry, "node-a", reason="straggler", cooldown_seconds=3, now=h.wall())
+    evict(h.registry, "node-a", reason="straggler", cooldown_seconds=3, now=h.wall(), min_np=0)
     h.agent.signals.handler(signal.SIGTERM, None)
     for _ in range(3):
         assert h.agent.run_cycle().action is not Action.READMIT
@@ -376,7 +376,7 @@ def test_a_cordon_holds_the_readmission_until_the_node_is_uncordoned() -> None:
     h = Harness(drain_when_cordoned="node-a")
     h.agent.node_watch = node = FakeNode()
     h.cycle()
-    evict(h.registry, "node-a", reason="hung", cooldown_seconds=3, now=h.wall())
+    evict(h.registry, "node-a", reason="hung", cooldown_seconds=3, now=h.wall(), min_np=0)
     node.reason = "node node-a is cordoned"
     for _ in range(3):
         assert h.agent.run_cycle().action is Action.HEARTBEAT

@@ -8,6 +8,7 @@ import pytest
 
 from discovery.record import DRAINING, READY, HostRecord, MalformedRecord
 from discovery.registry import (
+    BelowMinNp,
     Entry,
     HostNotFound,
     InMemoryRegistry,
@@ -298,7 +299,7 @@ def live(registry: InMemoryRegistry) -> int:
 
 
 def test_evict_drains_for_the_cooldown_counts_and_keeps_the_lease(registry: InMemoryRegistry, live: int) -> None:
-    r = evict(registry, "node-a", reason="straggler", cooldown_seconds=300, now=NOW)
+    r = evict(registry, "node-a", reason="straggler", cooldown_seconds=300, now=NOW, min_np=0)
     assert (r.state, r.drain_reason, r.drain_until, r.evictions) == (DRAINING, "straggler", NOW + 300, 1)
     entry = registry.get("node-a")
     assert entry is not None and entry.record == r and entry.lease_id == live
@@ -306,27 +307,29 @@ def test_evict_drains_for_the_cooldown_counts_and_keeps_the_lease(registry: InMe
 
 
 def test_evict_is_idempotent_while_the_eviction_is_in_force(registry: InMemoryRegistry, live: int) -> None:
-    first = evict(registry, "node-a", reason="straggler", cooldown_seconds=300, now=NOW)
+    first = evict(registry, "node-a", reason="straggler", cooldown_seconds=300, now=NOW, min_np=0)
     revision = registry.store.revision
     for late in (0.0, 1.0, 299.0):  # several workers ask for the same eviction at once
-        assert evict(registry, "node-a", reason="straggler", cooldown_seconds=300, now=NOW + late) == first
+        assert evict(registry, "node-a", reason="straggler", cooldown_seconds=300, now=NOW + late, min_np=0) == first
     assert registry.store.revision == revision, "nothing written"
 
 
 def test_evict_never_overwrites_another_drain(registry: InMemoryRegistry, live: int) -> None:
     set_state(registry, "node-a", DRAINING)  # an operator's drain: never turned into a timed one
-    operator = evict(registry, "node-a", reason="straggler", cooldown_seconds=300, now=NOW)
+    operator = evict(registry, "node-a", reason="straggler", cooldown_seconds=300, now=NOW, min_np=0)
     assert (operator.state, operator.drain_reason, operator.drain_until, operator.evictions) == (DRAINING, "", 0.0, 0)
     set_state(registry, "node-a", READY)
-    hung = evict(registry, "node-a", reason="hung", cooldown_seconds=60, now=NOW)
-    assert evict(registry, "node-a", reason="straggler", cooldown_seconds=300, now=NOW) == hung, "another eviction"
+    hung = evict(registry, "node-a", reason="hung", cooldown_seconds=60, now=NOW, min_np=0)
+    assert evict(registry, "node-a", reason="straggler", cooldown_seconds=300, now=NOW, min_np=0) == hung, (
+        "another eviction"
+    )
     entry = registry.get("node-a")
     assert entry is not None and (entry.record.drain_reason, entry.record.evictions) == ("hung", 1)
 
 
 def test_evict_counts_every_eviction_across_readmissions(registry: InMemoryRegistry, live: int) -> None:
     for n in (1, 2, 3):
-        assert evict(registry, "node-a", reason="straggler", cooldown_seconds=10, now=NOW).evictions == n
+        assert evict(registry, "node-a", reason="straggler", cooldown_seconds=10, now=NOW, min_np=0).evictions == n
         assert set_state(registry, "node-a", READY) == (DRAINING, READY)  # `hosts undrain`, or its agent readmits
         entry = registry.get("node-a")
         assert entry is not None
@@ -334,7 +337,7 @@ def test_evict_counts_every_eviction_across_readmissions(registry: InMemoryRegis
 
 
 def test_operator_drain_of_an_evicted_host_drops_its_cooldown(registry: InMemoryRegistry, live: int) -> None:
-    evict(registry, "node-a", reason="hung", cooldown_seconds=10, now=NOW)
+    evict(registry, "node-a", reason="hung", cooldown_seconds=10, now=NOW, min_np=0)
     assert set_state(registry, "node-a", DRAINING) == (DRAINING, DRAINING)
     entry = registry.get("node-a")
     assert entry is not None and not entry.record.evicted and entry.record.evictions == 1
@@ -344,26 +347,66 @@ def test_evict_rereads_on_a_concurrent_write(registry: InMemoryRegistry, live: i
     real = registry.compare_and_set
     calls: list[Entry] = []
 
-    def racing(entry: Entry, record: HostRecord) -> bool:
+    def racing(entry: Entry, record: HostRecord, **kwargs: object) -> bool:
         if not calls:  # someone else writes between our read and our write
             registry.store.put(registry.key("node-a"), rec(slots=4).to_json(), live)
         calls.append(entry)
-        return real(entry, record)
+        return real(entry, record, **kwargs)  # type: ignore[arg-type]
 
     registry.compare_and_set = racing  # type: ignore[method-assign]
-    r = evict(registry, "node-a", reason="straggler", cooldown_seconds=5, now=NOW)
+    r = evict(registry, "node-a", reason="straggler", cooldown_seconds=5, now=NOW, min_np=0)
     assert len(calls) == 2 and r.slots == 4 and r.evictions == 1
 
 
 def test_evict_refuses_unknown_hosts_bad_reasons_and_cooldowns(registry: InMemoryRegistry, live: int) -> None:
     with pytest.raises(HostNotFound):
-        evict(registry, "node-x", reason="straggler", cooldown_seconds=5, now=NOW)
+        evict(registry, "node-x", reason="straggler", cooldown_seconds=5, now=NOW, min_np=0)
     for reason in ("", "Slow", "x" * 33):
         with pytest.raises(ValueError, match="drain_reason"):
-            evict(registry, "node-a", reason=reason, cooldown_seconds=5, now=NOW)
+            evict(registry, "node-a", reason=reason, cooldown_seconds=5, now=NOW, min_np=0)
     for cooldown in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="cooldown_seconds must be finite and > 0"):
-            evict(registry, "node-a", reason="hung", cooldown_seconds=cooldown, now=NOW)
-    registry.compare_and_set = lambda entry, record: False  # type: ignore[method-assign]
+            evict(registry, "node-a", reason="hung", cooldown_seconds=cooldown, now=NOW, min_np=0)
+    registry.compare_and_set = lambda entry, record, **kw: False  # type: ignore[method-assign]
     with pytest.raises(RegistryError, match="changed concurrently 5 times"):
-        evict(registry, "node-a", reason="hung", cooldown_seconds=5, now=NOW)
+        evict(registry, "node-a", reason="hung", cooldown_seconds=5, now=NOW, min_np=0)
+
+
+def three_hosts(registry: InMemoryRegistry) -> int:
+    """node-a, node-b and node-c, one slot each, ready under one 10 s lease; returns the lease."""
+    lease = registry.grant_lease(10)
+    for host in ("node-a", "node-b", "node-c"):
+        registry.register(rec(host, slots=1), lease)
+    return lease
+
+
+def test_evict_refuses_to_leave_fewer_ready_slots_than_min_np_counting_only_ready_hosts(
+    registry: InMemoryRegistry,
+) -> None:
+    three_hosts(registry)
+    set_state(registry, "node-c", DRAINING)  # a spot notice: node-c is on its way out
+    with pytest.raises(BelowMinNp, match="would leave 1 ready slot < min_np 2"):
+        evict(registry, "node-a", reason="straggler", cooldown_seconds=300, now=NOW, min_np=2)
+    entry = registry.get("node-a")
+    assert entry is not None and entry.record.state == READY, "nothing written"
+    assert evict(registry, "node-a", reason="straggler", cooldown_seconds=300, now=NOW, min_np=1).state == DRAINING
+
+
+def test_evict_reads_again_when_another_host_drains_between_its_read_and_its_write(
+    registry: InMemoryRegistry,
+) -> None:
+    lease = three_hosts(registry)
+    real = registry.compare_and_set
+    calls: list[Entry] = []
+
+    def racing(entry: Entry, record: HostRecord, **kwargs: object) -> bool:
+        if not calls:  # node-c drains (its agent got a notice) after our listing counted it ready
+            registry.store.put(registry.key("node-c"), rec("node-c", slots=1, state=DRAINING).to_json(), lease)
+        calls.append(entry)
+        return real(entry, record, **kwargs)  # type: ignore[arg-type]
+
+    registry.compare_and_set = racing  # type: ignore[method-assign]
+    with pytest.raises(BelowMinNp):
+        evict(registry, "node-a", reason="hung", cooldown_seconds=5, now=NOW, min_np=2)
+    entry = registry.get("node-a")
+    assert len(calls) == 1 and entry is not None and entry.record.state == READY

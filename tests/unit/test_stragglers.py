@@ -255,3 +255,46 @@ def test_status_and_report_lines_name_the_slowest_host_and_what_was_decided() ->
     assert summary["named"] == ["d"] and len(summary["decisions"]) == 2
     assert format_slowest(summary) == "d 1.52x (named slow; drain at step 60)"
     assert format_slowest(straggler_summary([])) == "-"
+
+
+def test_a_host_already_drained_is_not_counted_when_the_next_slow_host_is_planned() -> None:
+    """3 hosts x 1 slot, min_np 2: c is drained as a straggler and, before the ring resets without it, a turns slow.
+    Draining a too would leave one worker (b): it is kept."""
+    emitted: list = []
+    evictor = FakeEvictor()
+    monitor = StragglerMonitor(POLICY, emit=emitted.append, evictor=evictor)
+    for step in range(10, 210, 10):
+        feed(monitor, {"a": 1.0, "b": 1.0, "c": 2.0}, step)
+    for t in monitor.threads:
+        t.join(5)
+    assert evictor.calls == [("c", "straggler", 300)]
+    for step in range(210, 410, 10):  # c still in the ring: its drain is in flight
+        feed(monitor, {"a": 5.0, "b": 1.0, "c": 2.0}, step)
+    for t in monitor.threads:
+        t.join(5)
+    assert evictor.calls == [("c", "straggler", 300)], "a was drained too: the world falls to 1 < min_np 2"
+    kept = [e for e in emitted if isinstance(e, Eviction) and e.host == "a"]
+    assert len(kept) == 1 and kept[0].action == "keep" and "min_np" in kept[0].reason
+
+
+def test_never_below_min_np_counting_only_hosts_that_are_not_leaving() -> None:
+    windows = {h: window(1.0) for h in HOSTS[:2]} | {"c": window(1.0), "d": window(3.0)}
+    plan = plan_eviction(windows, "d", POLICY, global_batch=None, per_worker_batch=16, leaving={"b", "c"})
+    assert plan.action == "keep" and "would leave 1 < min_np 2" in plan.reason
+
+
+def test_an_eviction_the_registry_refuses_below_min_np_is_a_keep_not_an_error() -> None:
+    from discovery.registry import BelowMinNp
+
+    class Guarded:
+        def evict(self, host, reason, cooldown):
+            raise BelowMinNp("evicting host 'd' would leave 1 ready slot < min_np 2")
+
+    emitted: list = []
+    monitor = StragglerMonitor(POLICY, emit=emitted.append, evictor=Guarded())
+    for step in range(10, 200, 10):
+        feed(monitor, {"a": 1.0, "b": 1.0, "c": 1.0, "d": 2.0}, step)
+    for t in monitor.threads:
+        t.join(5)
+    (ev,) = [e for e in emitted if isinstance(e, Eviction)]
+    assert (ev.action, ev.error) == ("keep", None) and "min_np 2" in ev.reason
