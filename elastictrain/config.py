@@ -194,8 +194,10 @@ class ElasticConfig:
     straggler."""
     hang_seconds: float | None = None
     """A peer that makes no progress this long while the others wait for it is a failure: it is killed (same
-    machine) or its host evicted, and the job continues without it. None: 10 x the typical step, at least 10 s
-    (the first step after a rendezvous gets at least 60 s: imports, loader start-up)."""
+    machine) or its host evicted, and the job continues without it. None: 10 x the typical step, at least 10 s. In the
+    first step after a rendezvous only a silent peer (no heartbeat: stopped, or its machine hangs) is hung, silent for
+    at least this and ``min(60 s, half the Gloo timeout)``; one that still beats is never hung there, however long its
+    start takes (loader start-up, cudnn autotune, a cold cache). In a rendezvous the bound is at most that minimum."""
 
     def __post_init__(self) -> None:
         _check(self.base_world_size >= 1, "elastic.base_world_size", f"must be >= 1, got {self.base_world_size}")

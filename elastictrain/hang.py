@@ -21,10 +21,12 @@ the kernel keeps its TCP connections open and even acknowledges them while the p
   time, below).
 * **The verdict** (:func:`hung_peers`, pure): while this worker has waited ``hang_seconds`` in a step whose own work
   it has finished, a member of its ring (ranks, hosts and pids gathered after each rendezvous) is hung when its
-  heartbeat is ``hang_seconds`` old, or says ``local`` since ``hang_seconds`` ago. Until the judge has completed a
-  step in its ring (and so has every member: a step is synchronous), the bound is at least ``first_step_seconds``
-  (imports, loader start-up of a worker that just joined). A member with no heartbeat here (the
-  run_dir is not shared with its machine) is never judged.
+  heartbeat is ``hang_seconds`` old, or says ``local`` since ``hang_seconds`` ago. In the ring's first step (until
+  the judge has completed a step in its ring, and so has every member: a step is synchronous) only silence counts,
+  for at least ``first_step_seconds`` (:func:`first_step_bound`): a member that still beats is not hung there however
+  long its own work takes (a joiner's loader start-up, cudnn autotune, a cold cache; nothing tells that from a stuck
+  one, and nothing in the ring times out meanwhile). A member with no heartbeat here (the run_dir is not shared with
+  its machine) is never judged.
 * **In a rendezvous** (:func:`silent_in_rendezvous`, pure): a survivor whose reset has waited ``min(hang_seconds,
   first_step_seconds)`` in its rendezvous judges every heartbeat of the run written on this machine: the process
   that wrote it (same pid and start time, a worker by its environment) still exists but has not beaten
@@ -79,8 +81,8 @@ PHASES = (LOCAL, WAITING, IDLE, *RESET_PHASES)
 MIN_HANG_SECONDS = 10.0
 HANG_STEPS = 10.0
 FIRST_STEP_SECONDS = 60.0
-"""How long a peer may be silent in a ring's first step before it is hung (one-off work of a first step may hold the
-GIL), unless the Gloo timeout is shorter: :func:`first_step_bound`."""
+"""How long a peer may be silent (no heartbeat) in a ring's first step before it is hung, unless the Gloo timeout is
+shorter: :func:`first_step_bound`. Its own work is not bounded there (:func:`hung_peers`)."""
 GLOO_SHARE = 0.5
 BEAT_SECONDS = 1.0
 GONE_CHECK_SECONDS = 0.5
@@ -100,11 +102,12 @@ def gloo_timeout_seconds(environ: Mapping[str, str] | None = None) -> float | No
 
 
 def first_step_bound(gloo_timeout: float | None) -> float:
-    """The silence that makes a peer hung in a ring's first step: :data:`FIRST_STEP_SECONDS`, at most
-    :data:`GLOO_SHARE` of the Gloo timeout. Past the Gloo timeout the survivors' collectives fail and they go into the
-    next rendezvous, where a stopped peer is judged only by its stale heartbeat (:func:`silent_in_rendezvous`), so
-    the verdict comes sooner from the step. Also the bound of a rendezvous's verdict: it must come before a
-    ``hvd.init`` attempt ends."""
+    """The silence (no heartbeat) that makes a peer hung in a ring's first step: :data:`FIRST_STEP_SECONDS`, at most
+    :data:`GLOO_SHARE` of the Gloo timeout. A stopped peer stops Horovod's negotiation too, so the survivors'
+    collectives fail at the Gloo timeout and they go into the next rendezvous, where only a peer of their own machine
+    is judged (:func:`silent_in_rendezvous`): the verdict must come from the step, before that. A peer that beats is
+    not judged by time in its first step, so this bound cannot end a slow but live start. Also the bound of a
+    rendezvous's verdict: it must come before a ``hvd.init`` attempt ends."""
     if gloo_timeout is None:
         return FIRST_STEP_SECONDS
     return min(FIRST_STEP_SECONDS, GLOO_SHARE * gloo_timeout)
@@ -187,9 +190,11 @@ def hung_peers(
     first_step_seconds: float = FIRST_STEP_SECONDS,
 ) -> list[Hung]:
     """The members of this ring (other than rank ``me``) that are hung by their heartbeats (see the module);
-    ``ring_steps``: steps the judge completed since its ring formed."""
+    ``ring_steps``: steps the judge completed since its ring formed. In the ring's first step only a silent member
+    is hung, silent for ``max(hang_seconds, first_step_seconds)``."""
     out = []
-    bound = hang_seconds if ring_steps > 0 else max(hang_seconds, first_step_seconds)
+    first = ring_steps == 0
+    bound = max(hang_seconds, first_step_seconds) if first else hang_seconds
     for m in members:
         b = beats.get((m.host, m.slot))
         if m.rank == me or b is None or b.pid != m.pid:
@@ -197,7 +202,7 @@ def hung_peers(
         who = f"host {m.host} rank {m.rank} (pid {m.pid})"
         if now - b.ts >= bound:
             out.append(Hung(m, b, f"{who}: no heartbeat for {now - b.ts:.1f}s (stopped, or its machine hangs)"))
-        elif b.phase == LOCAL and now - b.since >= bound:
+        elif not first and b.phase == LOCAL and now - b.since >= bound:
             why = f"{who}: stuck in its own part of a step (data loading or compute) for {now - b.since:.1f}s"
             out.append(Hung(m, b, why))
     return out
@@ -400,7 +405,7 @@ class HangDetector:
     evict: Callable[[str], str] | None = None
     """Evicts a host of another machine (returns what it did, one line); None: no etcd to do it through."""
     first_step_seconds: float = FIRST_STEP_SECONDS
-    """A peer's silence that makes it hung in a ring's first step (:func:`first_step_bound`)."""
+    """A peer's silence (no heartbeat) that makes it hung in a ring's first step (:func:`first_step_bound`)."""
     members: tuple[Member, ...] = ()
     me: int = 0
     phase: str = IDLE

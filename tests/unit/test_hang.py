@@ -267,6 +267,55 @@ def test_a_peer_stopped_in_a_rings_first_step_is_hung_before_a_15s_gloo_timeout(
     assert [h.member.rank for h in found] == ([1] if hung else [])
 
 
+@pytest.mark.parametrize("took", [35.0, 600.0])
+def test_a_joiner_that_still_beats_is_never_hung_in_its_rings_first_step_however_long_its_own_work_takes(
+    took: float,
+) -> None:
+    """A joiner's first step (loader start-up, cudnn autotune, a cold cache) may take any time: its watchdog thread
+    beats meanwhile, and nothing in the ring times out (Horovod keeps negotiating). With launch's Gloo timeout (60 s)
+    the first step's bound was 30 s, and a joiner 30 s in its own work was killed or its host evicted."""
+    bound = first_step_bound(60.0)
+
+    def judged(b: Beat) -> list[str]:
+        beats = {("b", 0): b}
+        found = hung_peers(
+            now=NOW, me=0, members=MEMBERS, beats=beats, hang_seconds=10.0, ring_steps=0, first_step_seconds=bound
+        )
+        return [h.why for h in found]
+
+    assert judged(beat("b", 11, phase=LOCAL, since=NOW - took, ts=NOW - 0.5, steps=0)) == []
+    (why,) = judged(beat("b", 11, phase=LOCAL, since=NOW - took, ts=NOW - bound, steps=0))
+    assert "no heartbeat" in why, "a stopped joiner is silent: found at the bound"
+    assert judged(beat("b", 11, phase=LOCAL, since=NOW - 11, ts=NOW - 0.5, steps=1)) == [], "the judge's count"
+    assert verdict({("b", 0): beat("b", 11, phase=LOCAL, since=NOW - 11)}, ring_steps=1), "from the second step on"
+
+
+def test_in_a_rings_first_step_a_slow_joiner_lives_and_a_stopped_one_is_sigkilled(tmp_path: Path) -> None:
+    """Real processes of this machine, the judge's clock 35 s into the ring's first step: the joiner that beats (its
+    first step is slow) lives; the one SIGSTOPped (silent since the step began) is killed."""
+    slow, stopped = _sleeper(job=None, slot=("b", "0")), _sleeper(job=None, slot=("c", "0"))
+    try:
+        for proc in (slow, stopped):
+            wait_until(lambda p=proc: psutil.Process(p.pid).environ(), 10, what="the child's environment")
+        psutil.Process(stopped.pid).send_signal(signal.SIGSTOP)
+        det, hb = _detector(tmp_path)
+        det.first_step_seconds = first_step_bound(60.0)
+        det.set_ring(0, [Member(0, "a", 0, 1), Member(1, "b", 0, slow.pid), Member(2, "c", 0, stopped.pid)])
+        det.set_phase(WAITING)  # the judge's own part of the ring's first step is done
+        boot, _ = det.identity()
+        now = time.time() + 35
+        for proc, host, ts in ((slow, "b", now - 0.5), (stopped, "c", now - 35)):
+            made = psutil.Process(proc.pid).create_time()
+            hb.write(Beat(proc.pid, host, 0, boot, made, ts, LOCAL, now - 35, 0))
+        found = det.tick(now, waited=35.0, typical_step=0.05)
+        assert [h.member.pid for h in found] == [stopped.pid]
+        assert stopped.wait(10) == -signal.SIGKILL
+        assert slow.poll() is None and psutil.Process(slow.pid).status() != psutil.STATUS_ZOMBIE
+    finally:
+        for proc in (slow, stopped):
+            _end(proc)
+
+
 def test_a_member_whose_process_on_this_machine_is_gone_is_named_at_once() -> None:
     """No bound: a dead pid is dead (the 60-s stalls: two survivors each waiting on the other, both rings' other
     members killed, and Gloo telling neither)."""
