@@ -19,11 +19,12 @@ Environment:
   ELASTICTRAIN_DISCOVER_STALENESS seconds the cache may be served during an etcd outage (default 30)
   ELASTICTRAIN_DISCOVER_TIMEOUT   seconds to wait for each etcd endpoint (default 1)
 
-The cache records when it was read by this machine's clocks (monotonic time qualified by the boot
-id, and wall time), never by the file's mtime, which an NFS server stamps with its own clock; its
-lines are validated as host names from etcd are, and invalid ones are skipped with a warning. It also keeps each
-host's value with the slots and state parsed from it, so that a call parses only the values that changed since
-the previous one.
+While etcd answers, what it says now decides: every value of the reply is parsed and checked at every call, and
+nothing read from the cache file enters the answer. The cache holds the last answer (``host:slots`` lines) and when
+it was read by this machine's clocks (monotonic time qualified by the boot id, and wall time), never by the file's
+mtime, which an NFS server stamps with its own clock. It is read only when etcd is unreachable, and served then only
+when the file belongs to the user running discovery, is the job's, is young enough, and only its lines that are
+valid as etcd's would be (invalid ones are skipped with a warning).
 
 Exit codes: 0 hosts printed (from etcd, or from a fresh enough cache during an outage); 1 etcd
 unreachable and no fresh cache; 2 bad environment.
@@ -42,7 +43,6 @@ from discovery.endpoints import Endpoint, EtcdAccess, parse_endpoints
 from discovery.fileio import write_atomic
 from discovery.wire import (
     DEFAULT_PREFIX,
-    STATES,
     MalformedRecord,
     check_name,
     check_slots,
@@ -235,58 +235,30 @@ def range_prefix(session: Session, ep: Endpoint, prefix: str) -> list[tuple[str,
     ]
 
 
-def fetch(cfg: DiscoverConfig, known: Mapping[str, Any] | None = None) -> tuple[list[str], list[str], dict[str, Any]]:
-    """``(lines, warnings, parsed)`` from the first endpoint that answers; :class:`EtcdUnreachable` if none.
+def fetch(cfg: DiscoverConfig) -> tuple[list[str], list[str]]:
+    """``(lines, warnings)`` from the first endpoint that answers; :class:`EtcdUnreachable` if none.
 
-    ``parsed`` maps each host whose value is valid to ``[value, slots, state]`` (the value as latin-1 text); given
-    back as ``known`` by the next call, it spares that call the parse of every value that did not change, so the
-    per-host cost of a call is a string comparison, not a JSON parse and its checks (:func:`known_record`).
+    Every value is parsed and checked (:func:`discovery.wire.parse_value`): the lines are what etcd says now.
     """
     start = hosts_prefix(cfg.prefix, cfg.job)
     session = Session(cfg.access, cfg.timeout_seconds)
     errors: list[str] = []
-    known = known if isinstance(known, dict) else {}
     for ep in cfg.endpoints:
         try:
             pairs = range_prefix(session, ep, start)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # timeouts and TLS errors are OSErrors
             errors.append(f"{ep.url}: {type(e).__name__}: {e}")
             continue
-        records, warnings, parsed = [], [], {}
+        records, warnings = [], []
         for key, value in pairs:
-            host, text = key[len(start) :], value.decode("latin-1")
-            record = known_record(host, text, known.get(host))
-            if record is None:
-                try:
-                    record = parse_value(host, value)
-                except MalformedRecord as e:  # ascii(): a key may hold a newline or a terminal escape
-                    warnings.append(f"skipping malformed value at {key!a}: {e}")
-                    continue
-            parsed[host] = [text, record["slots"], record["state"]]
-            records.append(record)
+            try:
+                records.append(parse_value(key[len(start) :], value))
+            except MalformedRecord as e:  # ascii(): a key may hold a newline or a terminal escape
+                warnings.append(f"skipping malformed value at {key!a}: {e}")
         records, duplicates = drop_case_duplicates(records, lambda r: r["host"])
         warnings += [f"skipping {w}" for w in duplicates]
-        return discovery_lines(records), warnings, parsed
+        return discovery_lines(records), warnings
     raise EtcdUnreachable("; ".join(errors))
-
-
-def known_record(host: str, text: str, entry: object) -> dict[str, Any] | None:
-    """The record of ``host`` from a previous call's ``parsed`` entry when its value is exactly ``text``, else None.
-
-    The entry comes from the cache file, which may sit in a shared folder: the host name (from etcd's key) and
-    the cached slots and state are checked as a parse checks them, so a bad entry is parsed again, never printed.
-    """
-    if not isinstance(entry, list) or len(entry) != 3 or entry[0] != text:
-        return None
-    _, slots, state = entry
-    try:
-        check_name("host", host)
-        check_slots(slots)
-    except ValueError:
-        return None
-    if state not in STATES:
-        return None
-    return {"host": host, "slots": slots, "state": state}
 
 
 def boot_id() -> str:
@@ -322,23 +294,16 @@ def load_cache(path: str) -> object:
         return None
 
 
-def write_cache(
-    path: str,
-    job: str,
-    lines: list[str],
-    clock: Clock,
-    parsed: Mapping[str, Any] | None = None,
-    old: object = None,
-) -> None:
+def write_cache(path: str, job: str, lines: list[str], clock: Clock, old: object = None) -> None:
     """Record a successful answer and when it was read, by this machine's clocks (not the file's mtime,
-    which a file server stamps with its own clock), and the values it parsed (``parsed`` of :func:`fetch`).
+    which a file server stamps with its own clock).
 
     The file is replaced atomically each time (:func:`discovery.fileio.atomic_file`); only a change
     of membership (compared with ``old``, the file as read before, or as read now when not given) is
     fsynced, since a lost refresh of the stamp only makes the cache look older.
     """
     stamp = {"wall": clock.wall, "monotonic": clock.mono, "boot_id": clock.boot}
-    data = {"job": job, "hosts": lines, "read_at": stamp, "parsed": dict(parsed or {})}
+    data = {"job": job, "hosts": lines, "read_at": stamp}
     payload = json.dumps(data, separators=(",", ":")).encode()
     old = load_cache(path) if old is None else old
     changed = not isinstance(old, dict) or old.get("job") != job or old.get("hosts") != lines
@@ -385,16 +350,27 @@ def valid_line(line: object) -> bool:
     return True
 
 
+class CacheRefused(ValueError):
+    """The cache file exists but is not served; the message says why (one line)."""
+
+
 def read_cache(path: str, job: str, clock: Clock) -> tuple[list[str], float | None, list[str]] | None:
     """``(lines, age_seconds, warnings)`` of the cache, or ``None`` when missing, unreadable or another job's.
 
-    Lines are validated as host names from etcd are (:func:`valid_line`): the cache sits in a shared
-    folder and horovodrun puts host names into shell commands, so an invalid line is skipped with a
-    warning, never printed. ``age_seconds`` is None when the stamp cannot tell (:func:`cache_age`).
+    Raises :class:`CacheRefused` when the file belongs to another user than the one running discovery (the cache
+    may sit in a shared run_dir: another user who can write the folder can replace the file, never as us). Lines
+    are validated as host names from etcd are (:func:`valid_line`): horovodrun puts host names into shell commands,
+    so an invalid line is skipped with a warning, never printed. ``age_seconds`` is None when the stamp cannot tell
+    (:func:`cache_age`).
     """
     try:
         with open(path, "rb") as f:
+            owner, me = os.fstat(f.fileno()).st_uid, os.geteuid()
+            if owner != me:
+                raise CacheRefused(f"cache file {path} is owned by uid {owner}, not by this user (uid {me})")
             data = json.loads(f.read())
+    except CacheRefused:
+        raise
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict) or data.get("job") != job or not isinstance(data.get("hosts"), list):
@@ -417,12 +393,13 @@ def run(env: Mapping[str, str], clock: Clock | None = None) -> tuple[int, list[s
     except ConfigError as e:
         return 2, [], [f"{PROG}: error: {e}"]
     clock = Clock.now() if clock is None else clock
-    old = load_cache(cfg.cache_path)
-    known = old.get("parsed") if isinstance(old, dict) and old.get("job") == cfg.job else None
     try:
-        lines, warnings, parsed = fetch(cfg, known)
+        lines, warnings = fetch(cfg)
     except EtcdUnreachable as e:
-        cached = read_cache(cfg.cache_path, cfg.job, clock)
+        try:
+            cached = read_cache(cfg.cache_path, cfg.job, clock)
+        except CacheRefused as refused:
+            return 1, [], [f"{PROG}: error: etcd unreachable and the {refused}, so it is not served: {e}"]
         if cached is None:
             return 1, [], [f"{PROG}: error: etcd unreachable and no cached membership for job {cfg.job!r}: {e}"]
         cached_lines, age, cache_warnings = cached
@@ -441,7 +418,7 @@ def run(env: Mapping[str, str], clock: Clock | None = None) -> tuple[int, list[s
         return 0, cached_lines, messages
     messages = [f"{PROG}: warning: {w}" for w in warnings]
     try:
-        write_cache(cfg.cache_path, cfg.job, lines, clock, parsed, old)
+        write_cache(cfg.cache_path, cfg.job, lines, clock)
     except OSError as e:
         messages.append(f"{PROG}: warning: cannot write cache {cfg.cache_path}: {e}")
     return 0, lines, messages

@@ -107,7 +107,7 @@ def check_time(field: str, value: object) -> float:
 
     ``json.loads`` accepts NaN and Infinity; a non-finite time would make every comparison false.
     """
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < _MAX_TIME:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < _MAX_TIME:
         raise ValueError(f"{field} must be a finite Unix time >= 0, got {ascii(value)[:40]}")
     return float(value)
 
@@ -128,10 +128,27 @@ def host_key(prefix: str, job: str, host: str) -> str:
     return hosts_prefix(prefix, job) + host
 
 
+_RAW_DECODE = json.JSONDecoder().raw_decode
+
+
+def _loads(raw: bytes | str) -> Any:
+    """``json.loads(raw)``, at half its cost for the usual value (UTF-8 with no whitespace around it): discovery
+    parses every value of a job at every call. Any other value goes through ``json.loads`` itself, so the result
+    and the errors are exactly its own."""
+    try:
+        text = raw.decode() if isinstance(raw, bytes) else raw
+        data, end = _RAW_DECODE(text)
+        if end == len(text):
+            return data
+    except ValueError:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        pass
+    return json.loads(raw)
+
+
 def parse_value(host: str, raw: bytes | str) -> dict[str, Any]:
     """Validate a stored value; return its fields (``host`` included) or raise :class:`MalformedRecord`."""
     try:
-        data: Any = json.loads(raw)
+        data: Any = _loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise MalformedRecord(f"host {host!r}: value is not JSON ({e})") from None
     if not isinstance(data, dict):

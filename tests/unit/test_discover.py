@@ -73,6 +73,20 @@ def test_outage_serves_the_cache_within_the_window_then_fails(
     assert len(err) == 1 and "cached membership of job 'job1' is 31s old" in err[0]
 
 
+def test_during_an_outage_a_cache_file_owned_by_another_user_is_not_served(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str]
+) -> None:
+    fake_etcd(monkeypatch, [(PREFIX + "a", value(1))])
+    clock = discover.Clock(1000.0, 50.0, "boot-1")
+    assert discover.run(env, clock)[0] == 0
+    fake_etcd(monkeypatch, None)
+    owner = Path(env["ELASTICTRAIN_DISCOVER_CACHE"]).stat().st_uid
+    monkeypatch.setattr(os, "geteuid", lambda: owner + 1)  # as if another user had written (or replaced) the file
+    code, out, err = discover.run(env, clock)
+    assert (code, out) == (1, [])
+    assert len(err) == 1 and f"is owned by uid {owner}, not by this user (uid {owner + 1})" in err[0], err
+
+
 def test_cache_age_ignores_the_files_mtime_that_a_skewed_nfs_server_sets(
     monkeypatch: pytest.MonkeyPatch, env: dict[str, str]
 ) -> None:
