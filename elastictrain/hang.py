@@ -29,7 +29,7 @@ the kernel keeps its TCP connections open and even acknowledges them while the p
   its machine) is never judged.
 * **In a rendezvous** (:func:`silent_in_rendezvous`, pure): a survivor whose reset has waited ``min(hang_seconds,
   first_step_seconds)`` in its rendezvous judges every heartbeat of the run written on this machine: the process
-  that wrote it (same pid and start time, a worker by its environment) still exists but has not beaten
+  that wrote it (same pid and start time, a worker of the job: :func:`job_worker_runs`) still exists but has not beaten
   for that long, and has used no CPU time for :data:`QUIET_SECONDS` (so a stopped or deadlocked process, not one
   whose start-up holds the GIL, nor a judge whose clock jumped or whose disk refuses writes), so it is hung. The
   rendezvous waits for such a peer for good: the driver sees it alive, so it neither aborts the round nor leaves it
@@ -42,7 +42,8 @@ the kernel keeps its TCP connections open and even acknowledges them while the p
   Gloo timeout).
 * **The cure**, by every survivor that reaches the verdict (all idempotent): record it
   (``run_dir/.elastic/hung-verdict``: the ``failure`` event's reason becomes ``worker_hung``), then SIGKILL the
-  hung process when it runs on this machine (checked by boot id, pid and start time) -- from there the job
+  hung process when it runs on this machine (checked by boot id, pid and start time, and that it is a worker of the
+  job: :func:`job_worker_runs`) -- from there the job
   recovers exactly as after a SIGKILL -- or else evict its host through etcd (a drain: Horovod removes the host,
   stops its worker, and the watchdog's host-removed path ends the wait).
 
@@ -267,20 +268,48 @@ def process_alive(pid: int) -> bool:
 
 def job_worker_runs(beat: Beat, job: str) -> bool:
     """Whether the process that wrote ``beat`` still exists as a worker: its pid, not a zombie, started when the
-    beat says (within a second), and by its environment a worker of ``job`` (``ELASTICTRAIN_JOB``, which ``launch``
-    gives every worker and an agent its zygote) or horovodrun's worker of the beat's host and slot
-    (``HOROVOD_HOSTNAME``, ``HOROVOD_LOCAL_RANK``). A heartbeat file is untrusted: it must not get any other process
-    killed. Unlike :func:`process_alive` this errs towards False: it decides a SIGKILL."""
+    beat says (within a second), and either horovodrun's worker of the beat's host and slot by its environment
+    (``HOROVOD_HOSTNAME``, ``HOROVOD_LOCAL_RANK``: a cold worker, or the zygote client whose end ends its forked
+    worker), or a worker forked by a zygote of ``job`` (:func:`forked_by_zygote`). A heartbeat file is untrusted: it
+    must not get any other process killed (the job's environment alone names horovodrun, an agent, the zygote itself).
+    Unlike :func:`process_alive` this errs towards False: it decides a SIGKILL."""
     try:
         p = psutil.Process(beat.pid)
         if p.status() == psutil.STATUS_ZOMBIE or abs(p.create_time() - beat.created) >= 1.0:
             return False
         env = p.environ()
+        if env.get("HOROVOD_HOSTNAME") == beat.host and env.get("HOROVOD_LOCAL_RANK") == str(beat.slot):
+            return True
+        return forked_by_zygote(p, job)
     except (psutil.Error, OSError):
         return False
-    if job and env.get(envnames.JOB) == job:
-        return True
-    return env.get("HOROVOD_HOSTNAME") == beat.host and env.get("HOROVOD_LOCAL_RANK") == str(beat.slot)
+
+
+def forked_by_zygote(p: psutil.Process, job: str) -> bool:
+    """Whether ``p`` is a worker that a zygote of ``job`` forked (hot join, :mod:`elastictrain.zygote`). A fork shows
+    its parent's command line and environment, so such a worker looks like its zygote; it is told apart by its
+    parent: a zygote of ``job`` (``zygote serve``, ``ELASTICTRAIN_JOB``) that was not itself forked by one (a
+    worker's own forked helpers look like the zygote too). Raises psutil's errors."""
+    zygote = p.parent()
+    return bool(job) and _runs_zygote(p, job) and zygote is not None and _is_zygote(zygote, job)
+
+
+def _is_zygote(p: psutil.Process, job: str) -> bool:
+    parent = p.parent()
+    return _runs_zygote(p, job) and (parent is None or not _runs_zygote(parent, job))
+
+
+def _runs_zygote(p: psutil.Process, job: str) -> bool:
+    """``p``'s command line is a zygote's (``... zygote serve ...``) and its environment names ``job``."""
+    try:
+        cmd = p.cmdline()
+        return p.environ().get(envnames.JOB) == job and any(cmd[i : i + 2] == ZYGOTE_SERVE for i in range(len(cmd)))
+    except psutil.AccessDenied:
+        return False
+
+
+ZYGOTE_SERVE = ["zygote", "serve"]
+"""What a zygote's command line holds (``elastictrain zygote serve ...``; the one a forked worker shows too)."""
 
 
 def cpu_ns(pid: int) -> int | None:
@@ -555,10 +584,14 @@ class HangDetector:
         return self.gone_found
 
     def cure(self, h: Hung) -> None:
-        """Record the verdict, then SIGKILL the hung process here, or evict its host when it runs elsewhere."""
+        """Record the verdict, then SIGKILL the hung process here (only a worker of this job: :func:`job_worker_runs`),
+        or evict its host when it runs elsewhere."""
         boot, _ = self.identity()
         if h.beat.boot_id == boot and boot:
-            done = kill_if_same(h.beat.pid, h.beat.created)
+            if job_worker_runs(h.beat, os.environ.get(envnames.JOB, "")):
+                done = kill_if_same(h.beat.pid, h.beat.created)
+            else:
+                done = f"pid {h.beat.pid} is no worker of this job here (a stale or forged heartbeat): not killed"
         elif self.evict is not None:
             done = self.evict(h.member.host)
         else:

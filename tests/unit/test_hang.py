@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from elastictrain import hang
-from elastictrain._testing.procs import wait_until
+from elastictrain._testing.procs import kill_tree, wait_until
 from elastictrain.engine.reset import PAUSE_MARKS
 from elastictrain.engine.watch import mark_phases
 from elastictrain.hang import (
@@ -134,9 +134,10 @@ def test_the_verdict_file_answers_only_for_a_hang_found_since_the_given_time(tmp
 
 
 def test_a_stopped_process_on_this_machine_is_sigkilled_by_the_detector(tmp_path: Path) -> None:
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    child = _sleeper(job=None, slot=("b", "0"))  # horovodrun's worker of host b slot 0
     try:
         p = psutil.Process(child.pid)
+        wait_until(lambda: p.environ(), 10, what="the child's environment")
         p.send_signal(signal.SIGSTOP)
         hb = Heartbeats(tmp_path / "hb")
         det = HangDetector(hb, HungVerdict(tmp_path / "v"), host=lambda: "a", slot=lambda: 0, configured_seconds=2)
@@ -413,7 +414,13 @@ def _sleeper(
     env = {k: v for k, v in os.environ.items() if k not in drop} | ({"ELASTICTRAIN_JOB": job} if job else {})
     if slot is not None:
         env |= {"HOROVOD_HOSTNAME": slot[0], "HOROVOD_LOCAL_RANK": slot[1]}
-    return subprocess.Popen([sys.executable, "-c", code], env=env)
+    child = subprocess.Popen([sys.executable, "-c", code], env=env)
+    try:  # its command line and environment are the child's own only once it has exec'd
+        wait_until(lambda: psutil.Process(child.pid).cmdline()[-1:] == [code], 10, what="the child's exec")
+    except BaseException:
+        _end(child)
+        raise
+    return child
 
 
 def _end(child: subprocess.Popen) -> None:
@@ -431,19 +438,92 @@ def test_a_beats_writer_runs_only_as_the_same_live_worker_of_the_job() -> None:
             wait_until(lambda p=proc: psutil.Process(p.pid).environ(), 10, what="the child's environment")
         made = psutil.Process(child.pid).create_time()
         ours = Beat(child.pid, "b", 0, "boot", made, NOW, RENDEZVOUS, NOW, 0)
-        assert job_worker_runs(ours, JOB)
+        assert not job_worker_runs(ours, JOB), "the job's environment alone (horovodrun, an agent, a zygote): no worker"
         assert not job_worker_runs(ours, ""), "no job to match, and not horovodrun's worker of host b slot 0"
         made_plain = psutil.Process(plain.pid).create_time()
         horovodruns = Beat(plain.pid, "b", 0, "boot", made_plain, NOW, RENDEZVOUS, NOW, 0)
         assert job_worker_runs(horovodruns, ""), "horovodrun's worker of the beat's host and slot (no launch)"
         assert not job_worker_runs(Beat(plain.pid, "c", 0, "boot", made_plain, NOW, RENDEZVOUS, NOW, 0), "")
-        assert not job_worker_runs(Beat(child.pid, "b", 0, "boot", made - 100, NOW, RENDEZVOUS, NOW, 0), JOB)
+        assert not job_worker_runs(Beat(plain.pid, "b", 0, "boot", made_plain - 100, NOW, RENDEZVOUS, NOW, 0), "")
         theirs = Beat(other.pid, "b", 0, "boot", psutil.Process(other.pid).create_time(), NOW, RENDEZVOUS, NOW, 0)
         assert not job_worker_runs(theirs, JOB), "another job's process (or the launcher, etcd, a shell)"
         assert not job_worker_runs(Beat(2**22 + 12345, "b", 0, "boot", 1.0, NOW, RENDEZVOUS, NOW, 0), JOB)
     finally:
         for proc in (child, other, plain):
             _end(proc)
+
+
+ZYGOTE = """
+import os, sys, time
+if os.fork() == 0:  # a hot-joined worker: the zygote's command line and environment
+    loader = os.fork()
+    if loader == 0:  # a helper of that worker (a data loader's process)
+        time.sleep(60)
+        os._exit(0)
+    print(os.getpid(), loader, flush=True)
+    time.sleep(60)
+    os._exit(0)
+time.sleep(60)
+"""
+
+
+@contextlib.contextmanager
+def _zygote() -> Iterator[tuple[psutil.Process, psutil.Process, psutil.Process]]:
+    """A process that looks like the job's zygote (``elastictrain zygote serve``, ``ELASTICTRAIN_JOB``), the worker it
+    forked, and that worker's own forked helper; all ended by pid at the exit."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_")} | {"ELASTICTRAIN_JOB": JOB}
+    cmd = [sys.executable, "-c", ZYGOTE, "zygote", "serve", "--config", "c.yaml", "--job", JOB, "--host", "b"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        worker, loader = (int(pid) for pid in proc.stdout.readline().split())
+        yield psutil.Process(proc.pid), psutil.Process(worker), psutil.Process(loader)
+    finally:
+        kill_tree(proc.pid)
+        proc.wait()
+
+
+def _beat_of(p: psutil.Process, boot: str = "boot", ts: float = NOW) -> Beat:
+    return Beat(p.pid, "b", 0, boot, p.create_time(), ts, RENDEZVOUS, ts, 0)
+
+
+def test_of_a_zygotes_processes_only_the_worker_it_forked_is_a_worker_of_the_job() -> None:
+    """A hot-joined worker shows its zygote's command line and environment (a fork, no exec); the zygote, whose end
+    ends every worker it forked (parent-death signal), and the worker's own helpers are no workers."""
+    with _zygote() as (zygote, worker, loader):
+        assert job_worker_runs(_beat_of(worker), JOB)
+        assert not job_worker_runs(_beat_of(worker), "another-job")
+        assert not job_worker_runs(_beat_of(zygote), JOB), "the zygote"
+        assert not job_worker_runs(_beat_of(loader), JOB), "a helper of a worker"
+
+
+@pytest.mark.parametrize("where", ["step", "rendezvous"])
+def test_a_forged_heartbeat_never_gets_a_process_that_is_no_worker_killed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """A heartbeat file is untrusted. One that names the zygote (this machine's boot id, its pid and start time, silent
+    for long) must not get it killed, by a step's verdict or a rendezvous's: its worker would die with it."""
+    monkeypatch.setenv("ELASTICTRAIN_JOB", JOB)
+    with _zygote() as (zygote, worker, _):
+        zygote.send_signal(signal.SIGSTOP)  # quiet: no CPU time, as an idle zygote
+        wait_until(lambda: zygote.status() == psutil.STATUS_STOPPED, 10, what="the zygote stopped")
+        det, hb = _detector(tmp_path)
+        det.configured_seconds = 2.0
+        det.set_ring(0, [Member(0, "a", 0, os.getpid()), Member(1, "b", 0, zygote.pid)])
+        now = time.time()
+        hb.write(_beat_of(zygote, boot=det.identity()[0], ts=now - 60))
+        if where == "step":  # the ring's member named by its gathered pid: judged hung, and the cure checks
+            det.steps = 3
+            det.set_phase(WAITING)
+            assert [h.member.pid for h in det.tick(now, waited=3.0, typical_step=0.1)] == [zygote.pid]
+            assert "no worker of this job here" in (HungVerdict(tmp_path / "v").since(0) or "")
+        else:  # any heartbeat of the folder: not even a suspect
+            det.mark(RENDEZVOUS)
+            det.since = now - 60
+            assert det.tick(now, waited=None, typical_step=0.1) == []
+            assert det.tick(now + 3, waited=None, typical_step=0.1) == []
+        assert zygote.status() == psutil.STATUS_STOPPED, "the zygote was killed"
+        assert worker.status() != psutil.STATUS_ZOMBIE
 
 
 def test_cpu_time_is_read_over_every_thread_and_stands_still_for_a_stopped_process() -> None:
@@ -463,8 +543,8 @@ def test_cpu_time_is_read_over_every_thread_and_stands_still_for_a_stopped_proce
 
 @contextlib.contextmanager
 def _stopped_sleeper() -> Iterator[psutil.Process]:
-    """A child of this job, SIGSTOPped (ended at the exit)."""
-    child = _sleeper()
+    """A worker of this job (horovodrun's of host b slot 0), SIGSTOPped (ended at the exit)."""
+    child = _sleeper(slot=("b", "0"))
     try:
         p = psutil.Process(child.pid)
         wait_until(lambda: p.environ(), 10, what="the child's environment")
@@ -489,7 +569,7 @@ def _judge(tmp_path: Path, child_pid: int, created: float, monkeypatch: pytest.M
 def test_a_silent_peer_that_still_uses_cpu_is_not_hung_in_a_rendezvous(tmp_path: Path, monkeypatch) -> None:
     """Start-up that holds the GIL (a native library's import) keeps a worker from beating, but not from running; a
     judge whose clock jumped, or whose beats were not written, sees every peer silent, and every one running."""
-    child = _sleeper()
+    child = _sleeper(slot=("b", "0"))
     try:
         det, now = _judge(tmp_path, child.pid, psutil.Process(child.pid).create_time(), monkeypatch)
         wait_until(lambda: psutil.Process(child.pid).environ(), 10, what="the child's environment")
