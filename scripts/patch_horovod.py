@@ -61,10 +61,17 @@ protocol errors above): their ``waitSend``/``waitRecv`` ran out the Gloo timeout
 
 Each edit is an exact text replacement; a source that does not match exits 1 with the file and the edit named
 (another Horovod version needs the patch checked again). Applying it twice is a no-op.
+
+**The build says it is patched.** After the edits the patch writes :data:`MARKER_FILE` into Horovod's package,
+naming :func:`digest`, a hash of every edit: ``elastictrain launch`` and every worker refuse a Horovod without the
+marker of this patch (``elastictrain/horovod_build.py``, whose ``PATCH_DIGEST`` must equal ``--digest``'s output; a
+unit test checks it), and ``scripts/setup.sh`` names its cached wheel by the digest, so a changed patch is built
+again, never taken from the cache. ``python patch_horovod.py --digest`` prints it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from pathlib import Path
 
@@ -451,12 +458,44 @@ def patch(src: Path) -> list[str]:
     return done
 
 
+MARKER_FILE = "horovod/elastictrain_patch.py"
+"""The module the patch adds to Horovod's package (so the wheel carries it): :func:`marker_text`."""
+
+
+def digest() -> str:
+    """The patch's identity: 16 hex digits of a SHA-256 over every edit (file, text replaced, replacement)."""
+    h = hashlib.sha256()
+    for edit in EDITS:
+        for part in edit:
+            h.update(part.encode())
+            h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def marker_text() -> str:
+    return (
+        '"""Written by elastictrain\'s scripts/patch_horovod.py into the Horovod source it patched: '
+        "this build carries\n"
+        'the patch named below (elastictrain/horovod_build.py checks it)."""\n\n'
+        f'PATCH_DIGEST = "{digest()}"\n'
+    )
+
+
+def write_marker(src: Path) -> str:
+    """Write :data:`MARKER_FILE` under ``src``; returns what was done."""
+    (src / MARKER_FILE).write_text(marker_text())
+    return f"{MARKER_FILE}: written (patch {digest()})"
+
+
 def main(argv: list[str]) -> int:
+    if argv == ["--digest"]:
+        sys.stdout.write(f"{digest()}\n")
+        return 0
     if len(argv) != 1:
-        sys.stderr.write("usage: python patch_horovod.py HOROVOD_SOURCE_DIR\n")
+        sys.stderr.write("usage: python patch_horovod.py HOROVOD_SOURCE_DIR | --digest\n")
         return 2
     try:
-        for line in patch(Path(argv[0])):
+        for line in [*patch(Path(argv[0])), write_marker(Path(argv[0]))]:
             sys.stdout.write(f"patch_horovod: {line}\n")
     except (OSError, ValueError) as e:
         sys.stderr.write(f"patch_horovod: error: {e}\n")

@@ -152,14 +152,16 @@ esac
 
 # ---------------------------------------------------------------- Horovod
 # NCCL-shared: wheels built before Horovod was told to link NCCL dynamically have another key.
-# patch-7: scripts/patch_horovod.py (a failed Gloo rendezvous fails hvd.init instead of killing the worker; the
-# driver can abort a rendezvous whose worker is gone; an allreduce that races a shutdown is refused, not stranded;
-# a Gloo message a pair cannot place, or whose buffer is gone, fails the pair instead of the process or of waiting;
-# a failed pair fails every operation that waits on it).
-KEY="horovod-${HOROVOD_VERSION}_torch-${TORCH_VER}_${PY_TAG}_cuda-${CUDA_VER}_gpuops-${GPU_OPS/NCCL/NCCL-shared}_patch-7"
+# patch-<digest>: the hash of scripts/patch_horovod.py's edits, so a changed patch is built again and never taken from
+# the cache. The patch also writes horovod/elastictrain_patch.py naming that digest: the installed package must carry
+# it (elastictrain launch and every worker refuse a Horovod without it, such as a stock wheel installed over ours).
+PATCH_DIGEST=$("$PY" "$ROOT/scripts/patch_horovod.py" --digest) || die "scripts/patch_horovod.py --digest failed"
+KEY="horovod-${HOROVOD_VERSION}_torch-${TORCH_VER}_${PY_TAG}_cuda-${CUDA_VER}_gpuops-${GPU_OPS/NCCL/NCCL-shared}_patch-${PATCH_DIGEST}"
 WHEEL_DIR="$CACHE/wheels/$KEY"
 STAMP="$VENV/.horovod-key"
-if [ "$(cat "$STAMP" 2>/dev/null)" = "$KEY" ] && [ "$(pkg_version horovod)" = "$HOROVOD_VERSION" ]; then
+MARKER_LINE="PATCH_DIGEST = \"$PATCH_DIGEST\""
+patched_horovod() { grep -qxF "$MARKER_LINE" "$SITE/horovod/elastictrain_patch.py" 2>/dev/null; }
+if [ "$(cat "$STAMP" 2>/dev/null)" = "$KEY" ] && [ "$(pkg_version horovod)" = "$HOROVOD_VERSION" ] && patched_horovod; then
   say "horovod $HOROVOD_VERSION already installed ($KEY)"
 else
   if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
@@ -201,6 +203,7 @@ else
     say "reusing cached wheel $(ls "$WHEEL_DIR"/horovod-*.whl)"
   fi
   "${PIP[@]}" install -q --force-reinstall --no-deps "$WHEEL_DIR"/horovod-*.whl
+  patched_horovod || die "the horovod wheel in $WHEEL_DIR lacks the patch marker ($MARKER_LINE); remove $WHEEL_DIR and run setup again"
   "${PIP[@]}" install -q 'cffi>=1.4.0' cloudpickle psutil pyyaml packaging
   if [ "$GPU_OPS" = NCCL ]; then
     for so in "$SITE"/horovod/torch/mpi_lib_v2*.so; do

@@ -1,7 +1,8 @@
 """``elastictrain launch``'s entry point: parse, check what can be checked before anything starts, then supervise.
 
-:func:`main` exits 2 with one line for bad flags, a bad config or task, a missing horovodrun or etcd, an
-unreachable ``--etcd`` and a run_dir that another launcher drives; nothing is started then. A run_dir
+:func:`main` exits 2 with one line for bad flags, a bad config or task, a missing horovodrun or etcd, a Horovod
+that is not the patched build (:mod:`elastictrain.horovod_build`), an unreachable ``--etcd`` and a run_dir that
+another launcher drives; nothing is started then. A run_dir
 whose latest verified checkpoint already holds the whole training exits 0 without starting anything.
 Otherwise it takes the run_dir lock and hands over to :class:`~elastictrain.launcher.supervisor.Launcher`.
 """
@@ -20,6 +21,7 @@ from discovery.registry import EtcdRegistry, RegistryError, RegistryUnavailable
 from elastictrain.cliutil import EXIT_USAGE
 from elastictrain.config import ConfigError, JobConfig
 from elastictrain.config_cli import report_config_error
+from elastictrain.horovod_build import UnpatchedHorovod, check_patched_horovod
 from elastictrain.launcher.commands import REPO, config_validate_command, find_horovodrun, runner_command
 from elastictrain.launcher.errors import LaunchError
 from elastictrain.launcher.options import PROG, LaunchOptions, parse
@@ -99,13 +101,14 @@ def main(argv: list[str]) -> int:
             return 0
         if find_horovodrun() is None:
             raise LaunchError("horovodrun not found next to this Python or on PATH (run `make setup`)")
+        check_patched_horovod()
         check_task(opts)
         if opts.etcd is not None:
             check_etcd(opts.etcd, cfg.job, cfg.discovery.prefix, access=opts.etcd_access)
     except ConfigError as e:
         report_config_error(e, PROG)
         return EXIT_USAGE
-    except LaunchError as e:
+    except (LaunchError, UnpatchedHorovod) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     try:

@@ -59,3 +59,9 @@ def test_two_process_allreduce_sums_across_real_workers(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     results = sorted(line.split("RESULT ", 1)[1] for line in proc.stdout.splitlines() if "RESULT " in line)
     assert results == ["rank=0 size=2 sum=[3.0, 30.0]", "rank=1 size=2 sum=[3.0, 30.0]"]
+
+
+def test_the_installed_horovod_carries_the_marker_of_this_checkouts_patch():
+    code = "from elastictrain.horovod_build import check_patched_horovod; check_patched_horovod(); print('patched')"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout.strip()) == (0, "patched"), proc.stderr
