@@ -44,8 +44,8 @@ the kernel keeps its TCP connections open and even acknowledges them while the p
   (``run_dir/.elastic/hung-verdict``: the ``failure`` event's reason becomes ``worker_hung``), then SIGKILL the
   hung process when it runs on this machine (checked by boot id, pid and start time, and that it is a worker of the
   job: :func:`job_worker_runs`) -- from there the job
-  recovers exactly as after a SIGKILL -- or else evict its host through etcd (a drain: Horovod removes the host,
-  stops its worker, and the watchdog's host-removed path ends the wait).
+  recovers exactly as after a SIGKILL -- or else evict its host through etcd, on a thread of its own (a drain:
+  Horovod removes the host, stops its worker, and the watchdog's host-removed path ends the wait).
 
 Size: the heartbeat's format, its two writers (the detector, the start-up keeper) and the three verdicts that read
 it (a step's, a rendezvous's, a dead member's) share one set of rules (boot id, pid and start time, the phases);
@@ -585,19 +585,33 @@ class HangDetector:
 
     def cure(self, h: Hung) -> None:
         """Record the verdict, then SIGKILL the hung process here (only a worker of this job: :func:`job_worker_runs`),
-        or evict its host when it runs elsewhere."""
+        or evict its host when it runs elsewhere: on a thread of its own (:meth:`evict_host`), since etcd may take
+        seconds and this thread must go on beating and aborting meanwhile."""
         boot, _ = self.identity()
+        evict = None
         if h.beat.boot_id == boot and boot:
             if job_worker_runs(h.beat, os.environ.get(envnames.JOB, "")):
                 done = kill_if_same(h.beat.pid, h.beat.created)
             else:
                 done = f"pid {h.beat.pid} is no worker of this job here (a stale or forged heartbeat): not killed"
         elif self.evict is not None:
-            done = self.evict(h.member.host)
+            evict, done = self.evict, f"evicting host {h.member.host} through etcd"
         else:
             done = "no etcd to evict its host through: waiting for the Gloo timeout"
         self.verdict.record(f"{h.why}; {done}")
         log.warning("hung peer", why=h.why, action=done)
+        if evict is not None:
+            threading.Thread(target=self.evict_host, args=(evict, h), name="hang-eviction", daemon=True).start()
+
+    def evict_host(self, evict: Callable[[str], str], h: Hung) -> None:
+        """Evict the hung member's host (``evict``: :attr:`evict`) and record what it did as the verdict."""
+        try:
+            done = evict(h.member.host)
+        except Exception as e:  # the evictor reports its own failures; this is a safety net for the thread
+            done = f"could not evict host {h.member.host}: {type(e).__name__}"
+            log.exception("hung peer's eviction failed", host=h.member.host)
+        self.verdict.record(f"{h.why}; {done}")
+        log.warning("hung peer's host", why=h.why, action=done)
 
 
 def announce(folder: Path, phase: str, environ: dict[str, str] | None = None) -> None:

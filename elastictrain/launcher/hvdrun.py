@@ -63,12 +63,15 @@ This entry point is horovodrun itself (same flags, same driver, same rendezvous)
    makes the discovery loop, each pass that finds no new change, compare the slots the hosts allow now with the
    current round's (:func:`untold_change`) and, while the hosts allow slots that the round lacks, tell rank 0
    again (a notice that only removes slots is not told again: one that is lost leaves the job training at its
-   size). Deciding and telling hold the lock under which a round starts: a notice sent before a round that has the
-   new host lands before that round's reset ends (which drops it, rightly), and after such a round starts none is
-   sent. Every notice, the first one too, goes out in one attempt bounded by :data:`NOTICE_TIMEOUT_SECONDS`
-   (:func:`send_notice`; Horovod's client waits without limit, so a stopped rank 0 held the driver's discovery);
-   a rank 0 whose process has exited is not told, and one whose notice failed is left alone for
-   :data:`NOTICE_BACKOFF_SECONDS`.
+   size). Deciding holds the lock under which a round starts; the notice goes out on a thread of its own
+   (:class:`Outbox`), never under that lock nor under the driver's hosts condition, so a rank 0 that does not reply
+   holds neither discovery, nor a worker's exit, nor a round that waits for slots. A notice is dropped when a round
+   has started since it was decided, and a round's start waits for a send in flight: a notice sent before a round
+   that has the new host lands before that round's reset ends (which drops it, rightly), and after such a round
+   starts none is sent. Every notice, the first one too, goes out in one attempt bounded by
+   :data:`NOTICE_TIMEOUT_SECONDS` (:func:`send_notice`; Horovod's client waits without limit, so a stopped rank 0
+   held the driver's discovery); a rank 0 whose process has exited is not told, and one whose notice failed is left
+   alone for :data:`NOTICE_BACKOFF_SECONDS`.
 
 The repairs replace private methods of Horovod 0.28.1's runner; on any other Horovod version this entry
 point exits 2 with one line.
@@ -87,7 +90,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from elastictrain.errors import ElastictrainError
@@ -219,8 +223,8 @@ def untold_change(current: Mapping[str, Iterable[Any]], allowed: Mapping[str, It
 
 
 NOTICE_TIMEOUT_SECONDS = 2.0
-"""How long the driver waits for rank 0 to take a host-change notice (Horovod's own client waits without limit, while
-the driver holds its locks: a stopped rank 0 held its discovery, and with repair 7 its exits too)."""
+"""How long the driver's notice thread waits for rank 0 to take a host-change notice (Horovod's own client waits
+without limit); also the longest a round's start waits for a send in flight (repair 7)."""
 
 NOTICE_BACKOFF_SECONDS = 5.0
 """After a failed notice, how long the driver leaves that rank 0 alone (it is likely dead or stopped; the watchdog or
@@ -244,6 +248,54 @@ def send_notice(client: Any, timestamp: float, update: int, timeout: float | Non
         with sock.makefile("rb") as rfile, sock.makefile("wb") as wfile:
             client._wire.write(HostsUpdatedRequest(timestamp, update), wfile)
             client._wire.read(rfile)
+
+
+@dataclass(frozen=True, slots=True)
+class Notice:
+    """A host-change notice decided for the rank 0 of round ``round`` (repair 7)."""
+
+    round: int
+    slot: tuple[str, int]
+    client: Any
+    """Horovod's ``WorkerNotificationClient`` of that rank 0."""
+    update: int
+    """``HostUpdateResult`` flags."""
+
+
+class Outbox:
+    """Host-change notices to rank 0, sent by a thread of their own (started when a notice comes, gone when none is
+    left), so that no one who posts waits for rank 0. A notice not yet sent when another comes for the same round and
+    rank 0 is merged into it (the flags of both); one for another round replaces it (a round's start makes older
+    notices moot)."""
+
+    def __init__(self, send: Callable[[Notice], None]) -> None:
+        self._send = send
+        self._lock = threading.Lock()
+        self._pending: Notice | None = None
+        self._sending = False
+
+    def post(self, notice: Notice) -> None:
+        with self._lock:
+            old = self._pending
+            if old is not None and (old.round, old.slot) == (notice.round, notice.slot):
+                notice = replace(notice, update=notice.update | old.update)
+            self._pending = notice
+            if self._sending:
+                return
+            self._sending = True
+        threading.Thread(target=self._run, name="host-change-notices", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                notice, self._pending = self._pending, None
+                if notice is None:
+                    self._sending = False
+                    return
+            try:
+                self._send(notice)
+            except Exception:  # the sender reports its own failures; this keeps the outbox working
+                logging.exception("host-change notice failed")
 
 
 class _BackOff:
@@ -306,7 +358,10 @@ def install() -> None:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         self._elastictrain_slots = _SlotProcesses()
         self._elastictrain_round = threading.Lock()  # an exit, a notice vs. the start of a round (repairs 2, 5, 7)
+        self._elastictrain_rounds = 0  # rounds started (under the round lock)
+        self._elastictrain_sending = threading.Lock()  # a notice's send vs. the start of a round; before the round lock
         self._elastictrain_quiet = _BackOff(NOTICE_BACKOFF_SECONDS)
+        self._elastictrain_outbox = Outbox(lambda notice: send_if_current(self, notice))
         init(self, *args, **kwargs)
 
     def _start_worker_process(self: Any, slot_info: Any) -> None:
@@ -332,7 +387,8 @@ def install() -> None:
         self._results.expect(thread)
 
     def _update_host_assignments(self: Any, current_hosts: Any) -> Any:
-        with self._elastictrain_round:
+        with self._elastictrain_sending, self._elastictrain_round:  # a round starts after a send in flight (repair 7)
+            self._elastictrain_rounds += 1
             gone = self._elastictrain_slots.dead()
             if gone:
                 live = {
@@ -343,7 +399,8 @@ def install() -> None:
             return update_assignments(self, current_hosts)
 
     def tell_rank0(self: Any, update: Any) -> None:
-        """Send ``update`` to the current round's rank 0 (the caller holds the round lock); repair 7."""
+        """Post ``update`` for the current round's rank 0 (the caller holds the round lock; sent by the outbox's
+        thread: :func:`send_if_current`); repair 7."""
         rank0 = self.get_coordinator_info()
         if rank0 is None:
             return
@@ -351,11 +408,23 @@ def install() -> None:
         client = self.get_worker_client(rank0)
         if client is None or slot in self._elastictrain_slots.dead() or not self._elastictrain_quiet.ready(slot):
             return
-        try:
-            send_notice(client, driver_module._epoch_time_s(), update)
-        except Exception as e:  # refused, timed out, a bad reply: told again after the back-off
-            self._elastictrain_quiet.failed(slot)
-            logging.warning(f"host-change notice to {slot[0]}[{slot[1]}] failed ({type(e).__name__}: {e})")
+        self._elastictrain_outbox.post(Notice(self._elastictrain_rounds, slot, client, update))
+
+    def send_if_current(self: Any, notice: Notice) -> None:
+        """On the outbox's thread: send ``notice`` unless a round has started since it was decided, its rank 0's
+        process has exited, or its last notice failed within the back-off. Holds only the sending lock (a round that
+        starts meanwhile waits for this one attempt), never the round lock or the hosts condition while it sends."""
+        with self._elastictrain_sending:
+            with self._elastictrain_round:
+                slot = notice.slot
+                moot = notice.round != self._elastictrain_rounds or slot in self._elastictrain_slots.dead()
+                if moot or not self._elastictrain_quiet.ready(slot):
+                    return
+            try:
+                send_notice(notice.client, driver_module._epoch_time_s(), notice.update)
+            except Exception as e:  # refused, timed out, a bad reply: told again after the back-off
+                self._elastictrain_quiet.failed(slot)
+                logging.warning(f"host-change notice to {slot[0]}[{slot[1]}] failed ({type(e).__name__}: {e})")
 
     def allowed_slots(self: Any, current_hosts: Any) -> Any:
         """The assignment the hosts allow now (none below the minimum), as Horovod's driver computes it."""

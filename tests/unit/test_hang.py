@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -156,6 +157,41 @@ def test_a_stopped_process_on_this_machine_is_sigkilled_by_the_detector(tmp_path
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+def test_a_slow_eviction_holds_neither_the_watchdog_threads_beats_nor_its_verdicts(tmp_path: Path) -> None:
+    """The cure's etcd eviction ran on the watchdog's thread: with a slow etcd (up to ~11 s) the worker neither beat
+    nor aborted meanwhile, so its peers could judge this healthy worker hung."""
+    started, release = threading.Event(), threading.Event()
+
+    def evict(host: str) -> str:
+        started.set()
+        release.wait(30)
+        return f"evicted host {host} for 300s (evictions: 1)"
+
+    det, hb = _detector(tmp_path)
+    det.configured_seconds, det.evict = 2.0, evict
+    det.set_ring(0, [Member(0, "a", 0, os.getpid()), Member(1, "b", 0, 4242)])
+    det.steps = 3
+    det.set_phase(WAITING)
+    now = time.time()
+    hb.write(Beat(4242, "b", 0, "another-machine", 1.0, now - 5, LOCAL, now - 5, 3))
+    found: list = []
+    tick = threading.Thread(target=lambda: found.extend(det.tick(now, waited=3.0, typical_step=0.1)), daemon=True)
+    verdict = HungVerdict(tmp_path / "v")
+    try:
+        tick.start()
+        assert started.wait(10), "no eviction"
+        tick.join(5)
+        assert not tick.is_alive(), "the watchdog's thread waits for etcd"
+        assert [h.member.host for h in found] == ["b"]
+        assert "evicting host b" in (verdict.since(0) or ""), "the verdict is recorded before etcd answers"
+        det.tick(now + 1.5, waited=4.5, typical_step=0.1)
+        assert (b := _read(hb)) is not None and b.ts == now + 1.5, "it beats while etcd is slow"
+    finally:
+        release.set()
+        tick.join(30)
+    wait_until(lambda: "evicted host b for 300s" in (verdict.since(0) or ""), 10, what="the eviction's outcome")
 
 
 def test_a_reused_pid_is_not_killed() -> None:

@@ -429,12 +429,15 @@ class _Rank0:
         self.state = State(bcast_object=lambda obj: obj, get_rank=lambda: 0)
         self.told: list[tuple[float, int]] = []
         self.hold = threading.Event()
+        self.held = threading.Event()
+        """Set once a notice came while ``hold`` was set (the driver's send is then waiting for a reply)."""
         self.released = threading.Event()
         self.key = secret.make_secret_key()
         self.service = WorkerNotificationService(self.key, {"lo"}, self)
 
     def handle_hosts_updated(self, timestamp: float, update: int) -> None:
         if self.hold.is_set():
+            self.held.set()
             self.released.wait(30)
             return
         self.state.on_hosts_updated(timestamp, update)  # in the State before the test can see it told
@@ -542,3 +545,30 @@ def test_a_stopped_rank0_holds_neither_the_discovery_loop_nor_a_worker_exit(monk
         rank0.hold.clear()  # rank 0 answers again: c is told after the back-off
         wait_until(lambda: rank0.told, 10, what="c told once rank 0 answers")
         assert rank0.told[-1][1] & 2
+
+
+def test_a_notice_waiting_on_a_stopped_rank0_holds_neither_the_round_lock_nor_the_hosts_condition(monkeypatch) -> None:
+    """The driver sent every notice under the round lock (a worker's exit takes it before its abort marker, a round
+    takes it to start) and under the hosts condition (a round waits on it for slots): each try on a stopped rank 0
+    held both for the notice's timeout. The send is now the only thing that waits for rank 0."""
+    from elastictrain.launcher import hvdrun
+
+    monkeypatch.setattr(hvdrun, "NOTICE_TIMEOUT_SECONDS", 30.0, raising=False)
+    with _notices(monkeypatch, {"a": 1, "b": 1}, 1) as (driver, hosts, workers, rank0):
+        name = driver.get_coordinator_info().hostname
+        other = "b" if name == "a" else "a"
+        rank0.hold.set()  # stopped: it takes the connection and never replies
+        hosts.set({"a": 1, "b": 1, "c": 1})
+        assert rank0.held.wait(10), "no notice sent"
+        free = []
+        for lock in (driver._elastictrain_round, driver._wait_hosts_cond):
+            free.append(lock.acquire(timeout=2))
+            if free[-1]:
+                lock.release()
+        assert free == [True, True], "the round lock, the hosts condition: held while rank 0 does not reply"
+        calls = hosts.calls
+        wait_until(lambda: hosts.calls >= calls + 5, 10, what="discovery going on while the notice waits")
+        index = {slot: i for i, (slot, _) in enumerate(workers.exits)}
+        workers.end(index[(other, 0)], 137)
+        wait_until(lambda: (other, 0) in driver._elastictrain_slots.dead(), 10, what="a worker's exit recorded")
+        assert rank0.told == []
