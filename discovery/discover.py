@@ -53,7 +53,7 @@ from discovery.wire import (
 )
 from elastictrain import envnames
 from elastictrain.errors import ConfigError as ConfigError
-from elastictrain.errors import RegistryUnavailable
+from elastictrain.errors import InputError, RegistryUnavailable
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing alone costs ~10 ms
 if TYPE_CHECKING:
@@ -350,7 +350,7 @@ def valid_line(line: object) -> bool:
     return True
 
 
-class CacheRefused(ValueError):
+class CacheRefused(InputError):
     """The cache file exists but is not served; the message says why (one line)."""
 
 
