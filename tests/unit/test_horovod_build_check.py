@@ -44,6 +44,8 @@ def test_a_worker_on_a_stock_horovod_exits_2_with_one_line_naming_make_setup(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     package = fake_horovod(monkeypatch, tmp_path / "site", marker=None)
+    # structlog, configured once per process, would keep capsys's stream, closed after this test, for every later one
+    monkeypatch.setattr(worker, "configure_logging", lambda **context: None)
     code = worker.main(["--config", str(DEMO), "--set", f"run_dir={tmp_path / 'run'}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
