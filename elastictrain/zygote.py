@@ -13,8 +13,9 @@ Contract:
   MLflow, which starts one, is not imported) and touches no CUDA. It checks that it has one thread before
   every fork and answers ``error`` otherwise.
 - A forked worker runs ``elastictrain train`` with exactly the client's arguments, environment, working
-  directory and standard streams: the entry point of a cold worker. It dies with the zygote
-  (PR_SET_PDEATHSIG) and is SIGKILLed when its client's connection closes (the client died).
+  directory and standard streams: the entry point of a cold worker.
+- A forked worker dies with the zygote (PR_SET_PDEATHSIG) and is SIGKILLed when its client's connection closes (the
+  client died).
 - With no zygote (no socket, no answer, an ``error``), the client execs the cold command: the same worker.
   A zygote that is still warming keeps a marker beside its socket's path (its pid, start time and when it began)
   until it listens. A client that finds no socket but the marker of a live process says so on stderr and waits
@@ -27,13 +28,18 @@ Contract:
 - Only the zygote's own user may connect (a 0700 folder, a 0600 socket, SO_PEERCRED checked): a request
   runs code as that user. It forks only for its own config and ``--set`` overrides (:class:`JobSpec`); a
   request of another job that shares the socket's job and host name is refused and starts cold.
+- It serves every connection at once and waits on none: one thread, a selector, non-blocking sockets. A connection
+  is answered or dropped within :data:`ANSWER_SECONDS`; a dead client's worker is killed, and an exited worker
+  reaped, whatever the other connections do. Its file-system work (the code stamp, a config's real path) runs in a
+  checker process it forked: a check that takes longer than :data:`CHECK_SECONDS` (a hung network file system)
+  refuses the requests that waited on it, and the checker is replaced once the old one is gone.
 - On SIGTERM the zygote stops taking requests, and exits when its running workers have exited.
 - It never serves code older than the files on disk: :class:`CodeStamp` records the mtime and size of every
   file it imported from elastictrain, ``discovery``, the task's package and any module outside the Python
-  installation (the user's code), and of the config. Before each fork, and every
-  :data:`STAMP_CHECK_SECONDS` while idle, it compares them with the disk; on a change it refuses requests
-  (clients start cold, with the new code), stops listening, and once its running workers have exited it
-  re-executes itself (same pid, same arguments, a fresh interpreter) and warms the new code.
+  installation (the user's code), and of the config. Before each fork, and every :data:`STAMP_CHECK_SECONDS`,
+  the checker compares them with the disk; on a change the zygote refuses requests (clients start cold, with the
+  new code), stops listening, and once its running workers have exited it re-executes itself (same pid, same
+  arguments, a fresh interpreter) and warms the new code.
 - It never touches CUDA, and refuses to fork once something did (a forked child cannot use CUDA).
 
 Protocol, one AF_UNIX stream connection per worker; each message is a 4-byte big-endian length and JSON.
@@ -63,9 +69,9 @@ import struct
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from elastictrain import envnames
 from elastictrain.errors import ElastictrainError
@@ -74,13 +80,23 @@ DIR_ENV = envnames.ZYGOTE_DIR
 MAX_MESSAGE = 1 << 20
 RELAYED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 CONNECT_TIMEOUT_SECONDS = 5.0
+"""How long a client waits to connect, and then for the answer to its request."""
+ANSWER_SECONDS = 4.0
+"""How long after it accepted a connection the zygote answers it (a pid or an error) or drops it: less than
+:data:`CONNECT_TIMEOUT_SECONDS`, so that a client never waits on a connection the zygote gave up."""
+CHECK_SECONDS = 3.0
+"""How long one check of the checker process may take (stat of the watched files, realpath of the configs asked,
+which a hung network file system never returns from); then it is killed, the requests that waited on it are
+refused, and a new checker starts once it is gone."""
 WARMING_WAIT_SECONDS = 20.0
 """How long after a warm-up began a client still waits for that zygote instead of starting its worker cold (a
 warm-up takes 3-4 s of CPU here; one that takes much longer is stuck, or its agent gave up on it)."""
 WARMING_POLL_SECONDS = 0.05
 READY_LINE = "zygote ready"
 STAMP_CHECK_SECONDS = 2.0
-"""How often an idle zygote compares the code it imported with the files on disk."""
+"""How often the zygote compares the code it imported with the files on disk, besides before every fork."""
+CHECKER_NAME = "zygote-check"
+"""The name (``/proc/<pid>/comm``) of the zygote's checker process: a child of the zygote that is not a worker."""
 RESTART = -1
 """What :meth:`Zygote.serve` returns when the code changed on disk: re-execute, do not exit."""
 
@@ -200,10 +216,7 @@ def _recv_message(sock: socket.socket, max_fds: int, fds: list[int]) -> tuple[di
                 raise ProtocolError("connection closed inside a message")
             return None, []
         buf += chunk
-    (size,) = struct.unpack(">I", buf)
-    if size > MAX_MESSAGE:
-        _close_all(fds)
-        raise ProtocolError(f"message of {size} bytes")
+    size = _missing(bytearray(buf))
     body = b""
     while len(body) < size:
         chunk = sock.recv(size - len(body))
@@ -211,15 +224,27 @@ def _recv_message(sock: socket.socket, max_fds: int, fds: list[int]) -> tuple[di
             _close_all(fds)
             raise ProtocolError("connection closed inside a message")
         body += chunk
+    return _decode(body), fds
+
+
+def _missing(frame: bytearray) -> int:
+    """How many more bytes the message that ``frame`` begins needs (0: it is complete)."""
+    if len(frame) < 4:
+        return 4 - len(frame)
+    (size,) = struct.unpack(">I", frame[:4])
+    if size > MAX_MESSAGE:
+        raise ProtocolError(f"message of {size} bytes")
+    return 4 + size - len(frame)
+
+
+def _decode(body: bytes) -> dict[str, Any]:
     try:
         msg = json.loads(body)
     except (ValueError, RecursionError):
-        _close_all(fds)
         raise ProtocolError("message is not JSON") from None
     if not isinstance(msg, dict):
-        _close_all(fds)
         raise ProtocolError("message is not an object")
-    return msg, fds
+    return msg
 
 
 def _close_all(fds: list[int]) -> None:
@@ -366,9 +391,10 @@ class JobSpec:
     def of(cls, config: str, overrides: list[str] | tuple[str, ...], cwd: str | None = None) -> JobSpec:
         return cls(os.path.realpath(os.path.join(cwd or os.getcwd(), config)), tuple(overrides))
 
-    @classmethod
-    def of_request(cls, request: dict[str, Any]) -> JobSpec:
-        """From a request's ``args`` (what follows ``train``: ``--config X [--set k=v ...]``) and ``cwd``."""
+    @staticmethod
+    def named(request: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
+        """The config path a request's ``args`` name (``--config X [--set k=v ...]``), joined to its ``cwd`` but not
+        resolved (``""`` when it names none), and its ``--set`` overrides."""
         args: list[str] = request["args"]
         config, overrides = "", []
         for flag, value in itertools.pairwise(args):
@@ -376,7 +402,7 @@ class JobSpec:
                 config = value
             elif flag == "--set":
                 overrides.append(value)
-        return cls.of(config, overrides, request["cwd"]) if config else cls("", tuple(overrides))
+        return (os.path.join(request["cwd"], config) if config else ""), tuple(overrides)
 
     def __str__(self) -> str:
         return " ".join([self.config, *(f"--set {o}" for o in self.overrides)])
@@ -547,11 +573,41 @@ def listen(path: Path) -> socket.socket:
     return sock
 
 
+@dataclass(eq=False)
+class _Conn:
+    """A client's connection until its request is answered."""
+
+    sock: socket.socket
+    deadline: float
+    """When it is answered with an error if it has not been answered yet (:data:`ANSWER_SECONDS` after accept)."""
+    frame: bytearray = field(default_factory=bytearray)
+    fds: list[int] = field(default_factory=list)
+    request: dict[str, Any] | None = None
+    """The request, once it is all here (it then waits for a check)."""
+
+
+@dataclass(eq=False)
+class _Checker:
+    """The zygote's checker process (:func:`_check_forever`) and the check it runs."""
+
+    pid: int
+    sock: socket.socket
+    frame: bytearray = field(default_factory=bytearray)
+    asked: list[_Conn] | None = None
+    """The requests the check in flight is for (``[]``: a periodic check); None while the checker is idle."""
+    deadline: float = math.inf
+
+
 class Zygote:
-    """The serving loop: one thread, a selector over the listener, the clients and a SIGCHLD wake-up pipe."""
+    """The serving loop: one thread, a selector over the listener, the connections, the checker and a SIGCHLD
+    wake-up pipe; nothing in it waits on one connection or on the file system."""
 
     def __init__(
-        self, listener: socket.socket, path: Path, stamp: CodeStamp | None = None, job: JobSpec | None = None
+        self,
+        listener: socket.socket,
+        path: Path,
+        stamp: CodeStamp | None = None,
+        job: JobSpec | None = None,
     ) -> None:
         import selectors
 
@@ -562,10 +618,19 @@ class Zygote:
         self.stale: str | None = None
         """The file whose change made this zygote's code old (it then restarts), or None."""
         self.clock = time.monotonic
-        self.next_stamp_check = self.clock() + STAMP_CHECK_SECONDS
         self.inode = os.stat(path).st_ino
         self.parent = os.getppid()
+        self.conns: set[_Conn] = set()
+        """Accepted connections not answered yet."""
+        self.waiting: list[_Conn] = []
+        """Complete requests waiting for the next check."""
         self.children: dict[int, socket.socket] = {}
+        """Running workers and their client's connection."""
+        self.checker: _Checker | None = None
+        self.killed_checkers: set[int] = set()
+        """Checkers killed and not reaped yet (one stuck in a hung file system): no new one starts meanwhile."""
+        self.next_check = self.clock() + STAMP_CHECK_SECONDS
+        self.next_checker = 0.0
         self.stopping = False
         self.signalled = False
         """SIGTERM or SIGINT came: exit when the workers have, whatever the code on disk."""
@@ -577,6 +642,7 @@ class Zygote:
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
+        listener.setblocking(False)
         self.sel.register(listener, self.EVENT_READ, "accept")
         self.sel.register(self.wake_r, self.EVENT_READ, "wake")
 
@@ -589,99 +655,303 @@ class Zygote:
             if os.stat(self.path).st_ino == self.inode:
                 self.path.unlink()
 
-    def check_code(self) -> str | None:
-        """The changed file if the code on disk is newer than ours (then stop taking requests), else None."""
-        if self.stale is None and self.stamp is not None and (changed := self.stamp.changed()) is not None:
-            self.stale = changed
-            self.stopping = True
-            _say(f"zygote: {changed} changed since it warmed; restarting once its workers have exited")
-        self.next_stamp_check = self.clock() + STAMP_CHECK_SECONDS
-        return self.stale
-
     def serve(self) -> int:
         """Serve until stopped (0), or until the code changed on disk and no worker runs (:data:`RESTART`)."""
-        while not (self.stopping and not self.children):
-            if os.getppid() != self.parent:
-                self.stopping = True  # the agent died: take no more requests, let the running workers finish
-            if self.clock() >= self.next_stamp_check:
-                self.check_code()
-            if self.stopping and self.listener.fileno() >= 0:
-                self.sel.unregister(self.listener)
-                self.listener.close()
-                self.unlink()
-            for key, _ in self.sel.select(timeout=1.0):
-                if key.data == "accept":
-                    try:
-                        self._accept()
-                    except Exception as e:  # one bad request must not take the running workers down with us
-                        _say(f"zygote: request refused: {type(e).__name__}: {str(e)[:200]}")
-                elif key.data == "wake":
-                    with contextlib.suppress(BlockingIOError):
-                        os.read(self.wake_r, 4096)
-                else:
-                    self._client_closed(key.data)
-            self._reap()
+        try:
+            while not (self.stopping and not self.children):
+                self._cycle()
+        finally:
+            self._end_checker()
         restart = self.stale is not None and not self.signalled and os.getppid() == self.parent
         return RESTART if restart else 0
 
-    def _accept(self) -> None:
-        conn, _ = self.listener.accept()
-        conn.settimeout(CONNECT_TIMEOUT_SECONDS)
-        fds: list[int] = []
-        pid = None
-        try:
-            uid = peer_uid(conn)
-            if uid != os.getuid():
-                raise ProtocolError(f"peer uid {uid} is not ours")
-            msg, fds = recv_message(conn, max_fds=3)
-            request = _valid_request(msg, fds)
-            if self.job is not None and (asked := JobSpec.of_request(request)) != self.job:
-                raise ProtocolError(f"this zygote warmed {self.job}, not {asked}")
-            if (changed := self.check_code()) is not None:
-                raise ProtocolError(f"{changed} changed since the zygote warmed; it restarts")
-            if thread_count() != 1:
-                raise ProtocolError(f"zygote has {thread_count()} threads; a fork would not be safe")
-            if _cuda_initialized():
-                raise ProtocolError("CUDA was initialised in the zygote; a forked worker could not use it")
-            pid = self._fork(conn, request, fds)
-            self.children[pid] = conn  # from here on, its client's end is its end
-            send_message(conn, {"pid": pid})
-            conn.settimeout(None)
-            self.sel.register(conn, self.EVENT_READ, pid)
-        except Exception as e:
-            if pid is not None:  # the client is gone (it started the worker cold): this one must not run too
-                _kill_worker(pid)
-                self.children.pop(pid, None)
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(pid, 0)  # reaped here: _reap only looks while a child is known
-            with contextlib.suppress(Exception):
-                send_message(conn, {"error": str(e)[:500]})
-            conn.close()
-            return
-        finally:
-            _close_all(fds)
-        _say(f"zygote forked worker pid {pid}")
+    def _cycle(self) -> None:
+        if os.getppid() != self.parent:
+            self.stopping = True  # the agent died: take no more requests, let the running workers finish
+        if self.stopping:
+            self._stop_listening()
+        now = self.clock()
+        self._tend_checker(now)
+        for conn in [c for c in self.conns if now >= c.deadline]:
+            self._refuse(conn, f"no answer within {ANSWER_SECONDS:g}s of connecting")
+        for key, _ in self.sel.select(timeout=self._timeout(now)):
+            try:
+                self._ready(key.data)
+            except Exception as e:  # one bad request must not take the running workers down with us
+                _say(f"zygote: request refused: {type(e).__name__}: {str(e)[:200]}")
+        self._reap()
 
-    def _fork(self, conn: socket.socket, request: dict[str, Any], fds: list[int]) -> int:
+    def _timeout(self, now: float) -> float:
+        deadlines = [now + 1.0, *(c.deadline for c in self.conns)]
+        if self.checker is not None:
+            deadlines.append(self.checker.deadline if self.checker.asked is not None else self.next_check)
+        elif self._checks() and not self.stopping:
+            deadlines.append(self.next_checker)
+        return max(0.0, min(deadlines) - now)
+
+    def _ready(self, data: Any) -> None:
+        if data == "accept":
+            self._accept()
+        elif data == "wake":
+            with contextlib.suppress(BlockingIOError):
+                os.read(self.wake_r, 4096)
+        elif isinstance(data, _Checker):
+            self._checker_answers(data)
+        elif isinstance(data, _Conn):
+            self._conn_readable(data)
+        else:
+            self._client_closed(data)
+
+    # -- requests
+
+    def _accept(self) -> None:
+        while self.listener.fileno() >= 0:
+            try:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            sock.setblocking(False)
+            conn = _Conn(sock, self.clock() + ANSWER_SECONDS)
+            self.conns.add(conn)
+            self.sel.register(sock, self.EVENT_READ, conn)
+            if (uid := peer_uid(sock)) != os.getuid():
+                self._refuse(conn, f"peer uid {uid} is not ours")
+
+    def _conn_readable(self, conn: _Conn) -> None:
+        if conn not in self.conns:
+            return  # answered by an earlier event of this cycle
+        try:
+            if conn.request is not None:  # a client sends nothing after its request: it left (or misbehaves)
+                raise ProtocolError("the client sent more than its request, or left")
+            while (need := _missing(conn.frame)) > 0:
+                try:
+                    data, fds, flags, _ = socket.recv_fds(conn.sock, min(need, 1 << 16), 3)
+                except (BlockingIOError, InterruptedError):
+                    return
+                conn.fds += fds
+                if flags & socket.MSG_CTRUNC or len(conn.fds) > 3:
+                    raise ProtocolError("more than 3 fds")
+                if not data:
+                    raise ProtocolError("connection closed inside a message" if conn.frame else "no request")
+                conn.frame += data
+            conn.request = _valid_request(_decode(bytes(conn.frame[4:])), conn.fds)
+        except (OSError, ProtocolError) as e:
+            self._refuse(conn, str(e))
+            return
+        self._requested(conn)
+
+    def _requested(self, conn: _Conn) -> None:
+        """A complete request: wait for a check, or (nothing to check) fork its worker."""
+        if not self._checks():
+            self._start_worker(conn)
+        elif self.checker is None:
+            self._refuse(conn, "the zygote cannot check its code on disk now (its checker did not answer)")
+        else:
+            self.waiting.append(conn)
+
+    def _checked(self, conn: _Conn, config: str) -> None:
+        """The check a request waited for came back, with the real path of the config it names."""
+        if conn not in self.conns or conn.request is None:
+            return  # answered meanwhile (its deadline passed, its client left)
+        overrides = JobSpec.named(conn.request)[1]
+        if self.job is not None and (asked := JobSpec(config, overrides)) != self.job:
+            self._refuse(conn, f"this zygote warmed {self.job}, not {asked}")
+        else:
+            self._start_worker(conn)
+
+    def _refuse(self, conn: _Conn, why: str) -> None:
+        self.conns.discard(conn)
+        with contextlib.suppress(ValueError):
+            self.waiting.remove(conn)
+        with contextlib.suppress(Exception):
+            send_message(conn.sock, {"error": why[:500]})
+        with contextlib.suppress(KeyError, ValueError):
+            self.sel.unregister(conn.sock)
+        conn.sock.close()
+        _close_all(conn.fds)
+        conn.fds = []
+
+    def _start_worker(self, conn: _Conn) -> None:
+        assert conn.request is not None
+        if self.stale is not None:
+            return self._refuse(conn, f"{self.stale} changed since the zygote warmed; it restarts")
+        if self.stopping:
+            return self._refuse(conn, "the zygote is stopping")
+        if thread_count() != 1:
+            return self._refuse(conn, f"zygote has {thread_count()} threads; a fork would not be safe")
+        if _cuda_initialized():
+            return self._refuse(conn, "CUDA was initialised in the zygote; a forked worker could not use it")
+        self.conns.discard(conn)
+        fds, conn.fds = conn.fds, []
+        try:
+            pid = self._fork_worker(conn.request, fds)
+        except OSError as e:  # no fork (memory, process limit): the client starts cold
+            return self._refuse(conn, f"fork failed: {e}")
+        finally:
+            _close_all(fds)  # the worker has its own copies
+        self.children[pid] = conn.sock  # from here on, its client's end is its end
+        self.sel.modify(conn.sock, self.EVENT_READ, pid)
+        try:
+            send_message(conn.sock, {"pid": pid})
+        except OSError:  # the client is gone (it started the worker cold): this one must not run too
+            _kill_worker(pid)
+            return None
+        _say(f"zygote forked worker pid {pid}")
+        return None
+
+    def _stop_listening(self) -> None:
+        if self.listener.fileno() < 0:
+            return
+        self.sel.unregister(self.listener)
+        self.listener.close()
+        self.unlink()
+        why = "the zygote is stopping" if self.stale is None else f"{self.stale} changed since the zygote warmed"
+        for conn in list(self.conns):
+            self._refuse(conn, why)
+        self._end_checker()
+
+    # -- the checker: the zygote's file-system work, in a process of its own
+
+    def _checks(self) -> bool:
+        return self.stamp is not None or self.job is not None
+
+    def _tend_checker(self, now: float) -> None:
+        """Replace a checker that did not answer in time; start one when there is none (and no killed one is still
+        there); hand it the requests that wait, or the periodic check."""
+        if not self._checks() or self.stopping:
+            return
+        checker = self.checker
+        if checker is not None and checker.asked is not None and now >= checker.deadline:
+            self._checker_failed(f"it did not answer within {CHECK_SECONDS:g}s")
+            return
+        if checker is None:
+            if not self.killed_checkers and now >= self.next_checker:
+                self._start_checker()
+            return
+        if checker.asked is None and (self.waiting or now >= self.next_check):
+            asked, self.waiting = self.waiting, []
+            checker.asked, checker.deadline = asked, now + CHECK_SECONDS
+            try:
+                send_message(checker.sock, {"configs": [JobSpec.named(c.request or {})[0] for c in asked]})
+            except OSError as e:
+                self._checker_failed(str(e))
+
+    def _start_checker(self) -> None:
+        ours, theirs = socket.socketpair()
+        try:
+            pid = self._fork()
+        except OSError as e:
+            ours.close()
+            theirs.close()
+            self.next_checker = self.clock() + STAMP_CHECK_SECONDS
+            _say(f"zygote: cannot start its checker ({e}); requests start cold until it can")
+            return
+        if pid == 0:
+            ours.close()
+            _check_forever(theirs, self.stamp)
+        theirs.close()
+        ours.setblocking(False)
+        self.checker = _Checker(pid, ours)
+        self.sel.register(ours, self.EVENT_READ, self.checker)
+
+    def _checker_answers(self, checker: _Checker) -> None:
+        if checker is not self.checker:
+            return
+        try:
+            while (need := _missing(checker.frame)) > 0:
+                try:
+                    data = checker.sock.recv(min(need, 1 << 16))
+                except (BlockingIOError, InterruptedError):
+                    return
+                if not data:
+                    raise ProtocolError("it exited")
+                checker.frame += data
+            answer = _decode(bytes(checker.frame[4:]))
+            asked, changed, configs = checker.asked, answer.get("changed"), answer.get("configs")
+            if asked is None or not isinstance(configs, list) or len(configs) != len(asked):
+                raise ProtocolError("it answered what was not asked")
+        except (OSError, ProtocolError) as e:
+            self._checker_failed(str(e))
+            return
+        checker.frame.clear()
+        checker.asked, checker.deadline = None, math.inf
+        self.next_check = self.clock() + STAMP_CHECK_SECONDS
+        if isinstance(changed, str) and self.stale is None:
+            self.stale = changed
+            self.stopping = True
+            _say(f"zygote: {changed} changed since it warmed; restarting once its workers have exited")
+        for conn, config in zip(asked, configs, strict=True):
+            self._checked(conn, str(config))
+
+    def _checker_failed(self, why: str) -> None:
+        """The checker is gone or of no use: kill it, refuse what waited on it; a new one starts once it is gone."""
+        checker, self.checker = self.checker, None
+        if checker is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(checker.pid, signal.SIGKILL)
+        self.killed_checkers.add(checker.pid)
+        with contextlib.suppress(KeyError, ValueError):
+            self.sel.unregister(checker.sock)
+        checker.sock.close()
+        self.next_checker = self.clock() + STAMP_CHECK_SECONDS
+        waited, self.waiting = [*(checker.asked or []), *self.waiting], []
+        for conn in waited:
+            if conn in self.conns:
+                self._refuse(conn, f"the zygote could not check its code on disk: {why}")
+        if not self.stopping:
+            _say(f"zygote: its code check failed ({why}); requests start cold until a new checker answers")
+
+    def _end_checker(self) -> None:
+        """No more checks (the zygote stops): the checker exits at the end of its stream, or is killed."""
+        if self.checker is not None:
+            self._checker_failed("the zygote stops")
+
+    # -- processes
+
+    def _fork(self) -> int:
+        """``os.fork()``; the child (0) first makes the defaults its handlers of SIGTERM, SIGINT and SIGCHLD, then
+        closes what it inherited of the serving loop."""
         sys.stdout.flush()
         sys.stderr.flush()
         parent = os.getpid()
         pid = os.fork()
         if pid:
             return pid
-        code = 1
-        try:  # the worker: nothing in here may return into the serving loop
+        try:  # nothing in here may return into the serving loop
             _die_with(parent)
-            os.setsid()  # its own process group: killed as a group, untouched by the agent's terminal
             signal.set_wakeup_fd(-1)
             for sig in (signal.SIGCHLD, signal.SIGTERM):
                 signal.signal(sig, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
-            self.sel.close()
-            for other in (self.listener, conn, *self.children.values()):
-                other.close()
-            os.close(self.wake_r)
-            os.close(self.wake_w)
+            self._close_inherited()
+        except BaseException:
+            os._exit(1)
+        return 0
+
+    def _close_inherited(self) -> None:
+        """In a child: close the serving loop's sockets, pipes and the fds of requests not answered yet."""
+        for key in list(self.sel.get_map().values()):
+            with contextlib.suppress(OSError):
+                if isinstance(key.fileobj, socket.socket):
+                    key.fileobj.close()
+                else:
+                    os.close(key.fileobj if isinstance(key.fileobj, int) else key.fileobj.fileno())
+        self.sel.close()
+        os.close(self.wake_w)
+        self.listener.close()
+        for sock in self.children.values():  # one whose client left is no longer in the selector
+            sock.close()
+        for conn in self.conns:
+            _close_all(conn.fds)
+
+    def _fork_worker(self, request: dict[str, Any], fds: list[int]) -> int:
+        pid = self._fork()
+        if pid:
+            return pid
+        code = 1
+        try:  # the worker: nothing in here may return into the serving loop
+            os.setsid()  # its own process group: killed as a group, untouched by the agent's terminal
             for target, fd in enumerate(fds):
                 os.dup2(fd, target)
             _close_all([fd for fd in fds if fd > 2])
@@ -714,20 +984,28 @@ class Zygote:
         conn = self.children.get(pid)
         if conn is None:
             return
-        with contextlib.suppress(OSError):
+        try:
             if conn.recv(4096):
                 return  # a client sends nothing after its request: stray bytes are dropped until it closes
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            pass
         _kill_worker(pid)
-        self.sel.unregister(conn)
+        with contextlib.suppress(KeyError, ValueError):
+            self.sel.unregister(conn)
 
     def _reap(self) -> None:
-        while self.children:
+        while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 return
             if pid == 0:
                 return
+            if self.checker is not None and pid == self.checker.pid:
+                self._checker_failed("it exited")
+            self.killed_checkers.discard(pid)
             conn = self.children.pop(pid, None)
             if conn is None:
                 continue
@@ -736,6 +1014,22 @@ class Zygote:
             with contextlib.suppress(KeyError, ValueError):
                 self.sel.unregister(conn)
             conn.close()
+
+
+def _check_forever(sock: socket.socket, stamp: CodeStamp | None) -> NoReturn:
+    """The checker's loop (a child of the zygote): for each ``{"configs": [...]}``, answer ``{"changed": the first
+    watched file that changed or null, "configs": their real paths}``; exit at the end of the stream."""
+    code = 0
+    try:
+        with contextlib.suppress(OSError):
+            Path("/proc/self/comm").write_text(CHECKER_NAME)
+        while (msg := recv_message(sock)[0]) is not None:
+            configs = [str(c) for c in msg.get("configs", [])]
+            changed = stamp.changed() if stamp is not None else None
+            send_message(sock, {"changed": changed, "configs": [os.path.realpath(c) if c else "" for c in configs]})
+    except BaseException:
+        code = 1
+    os._exit(code)
 
 
 def _cuda_initialized() -> bool:

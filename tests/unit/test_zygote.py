@@ -328,9 +328,12 @@ def test_the_code_stamp_names_a_changed_or_removed_file_of_the_code_it_watched(t
             del sys.modules[name]
 
 
-def real_zygote(procs: ProcessGroup, folder: Path, task: str) -> subprocess.Popen:
-    """``elastictrain zygote serve`` for job1 on h1, warming a config in ``folder`` whose task is ``task``."""
+def real_zygote(procs: ProcessGroup, folder: Path, task: str, *, mtime_ns: int | None = None) -> subprocess.Popen:
+    """``elastictrain zygote serve`` for job1 on h1, warming a config in ``folder`` whose task is ``task`` (with
+    ``mtime_ns``, every file in ``folder`` gets that mtime first)."""
     (folder / "job.yaml").write_text(f"job: job1\nrun_dir: run\ntask: {task}\n")
+    for f in folder.iterdir() if mtime_ns is not None else ():
+        os.utime(f, ns=(mtime_ns, mtime_ns))
     proc = procs.start(
         [sys.executable, "-m", "elastictrain.cli", "zygote", "serve", "--config", "job.yaml", "--job", "job1",
          "--host", "h1"],
@@ -588,3 +591,89 @@ def test_a_dead_warm_up_frees_its_slot(procs, tmp_path):
 def test_a_warm_up_whose_slot_files_cannot_be_opened_goes_ahead_without_a_slot(tmp_path):
     with zygote.warm_slot(tmp_path / "missing", 2, 60) as got:  # no such folder: no slot (it raised before)
         assert not got
+
+
+# -- one client at a time (issue 37, item 5)
+
+SLOW_SERVER = SERVER.replace(
+    "path = zygote.socket_path",
+    "zygote.CONNECT_TIMEOUT_SECONDS = zygote.ANSWER_SECONDS = 60.0  # a silent connection is held a long time\n"
+    "path = zygote.socket_path",
+)
+
+
+@pytest.fixture
+def slow_server(procs, sockdir) -> subprocess.Popen:
+    proc = procs.start(
+        [sys.executable, "-c", SLOW_SERVER], env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stdout.readline().startswith(zygote.READY_LINE)
+    return proc
+
+
+def silent_connection() -> socket.socket:
+    """A connection to the zygote of job1 on h1 that sends nothing (a client stopped right after connect)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(str(zygote.socket_path("job1", "h1")))
+    return s
+
+
+def test_a_silent_connection_does_not_hold_up_another_client(slow_server, procs):
+    with silent_connection(), silent_connection():
+        c = client(procs, "3")
+        out, err = c.communicate(timeout=60)
+    assert (c.returncode, out.split(" ")[:2]) == (3, ["worker", str(slow_server.pid)]), (out, err)
+
+
+def test_a_dead_clients_worker_is_killed_while_another_connection_is_silent(slow_server, procs):
+    from elastictrain.launcher.processes import forked_worker
+
+    c = client(procs, "wait")
+    assert c.stdout is not None and c.stdout.readline().startswith("worker ")
+    worker = forked_worker(psutil.Process(c.pid), worker_children(slow_server))
+    assert worker is not None
+    with silent_connection():
+        c.kill()
+        c.wait(timeout=10)
+        wait_until(lambda: not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE, 20, what="worker gone")
+
+
+HANGING_CHECK_SERVER = STAMPED_SERVER.replace(
+    "worker.main = stand_in",
+    "worker.main = stand_in\n"
+    "import time\n"
+    "_changed = zygote.CodeStamp.changed\n"
+    "def changed(self):\n"
+    "    if os.path.exists(sys.argv[2]):  # from now on a stat never returns (a hung network file system)\n"
+    "        open(sys.argv[3], 'w').close()\n"
+    "        time.sleep(3600)\n"
+    "    return _changed(self)\n"
+    "zygote.CodeStamp.changed = changed",
+)
+assert HANGING_CHECK_SERVER != STAMPED_SERVER
+
+
+def test_a_hung_code_check_neither_stops_reaping_nor_leaves_a_client_waiting(procs, sockdir, tmp_path):
+    from elastictrain.launcher.processes import forked_worker
+
+    watched, hang, hanging = tmp_path / "task.py", tmp_path / "hang", tmp_path / "hanging"
+    watched.write_text("VERSION = 1\n")
+    server = procs.start(
+        [sys.executable, "-c", HANGING_CHECK_SERVER, str(watched), str(hang), str(hanging)],
+        env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert server.stdout is not None and server.stdout.readline().startswith(zygote.READY_LINE)
+    c = client(procs, "wait")
+    assert c.stdout is not None and c.stdout.readline().startswith("worker ")
+    worker = forked_worker(psutil.Process(c.pid), worker_children(server))
+    assert worker is not None
+    hang.touch()
+    wait_until(hanging.exists, 30, what="a code check that hangs")
+    c.kill()
+    c.wait(timeout=10)
+    wait_until(lambda: not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE, 20, what="worker gone")
+    late = client(procs, "1")
+    out, err = late.communicate(timeout=60)
+    assert out.startswith("cold ") and "check" in err, (out, err)
+    assert server.poll() is None
