@@ -15,7 +15,8 @@ Contract:
 - A forked worker runs ``elastictrain train`` with exactly the client's arguments, environment, working
   directory and standard streams: the entry point of a cold worker.
 - A forked worker dies with the zygote (PR_SET_PDEATHSIG) and is SIGKILLed when its client's connection closes (the
-  client died).
+  client died). SIGTERM and SIGINT are blocked across the fork and unblocked in the worker once its handlers are the
+  defaults: a signal its client relays at once is never taken by the zygote's handlers.
 - With no zygote (no socket, no answer, an ``error``), the client execs the cold command: the same worker.
   A zygote that is still warming keeps a marker beside its socket's path (its pid, start time and when it began)
   until it listens. A client that finds no socket but the marker of a live process says so on stderr and waits
@@ -911,12 +912,20 @@ class Zygote:
 
     def _fork(self) -> int:
         """``os.fork()``; the child (0) first makes the defaults its handlers of SIGTERM, SIGINT and SIGCHLD, then
-        closes what it inherited of the serving loop."""
+        closes what it inherited of the serving loop. SIGTERM and SIGINT are blocked across the fork and unblocked
+        in the child only once its handlers are the defaults: one sent to it at once (a client relays as soon as it
+        knows the pid) is not taken by the zygote's handler in the child and lost."""
         sys.stdout.flush()
         sys.stderr.flush()
         parent = os.getpid()
-        pid = os.fork()
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            pid = os.fork()
+        except BaseException:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            raise
         if pid:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             return pid
         try:  # nothing in here may return into the serving loop
             _die_with(parent)
@@ -924,6 +933,7 @@ class Zygote:
             for sig in (signal.SIGCHLD, signal.SIGTERM):
                 signal.signal(sig, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             self._close_inherited()
         except BaseException:
             os._exit(1)

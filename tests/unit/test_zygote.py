@@ -677,3 +677,31 @@ def test_a_hung_code_check_neither_stops_reaping_nor_leaves_a_client_waiting(pro
     out, err = late.communicate(timeout=60)
     assert out.startswith("cold ") and "check" in err, (out, err)
     assert server.poll() is None
+
+
+# -- a signal lost right after fork (issue 37, item 6)
+
+EARLY_SIGNAL_SERVER = SERVER.replace(
+    "worker.main = stand_in",
+    "worker.main = stand_in\n"
+    "_die_with = zygote._die_with\n"
+    "def die_with_then_sigterm(parent):  # the first thing a forked worker does: a SIGTERM arrives meanwhile\n"
+    "    _die_with(parent)\n"
+    "    os.kill(os.getpid(), signal.SIGTERM)\n"
+    "zygote._die_with = die_with_then_sigterm",
+)
+assert EARLY_SIGNAL_SERVER != SERVER
+
+
+def test_a_sigterm_that_reaches_a_worker_before_it_set_its_handlers_ends_it(procs, sockdir):
+    server = procs.start(
+        [sys.executable, "-c", EARLY_SIGNAL_SERVER], env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert server.stdout is not None and server.stdout.readline().startswith(zygote.READY_LINE)
+    c = client(procs, "wait")
+    try:
+        out, _ = c.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the SIGTERM was lost: the forked worker runs on")
+    assert (c.returncode, out) == (-signal.SIGTERM, "")
