@@ -37,10 +37,12 @@ Contract:
 - On SIGTERM the zygote stops taking requests, and exits when its running workers have exited.
 - It never serves code older than the files on disk: :class:`CodeStamp` records the mtime and size of every
   file it imported from elastictrain, ``discovery``, the task's package and any module outside the Python
-  installation (the user's code), and of the config. Before each fork, and every :data:`STAMP_CHECK_SECONDS`,
-  the checker compares them with the disk; on a change the zygote refuses requests (clients start cold, with the
-  new code), stops listening, and once its running workers have exited it re-executes itself (same pid, same
-  arguments, a fresh interpreter) and warms the new code.
+  installation (the user's code), as the import system read them, and of the config as it was read. Before each
+  fork, and every :data:`STAMP_CHECK_SECONDS`, the checker compares them with the disk; on a change the zygote
+  refuses requests (clients start cold, with the new code), stops listening, and once its running workers have
+  exited it re-executes itself (same pid, same arguments, a fresh interpreter) and warms the new code. Restarts in a
+  row (the code changed again within :data:`RESTART_RESET_SECONDS` of being ready, or new code that does not warm
+  yet) wait 2, 4, ... up to 60 s before the re-execution.
 - It never touches CUDA, and refuses to fork once something did (a forked child cannot use CUDA).
 
 Protocol, one AF_UNIX stream connection per worker; each message is a 4-byte big-endian length and JSON.
@@ -96,6 +98,9 @@ WARMING_POLL_SECONDS = 0.05
 READY_LINE = "zygote ready"
 STAMP_CHECK_SECONDS = 2.0
 """How often the zygote compares the code it imported with the files on disk, besides before every fork."""
+RESTART_RESET_SECONDS = 60.0
+"""A zygote whose code changed after it had served this long re-executes at once; sooner, it counts as a restart in
+a row and waits (:func:`restart_delay`)."""
 CHECKER_NAME = "zygote-check"
 """The name (``/proc/<pid>/comm``) of the zygote's checker process: a child of the zygote that is not a worker."""
 RESTART = -1
@@ -409,32 +414,75 @@ class JobSpec:
         return " ".join([self.config, *(f"--set {o}" for o in self.overrides)])
 
 
+_READ: dict[str, tuple[int, int] | None] = {}
+"""``(st_mtime_ns, st_size)`` of source files as this process read them, by the path it read them at
+(:func:`record_reads`, :func:`note_read`)."""
+_PATH_STATS: Any = None
+"""``SourceFileLoader.path_stats`` as it was before :func:`record_reads` replaced it."""
+
+
+def _stat(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size)
+
+
+def note_read(path: str) -> None:
+    """Record ``path`` as it is now, before it is read."""
+    _READ[path] = _stat(path)
+
+
+def record_reads() -> None:
+    """From now on, record each module's source file as the import system reads it: its stat when the import system
+    asks for it (``SourceFileLoader.path_stats``, before it reads the source or checks the cached bytecode against
+    it). The modules loaded already are recorded as they are now. Idempotent; :func:`stop_recording` ends it."""
+    global _PATH_STATS
+    from importlib.machinery import SourceFileLoader
+
+    if _PATH_STATS is not None:
+        return
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if isinstance(path, str) and path.endswith(".py") and path not in _READ:
+            note_read(path)
+
+    def path_stats(self: SourceFileLoader, path: str) -> dict[str, Any]:
+        st = os.stat(path)
+        _READ[path] = (st.st_mtime_ns, st.st_size)
+        return {"mtime": st.st_mtime, "size": st.st_size}
+
+    _PATH_STATS = SourceFileLoader.path_stats
+    SourceFileLoader.path_stats = path_stats  # type: ignore[method-assign]
+
+
+def stop_recording() -> None:
+    global _PATH_STATS
+    from importlib.machinery import SourceFileLoader
+
+    if _PATH_STATS is not None:
+        SourceFileLoader.path_stats = _PATH_STATS  # type: ignore[method-assign]
+        _PATH_STATS = None
+
+
 class CodeStamp:
-    """The source files a zygote's code came from, with their ``(st_mtime_ns, st_size)`` when it warmed.
+    """The source files a zygote's code came from, with their ``(st_mtime_ns, st_size)`` as it read them.
 
     :meth:`take` records every loaded module of ``elastictrain`` and ``discovery``, of the task's top-level
     package, and every module whose file lies outside the Python installation (the user's code, an editable
     install), plus the ``extra`` files (the config). Installed third-party packages (torch, Horovod) are not
-    watched: upgrading them means restarting the agents.
+    watched: upgrading them means restarting the agents. A file's stamp is what the process saw when it read it
+    (:func:`record_reads`, :func:`note_read`), else what is on disk when the stamp is taken; no clock is compared,
+    so a file whose mtime lies in the future (a server's clock ahead, a tarball's timestamps) is not a change.
     """
 
     def __init__(self, files: dict[str, tuple[int, int] | None]) -> None:
         self.files = files
 
-    @staticmethod
-    def _stat(path: str) -> tuple[int, int] | None:
-        try:
-            st = os.stat(path)
-        except OSError:
-            return None
-        return (st.st_mtime_ns, st.st_size)
-
     @classmethod
-    def take(
-        cls, packages: tuple[str, ...] = (), extra: tuple[str, ...] = (), since_ns: int | None = None
-    ) -> CodeStamp:
-        """The stamp of what is loaded now. A file modified after ``since_ns`` (``time.time_ns()`` before the imports
-        began) may have been imported in its old form: it counts as changed at once."""
+    def take(cls, packages: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> CodeStamp:
+        """The stamp of what is loaded now: a file edited after it was read counts as changed at once."""
         import site
         import sysconfig
 
@@ -459,19 +507,16 @@ class CodeStamp:
             real = os.path.realpath(path)
             outside = not any(real.startswith(root + os.sep) for root in installed)
             if name.partition(".")[0] in watched or outside:
-                files[real] = cls._stat(real)
+                files[real] = _READ[path] if path in _READ else _stat(real)
         for path in extra:
-            real = os.path.realpath(path)
-            files[real] = cls._stat(real)
-        if since_ns is not None:  # (-1, -1) never matches the disk
-            files = {p: (-1, -1) if seen is not None and seen[0] > since_ns else seen for p, seen in files.items()}
+            files[os.path.realpath(path)] = _READ[path] if path in _READ else _stat(path)
         return cls(files)
 
     def changed(self) -> str | None:
         """The first watched file whose mtime or size differs from when the stamp was taken (or that is gone),
         else None. A module imported only later (by a forked worker) is not watched: it is read fresh anyway."""
         for path, seen in self.files.items():
-            if self._stat(path) != seen:
+            if _stat(path) != seen:
                 return path
         return None
 
@@ -483,8 +528,9 @@ def thread_count() -> int:
 def warm(config: str, overrides: list[str]) -> CodeStamp:
     """Import what a worker of this job imports and index its image folders; start no thread. Returns the
     stamp of the code it imported (:class:`CodeStamp`)."""
-    started_ns = time.time_ns()
+    record_reads()
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy loads: OpenBLAS starts its pool at import
+    note_read(config)
     from elastictrain.config import load_config
     from elastictrain.task import add_import_paths, resolve_builder
 
@@ -509,7 +555,7 @@ def warm(config: str, overrides: list[str]) -> CodeStamp:
             with contextlib.suppress(OSError):
                 folder_index(path)
     package = cfg.task.partition(":")[0].partition(".")[0]
-    return CodeStamp.take(packages=(package,), extra=(config,), since_ns=started_ns)
+    return CodeStamp.take(packages=(package,), extra=(config,))
 
 
 WARM_SLOT_WAIT_SECONDS = 60.0
@@ -962,6 +1008,7 @@ class Zygote:
         code = 1
         try:  # the worker: nothing in here may return into the serving loop
             os.setsid()  # its own process group: killed as a group, untouched by the agent's terminal
+            stop_recording()
             for target, fd in enumerate(fds):
                 os.dup2(fd, target)
             _close_all([fd for fd in fds if fd > 2])
@@ -1090,6 +1137,7 @@ def _die_with(parent: int) -> None:
 
 
 def serve_main(argv: list[str]) -> int:
+    record_reads()  # first: every module imported from here on is stamped as the import system read it
     import argparse
 
     from elastictrain.cliutil import OneLineParser
@@ -1114,7 +1162,9 @@ def serve_main(argv: list[str]) -> int:
     except Exception as e:
         unmark_warming(path, mark)
         if restarts:  # the new code does not warm yet (a half-saved file?): try again later, do not give up hot join
-            return retry_later(restarts, f"{type(e).__name__}: {str(e)[:300]}")
+            _say(f"zygote: warming the changed code failed ({type(e).__name__}: {str(e)[:300]}); "
+                 f"trying again in {restart_delay(restarts):g}s")  # fmt: skip
+            return restart_later(restarts, lambda: False)
         if isinstance(e, ConfigError):
             return report_config_error(e, "elastictrain zygote")
         if isinstance(e, OSError | ImportError):
@@ -1125,24 +1175,52 @@ def serve_main(argv: list[str]) -> int:
     zygote = Zygote(listener, path, stamp, JobSpec.of(args.config, args.overrides))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked across a restart (see restart()); handled now
     _say(f"{READY_LINE} {path} pid {os.getpid()}")
+    ready = time.monotonic()
     try:
         code = zygote.serve()
     finally:
         zygote.unlink()
-    if code == RESTART:
-        return restart(lambda: zygote.signalled, 0)
-    return code
+    if code != RESTART:
+        return code
+    in_a_row = restarts_in_a_row(restarts, time.monotonic() - ready)
+    if in_a_row:
+        _say(f"zygote: its code changed within {RESTART_RESET_SECONDS:g}s of warming; restarting in "
+             f"{restart_delay(in_a_row):g}s")  # fmt: skip
+    return restart_later(in_a_row, lambda: zygote.signalled)
 
 
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 MAX_RETRY_SECONDS = 60.0
 
 
+def restarts_in_a_row(restarts: int, served_seconds: float) -> int:
+    """How many restarts in a row a zygote that was started after ``restarts`` of them, and served
+    ``served_seconds`` before its code changed, has behind it: none once it served :data:`RESTART_RESET_SECONDS`."""
+    return restarts if served_seconds < RESTART_RESET_SECONDS else 0
+
+
+def restart_delay(restarts: int) -> float:
+    """Seconds a zygote waits before it re-executes itself after ``restarts`` restarts in a row: none after none,
+    then 2, 4, ... up to :data:`MAX_RETRY_SECONDS` (a file that keeps changing, new code that does not warm yet)."""
+    return 0.0 if restarts <= 0 else min(MAX_RETRY_SECONDS, 2.0**restarts)
+
+
+def restart_later(restarts: int, signalled: Any) -> int:
+    """Wait :func:`restart_delay` of ``restarts``, then :func:`restart`; SIGTERM or SIGINT meanwhile, or the agent's
+    death, ends the zygote (exit 0)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    parent, deadline = os.getppid(), time.monotonic() + restart_delay(restarts)
+    while (left := deadline - time.monotonic()) > 0:
+        if signal.sigtimedwait(STOP_SIGNALS, min(1.0, left)) is not None or os.getppid() != parent:
+            return 0
+    return restart(signalled, restarts)
+
+
 def restart(signalled: Any, restarts: int) -> int:
     """Replace this process with a fresh ``elastictrain zygote serve`` of the same arguments (same pid, so the
-    agent keeps its handle and its pipe); only called with no worker running. SIGTERM and SIGINT are blocked
-    first and stay pending across the exec, so a stop that comes now is handled by the new image, not lost;
-    one that already came (``signalled()``) means exit 0 instead."""
+    agent keeps its handle and its pipe), which counts ``restarts + 1`` restarts in a row; only called with no worker
+    running. SIGTERM and SIGINT are blocked first and stay pending across the exec, so a stop that comes now is
+    handled by the new image, not lost; one that already came (``signalled()``) means exit 0 instead."""
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     if signalled():
         return 0
@@ -1152,19 +1230,6 @@ def restart(signalled: Any, restarts: int) -> int:
     os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # only stdin, stdout and stderr (the agent's pipe) go on
     os.execv(sys.executable, sys.orig_argv)
     return 1  # not reached
-
-
-def retry_later(restarts: int, why: str) -> int:
-    """After a failed warm of changed code: wait (2, 4, ... up to 60 s), then restart again; SIGTERM or SIGINT
-    meanwhile, or the agent's death, ends the zygote (exit 0)."""
-    wait = min(MAX_RETRY_SECONDS, 2.0**restarts)
-    _say(f"zygote: warming the changed code failed ({why}); trying again in {wait:g}s")
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    parent, deadline = os.getppid(), time.monotonic() + wait
-    while (left := deadline - time.monotonic()) > 0:
-        if signal.sigtimedwait(STOP_SIGNALS, min(1.0, left)) is not None or os.getppid() != parent:
-            return 0
-    return restart(lambda: False, restarts)
 
 
 def main(argv: list[str]) -> int:

@@ -419,14 +419,37 @@ def test_a_stale_zygote_lets_its_running_worker_finish_then_restarts_unless_told
     assert server.wait(timeout=30) == (0 if sigterm else zygote.RESTART & 0xFF)
 
 
-def test_a_file_changed_while_the_zygote_warmed_counts_as_changed_at_once(tmp_path):
+def test_a_file_edited_after_the_zygote_read_it_counts_as_changed_whatever_its_mtime(tmp_path, monkeypatch):
+    """Edited while the zygote still warmed: the stamp is what the import read, not what the disk holds later."""
+    import importlib
     import time
 
-    before = time.time_ns() - 10_000_000_000
-    config = tmp_path / "job.yaml"
+    module, config = tmp_path / "stamped_mod.py", tmp_path / "job.yaml"
+    module.write_text("VERSION = 1\n")
     config.write_text("job: j\n")
-    assert zygote.CodeStamp.take(extra=(str(config),), since_ns=before).changed() == str(config.resolve())
-    assert zygote.CodeStamp.take(extra=(str(config),), since_ns=time.time_ns()).changed() is None
+    monkeypatch.syspath_prepend(str(tmp_path))
+    zygote.record_reads()
+    try:
+        importlib.import_module("stamped_mod")
+        zygote.note_read(str(config))
+        past = time.time_ns() - 3600 * 10**9  # edited, then given an older mtime (a copy that keeps timestamps)
+        for f, text in ((module, "VERSION = 2\n"), (config, "job: k\n")):
+            f.write_text(text)  # the same size: only the mtime tells
+            os.utime(f, ns=(past, past))
+        stamp = zygote.CodeStamp.take(packages=("stamped_mod",), extra=(str(config),))
+        assert stamp.files[str(module.resolve())] != zygote._stat(str(module))
+        assert stamp.changed() in (str(module.resolve()), str(config.resolve()))
+        module.unlink()
+        assert stamp.changed() is not None
+    finally:
+        zygote.stop_recording()
+        sys.modules.pop("stamped_mod", None)
+
+
+def test_restarts_in_a_row_back_off_and_a_zygote_that_served_a_while_restarts_at_once():
+    assert [zygote.restart_delay(n) for n in range(8)] == [0, 2, 4, 8, 16, 32, 60, 60]
+    assert zygote.restarts_in_a_row(3, served_seconds=1.0) == 3
+    assert zygote.restarts_in_a_row(3, served_seconds=zygote.RESTART_RESET_SECONDS) == 0
 
 
 def test_a_zygote_whose_changed_code_does_not_warm_yet_tries_again_and_recovers(procs, sockdir, tmp_path):
@@ -591,6 +614,24 @@ def test_a_dead_warm_up_frees_its_slot(procs, tmp_path):
 def test_a_warm_up_whose_slot_files_cannot_be_opened_goes_ahead_without_a_slot(tmp_path):
     with zygote.warm_slot(tmp_path / "missing", 2, 60) as got:  # no such folder: no slot (it raised before)
         assert not got
+
+
+# -- a zygote that restarts forever (issue 37, item 4)
+
+
+def test_a_zygote_whose_files_have_future_mtimes_serves_instead_of_restarting(procs, sockdir, tmp_path):
+    """An NFS server whose clock is ahead, or a tarball's timestamps: an unchanged file is not a change."""
+    import time
+
+    (tmp_path / "future_task.py").write_text("def build():\n    raise NotImplementedError\n")
+    proc = real_zygote(procs, tmp_path, "future_task:build", mtime_ns=time.time_ns() + 3600 * 10**9)
+    first = proc.stdout.readline()
+    assert first.startswith(zygote.READY_LINE), first
+    c = client(procs, "--config", "job.yaml", cwd=tmp_path)
+    _, err = c.communicate(timeout=60)
+    assert "starting cold" not in err, err
+    line = proc.stdout.readline()
+    assert "forked worker" in line, f"the zygote did not serve: {line!r}"
 
 
 # -- one client at a time (issue 37, item 5)
