@@ -733,7 +733,9 @@ def main(argv: list[str]) -> int:
     zygote = None
     if args.warm_config:
         zygote = start_zygote(
-            zygote_command(args.warm_config, args.warm_set, job=cfg.job, host=cfg.host),
+            zygote_command(
+                args.warm_config, args.warm_set, job=cfg.job, host=cfg.host, etcd=args.etcd, prefix=cfg.prefix
+            ),
             args.warm_timeout,
             signals,
             get_logger("agent"),

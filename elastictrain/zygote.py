@@ -9,11 +9,18 @@ the client hands the zygote its arguments, environment, working directory and st
 signals to the forked worker and exits as the worker exits. Horovod sees an ordinary process.
 
 Contract:
-- The zygote only imports and indexes: it starts no thread (OpenBLAS is held to one before numpy loads;
-  MLflow, which starts one, is not imported) and touches no CUDA. It checks that it has one thread before
-  every fork and answers ``error`` otherwise.
-- A forked worker runs ``elastictrain train`` with exactly the client's arguments, environment, working
-  directory and standard streams: the entry point of a cold worker.
+- One zygote per job and host: its socket is keyed by the job, the host and the etcd (endpoints and key prefix)
+  that the host's agent registers in, which a client reads from ``ELASTICTRAIN_ETCD`` and
+  ``ELASTICTRAIN_ETCD_PREFIX``; two jobs of one name and host (two launches, each with its etcd) never share one.
+- The zygote only imports and indexes: it starts no thread (OpenBLAS is loaded with one; MLflow, which starts one,
+  is not imported) and touches no CUDA. It checks that it has one thread before every fork and answers ``error``
+  otherwise.
+- A forked worker runs ``elastictrain train`` as its client's cold command would: the client's arguments,
+  environment (exactly), working directory, standard streams and ``sys.path``, and torch's and OpenBLAS's thread
+  counts taken from the client's environment. What a process fixes when it starts does not change after a fork: the
+  zygote forks only when the client's Python installation, ``sys.path`` (after its first entry) and the variables
+  read while the interpreter and its libraries load (:func:`load_time_env`: ``PYTHON*``, ``LD_*``, ``OMP_*``,
+  ``OPENBLAS_*``, ``MKL_*``, ``TORCH*``, ...) are the zygote's, and answers ``error`` otherwise.
 - A forked worker dies with the zygote (PR_SET_PDEATHSIG) and is SIGKILLed when its client's connection closes (the
   client died). SIGTERM and SIGINT are blocked across the fork and unblocked in the worker once its handlers are the
   defaults: a signal its client relays at once is never taken by the zygote's handlers.
@@ -27,8 +34,7 @@ Contract:
 - The zygotes of one machine warm at most one per usable core at a time (:func:`warm_slot`; a zygote that finds
   no slot free for :data:`WARM_SLOT_WAIT_SECONDS` warms anyway).
 - Only the zygote's own user may connect (a 0700 folder, a 0600 socket, SO_PEERCRED checked): a request
-  runs code as that user. It forks only for its own config and ``--set`` overrides (:class:`JobSpec`); a
-  request of another job that shares the socket's job and host name is refused and starts cold.
+  runs code as that user. It forks only for its own config and ``--set`` overrides (:class:`JobSpec`).
 - It serves every connection at once and waits on none: one thread, a selector, non-blocking sockets. A connection
   is answered or dropped within :data:`ANSWER_SECONDS`; a dead client's worker is killed, and an exited worker
   reaped, whatever the other connections do. Its file-system work (the code stamp, a config's real path) runs in a
@@ -46,9 +52,11 @@ Contract:
 - It never touches CUDA, and refuses to fork once something did (a forked child cannot use CUDA).
 
 Protocol, one AF_UNIX stream connection per worker; each message is a 4-byte big-endian length and JSON.
-The client sends ``{"args": [...], "env": {...}, "cwd": "..."}`` (``args``: what follows ``train``) with its
-fds 0, 1 and 2 attached (SCM_RIGHTS). The zygote answers ``{"pid": N}`` and later ``{"exit": code}``
-(negative: killed by that signal), or ``{"error": "..."}`` instead of the pid.
+The client sends ``{"args": [...], "env": {...}, "cwd": "...", "prefix": "...", "path0": "...", "path": [...]}``
+(``args``: what follows ``train``; ``prefix``: its ``sys.prefix``; ``path0`` and ``path``: the cold command's first
+``sys.path`` entry, or null, and the entries after it) with its fds 0, 1 and 2 attached (SCM_RIGHTS). The zygote
+answers ``{"pid": N}`` and later ``{"exit": code}`` (negative: killed by that signal), or ``{"error": "..."}``
+instead of the pid.
 
 This module imports only the standard library at load time: the client must start in milliseconds.
 
@@ -71,11 +79,12 @@ import stat
 import struct
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
+from discovery.wire import DEFAULT_PREFIX, host_key
 from elastictrain import envnames
 from elastictrain.errors import ElastictrainError
 
@@ -127,10 +136,22 @@ def peer_uid(sock: socket.socket) -> int:
     return int(struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1])
 
 
-def socket_path(job: str, host: str) -> Path:
-    """Where the zygote of ``job`` on ``host`` listens (short: AF_UNIX paths have a 107-byte limit)."""
-    key = hashlib.sha256(f"{job}\n{host}".encode()).hexdigest()[:20]  # names hold no newline (check_name)
-    return socket_dir() / f"{key}.sock"
+def socket_path(job: str, host: str, etcd: str = "", prefix: str = "") -> Path:
+    """Where the zygote of ``job`` on ``host`` listens, for the job whose agent registers the host in the etcd at
+    ``etcd`` (comma-separated endpoints) under ``prefix`` (default ``/elastictrain``): two jobs of one name and host
+    with their own etcd never share a zygote. Short: AF_UNIX paths have a 107-byte limit."""
+    endpoints = ",".join(sorted({e.strip().rstrip("/") for e in etcd.split(",")} - {""}))
+    registration = f"{endpoints}\n{host_key(prefix or DEFAULT_PREFIX, job, host)}"  # names hold no newline
+    return socket_dir() / f"{hashlib.sha256(registration.encode()).hexdigest()[:20]}.sock"
+
+
+def client_socket_path(env: Mapping[str, str]) -> Path | None:
+    """The socket of the zygote that serves a worker whose environment is ``env`` (horovodrun's: the job, the host
+    and the etcd of its agents); None when ``env`` names no job or host."""
+    job, host = env.get(envnames.JOB, ""), env.get("HOROVOD_HOSTNAME", "")
+    if not (job and host):
+        return None
+    return socket_path(job, host, env.get(envnames.ETCD, ""), env.get(envnames.ETCD_PREFIX, ""))
 
 
 def warming_path(path: Path) -> Path:
@@ -270,10 +291,10 @@ def client_main(argv: list[str]) -> int:
         print("elastictrain zygote client: error: usage: client -- COMMAND...", file=sys.stderr)
         return 2
     cold = argv[1:]
-    job, host = os.environ.get(envnames.JOB, ""), os.environ.get("HOROVOD_HOSTNAME", "")
+    path = client_socket_path(os.environ)
     relay = _Relay()  # from here on, a signal is kept until there is a worker to give it to
-    if "train" in cold and job and host:
-        sock = _request(socket_path(job, host), cold[cold.index("train") + 1 :], relay)
+    if "train" in cold and path is not None:
+        sock = _request(path, cold, relay)
         if sock is not None:
             return _wait_exit(sock)
     relay.restore()
@@ -339,14 +360,23 @@ def _connect(path: Path, relay: _Relay) -> socket.socket:
         time.sleep(WARMING_POLL_SECONDS)
 
 
-def _request(path: Path, args: list[str], relay: _Relay) -> socket.socket | None:
+def _request(path: Path, cold: list[str], relay: _Relay) -> socket.socket | None:
     sock = None
     try:
         check_folder(path.parent)
         sock = _connect(path, relay)
         if peer_uid(sock) != os.getuid():
             raise PermissionError("the zygote socket is served by another user")
-        send_message(sock, {"args": args, "env": dict(os.environ), "cwd": os.getcwd()}, [0, 1, 2])
+        cwd = os.getcwd()
+        request = {
+            "args": cold[cold.index("train") + 1 :],
+            "env": dict(os.environ),
+            "cwd": cwd,
+            "prefix": sys.prefix,
+            "path0": cold_path0(cold, cwd),
+            "path": path_tail(sys.path),  # the client's Python is the cold command's
+        }
+        send_message(sock, request, [0, 1, 2])
         reply, _ = recv_message(sock)
     except (OSError, ProtocolError):
         if sock is not None:
@@ -361,6 +391,35 @@ def _request(path: Path, args: list[str], relay: _Relay) -> socket.socket | None
     sock.settimeout(None)
     relay.attach(pid)
     return sock
+
+
+def cold_path0(cold: list[str], cwd: str) -> str | None:
+    """The entry that the Python which ``cold`` starts puts first on ``sys.path``: the working directory for ``-m``,
+    ``""`` for ``-c``, else the script's folder (links resolved); None under PYTHONSAFEPATH (no such entry)."""
+    if sys.flags.safe_path:
+        return None
+    args = list(cold)
+    if os.path.basename(args[0]).startswith("python"):
+        args = args[1:]
+        while args and args[0].startswith("-") and args[0] not in ("-m", "-c"):
+            args = args[2:] if args[0] in ("-X", "-W") else args[1:]  # options; -X and -W take a value
+        if not args or args[0] == "-c":
+            return ""
+        if args[0] == "-m":
+            return cwd
+    script = args[0]
+    if os.sep not in script:  # found on PATH, as execvp finds it
+        for folder in os.environ.get("PATH", os.defpath).split(os.pathsep):
+            candidate = os.path.join(folder or ".", script)
+            if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+                script = candidate
+                break
+    return os.path.dirname(os.path.realpath(os.path.join(cwd, script)))
+
+
+def path_tail(path: list[str]) -> list[str]:
+    """``sys.path`` without the entry Python puts first for the script, module or command it runs."""
+    return list(path if sys.flags.safe_path else path[1:])
 
 
 def _wait_exit(sock: socket.socket) -> int:
@@ -386,9 +445,8 @@ def _wait_exit(sock: socket.socket) -> int:
 
 @dataclass(frozen=True, slots=True)
 class JobSpec:
-    """What a worker runs: its config (the real path) and ``--set`` overrides. A zygote serves only its own: two
-    jobs of the same name and host (two run_dirs, two checkouts) share a socket path, and the other job's task
-    module may be another file under the same module name."""
+    """What a worker runs: its config (the real path) and ``--set`` overrides. A zygote serves only its own: the
+    config its agent warmed, not another one that a worker of the same job names."""
 
     config: str
     overrides: tuple[str, ...]
@@ -412,6 +470,120 @@ class JobSpec:
 
     def __str__(self) -> str:
         return " ".join([self.config, *(f"--set {o}" for o in self.overrides)])
+
+
+LOAD_TIME_PREFIXES = ("PYTHON", "LD_", "OMP_", "GOMP_", "KMP_", "OPENBLAS_", "GOTO_", "MKL_", "MALLOC_", "TORCH")
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS")
+"""Thread counts that torch and OpenBLAS take when they load; a forked worker sets its client's
+(:func:`apply_thread_counts`)."""
+_SET_AFTER_FORK = frozenset({*THREAD_VARIABLES, "PYTHONUNBUFFERED", "PYTHONPATH"})
+
+
+def load_time_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables of ``env`` that the interpreter, the dynamic loader or a library read when they start or load
+    (``PYTHON*``, ``LD_*``, OpenMP's, OpenBLAS's, MKL's, glibc's malloc tunables, torch's): a worker forked from the
+    zygote has the zygote's values in effect. Not those a worker sets after the fork (the thread counts,
+    ``PYTHONUNBUFFERED``), nor ``PYTHONPATH``, whose effect (``sys.path``) is compared itself."""
+    return {
+        k: v
+        for k, v in env.items()
+        if (k.startswith(LOAD_TIME_PREFIXES) or k == "GLIBC_TUNABLES") and k not in _SET_AFTER_FORK
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class Startup:
+    """What a Python process fixed when it started and a worker forked from it keeps: its installation
+    (``sys.prefix``), ``sys.path`` after its first entry, and :func:`load_time_env` of its environment."""
+
+    prefix: str
+    path: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def here(cls) -> Startup:
+        return cls(sys.prefix, tuple(path_tail(sys.path)), tuple(sorted(load_time_env(os.environ).items())))
+
+    @classmethod
+    def of_request(cls, request: dict[str, Any]) -> Startup:
+        """The start-up of the cold worker that a (valid) request stands for."""
+        return cls(request["prefix"], tuple(request["path"]), tuple(sorted(load_time_env(request["env"]).items())))
+
+    def difference(self, client: Startup) -> str | None:
+        """What a worker forked from this process would have other than the cold worker ``client``, in one line;
+        None when nothing."""
+        if client.prefix != self.prefix:
+            return f"the client's Python is {client.prefix}, the zygote's {self.prefix}"
+        mine, theirs = dict(self.env), dict(client.env)
+        for name in sorted(mine.keys() | theirs.keys()):
+            if mine.get(name) != theirs.get(name):
+                return f"{name} is {_shown(theirs.get(name))} for the client, {_shown(mine.get(name))} in the zygote"
+        if client.path != self.path:
+            extra = [p for p in client.path if p not in self.path]
+            missing = [p for p in self.path if p not in client.path]
+            where = (
+                f"{extra[0]} only in the client's"
+                if extra
+                else f"{missing[0]} only in the zygote's"
+                if missing
+                else "in another order"
+            )
+            return f"the client's sys.path differs from the zygote's ({where})"
+        return None
+
+
+def _shown(value: str | None) -> str:
+    return "unset" if value is None else repr(value[:60])
+
+
+def apply_thread_counts(env: Mapping[str, str]) -> None:
+    """Give the libraries that the zygote loaded the thread counts that ``env`` gives them when they load in a cold
+    worker: torch's intra-op threads (``MKL_NUM_THREADS``, else ``OMP_NUM_THREADS``; with neither, torch's default,
+    which the zygote kept by loading torch without them) and OpenBLAS's (``OPENBLAS_NUM_THREADS``, else
+    ``GOTO_NUM_THREADS``, else ``OMP_NUM_THREADS``, else one per processor; at most one per processor)."""
+    torch = sys.modules.get("torch")
+    threads = _count(env.get("MKL_NUM_THREADS")) or _count(env.get("OMP_NUM_THREADS"))
+    if torch is not None and threads:
+        torch.set_num_threads(threads)
+    for set_num_threads, get_num_procs in _openblas():
+        procs = get_num_procs()
+        wanted = next(
+            (n for v in ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS") if (n := _count(env.get(v)))),
+            procs,
+        )
+        set_num_threads(max(1, min(wanted, procs)))
+
+
+def _count(value: str | None) -> int | None:
+    try:
+        n = int(value or "")
+    except ValueError:
+        return None
+    return n if n > 0 else None
+
+
+def _openblas() -> list[tuple[Any, Any]]:
+    """``(set_num_threads, get_num_procs)`` of every OpenBLAS this process has loaded (numpy's is scipy-openblas)."""
+    import ctypes
+
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return []
+    found = []
+    libraries = {line.split()[-1] for line in maps.splitlines() if "openblas" in line.rsplit("/", 1)[-1]}
+    for library in sorted(libraries):
+        try:
+            lib = ctypes.CDLL(library, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        except OSError:
+            continue
+        for prefix, suffix in itertools.product(("openblas_", "scipy_openblas_"), ("", "64_")):
+            set_num_threads = getattr(lib, f"{prefix}set_num_threads{suffix}", None)
+            get_num_procs = getattr(lib, f"{prefix}get_num_procs{suffix}", None)
+            if set_num_threads is not None and get_num_procs is not None:
+                found.append((set_num_threads, get_num_procs))
+                break
+    return found
 
 
 _READ: dict[str, tuple[int, int] | None] = {}
@@ -529,7 +701,9 @@ def warm(config: str, overrides: list[str]) -> CodeStamp:
     """Import what a worker of this job imports and index its image folders; start no thread. Returns the
     stamp of the code it imported (:class:`CodeStamp`)."""
     record_reads()
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy loads: OpenBLAS starts its pool at import
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"  # before numpy loads: OpenBLAS starts its pool at import
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.pop(name, None)  # torch takes its default at import: the one a worker without them has
     note_read(config)
     from elastictrain.config import load_config
     from elastictrain.task import add_import_paths, resolve_builder
@@ -655,6 +829,7 @@ class Zygote:
         path: Path,
         stamp: CodeStamp | None = None,
         job: JobSpec | None = None,
+        startup: Startup | None = None,
     ) -> None:
         import selectors
 
@@ -662,6 +837,8 @@ class Zygote:
         self.stamp = stamp
         self.job = job
         """The config and ``--set`` overrides this zygote warmed; a request for another job is refused."""
+        self.startup = startup or Startup.here()
+        """What this process fixed when it started; a request whose cold worker would differ is refused."""
         self.stale: str | None = None
         """The file whose change made this zygote's code old (it then restarts), or None."""
         self.clock = time.monotonic
@@ -788,8 +965,11 @@ class Zygote:
         self._requested(conn)
 
     def _requested(self, conn: _Conn) -> None:
-        """A complete request: wait for a check, or (nothing to check) fork its worker."""
-        if not self._checks():
+        """A complete request: refuse it, or wait for a check, or (nothing to check) fork its worker."""
+        assert conn.request is not None
+        if (why := self.startup.difference(Startup.of_request(conn.request))) is not None:
+            self._refuse(conn, f"{why}: a worker forked from the zygote would not run in the client's environment")
+        elif not self._checks():
             self._start_worker(conn)
         elif self.checker is None:
             self._refuse(conn, "the zygote cannot check its code on disk now (its checker did not answer)")
@@ -1015,6 +1195,8 @@ class Zygote:
             os.chdir(request["cwd"])
             os.environ.clear()
             os.environ.update(request["env"])
+            sys.path[:] = ([] if request["path0"] is None else [request["path0"]]) + request["path"]
+            apply_thread_counts(request["env"])
             if os.environ.get("PYTHONUNBUFFERED"):
                 sys.stdout.reconfigure(write_through=True)  # type: ignore[union-attr]
                 sys.stderr.reconfigure(write_through=True)  # type: ignore[union-attr]
@@ -1124,7 +1306,15 @@ def _valid_request(msg: dict[str, Any] | None, fds: list[int]) -> dict[str, Any]
         raise ProtocolError("cwd must be an absolute path")
     if len(fds) != 3:
         raise ProtocolError(f"expected fds 0, 1 and 2, got {len(fds)}")
-    return {"args": args, "env": env, "cwd": cwd}
+    prefix, path0, path = msg.get("prefix"), msg.get("path0"), msg.get("path")
+    if not (
+        isinstance(prefix, str)
+        and (path0 is None or isinstance(path0, str))
+        and isinstance(path, list)
+        and all(isinstance(p, str) for p in path)
+    ):
+        raise ProtocolError("prefix, path0 and path must name the client's Python (a client of another version?)")
+    return {"args": args, "env": env, "cwd": cwd, "prefix": prefix, "path0": path0, "path": path}
 
 
 def _die_with(parent: int) -> None:
@@ -1138,6 +1328,7 @@ def _die_with(parent: int) -> None:
 
 def serve_main(argv: list[str]) -> int:
     record_reads()  # first: every module imported from here on is stamped as the import system read it
+    startup = Startup.here()  # before warm() changes sys.path and the thread variables
     import argparse
 
     from elastictrain.cliutil import OneLineParser
@@ -1147,10 +1338,14 @@ def serve_main(argv: list[str]) -> int:
 
     p = OneLineParser(prog="elastictrain zygote serve", description="a warm worker factory for one job and host")
     add_config_args(p)
-    p.add_argument("--job", required=True, help="job name (the client finds the socket by job and host)")
+    p.add_argument("--job", required=True, help="job name (the client finds the socket by job, host and etcd)")
     p.add_argument("--host", required=True, help="host name, as horovodrun names it (HOROVOD_HOSTNAME)")
+    p.add_argument(
+        "--etcd", default="", help="the etcd endpoints the host's agent registers in (the workers' ELASTICTRAIN_ETCD)"
+    )
+    p.add_argument("--prefix", default="", help="the agent's etcd key prefix (default /elastictrain)")
     args: argparse.Namespace = p.parse_args(argv)
-    path = socket_path(args.job, args.host)
+    path = socket_path(args.job, args.host, args.etcd, args.prefix)
     restarts = int(os.environ.get(envnames.ZYGOTE_RESTARTS, "0") or 0)
     mark = None
     try:
@@ -1172,7 +1367,7 @@ def serve_main(argv: list[str]) -> int:
             return 1
         raise
     unmark_warming(path, mark)
-    zygote = Zygote(listener, path, stamp, JobSpec.of(args.config, args.overrides))
+    zygote = Zygote(listener, path, stamp, JobSpec.of(args.config, args.overrides), startup)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked across a restart (see restart()); handled now
     _say(f"{READY_LINE} {path} pid {os.getpid()}")
     ready = time.monotonic()

@@ -57,10 +57,14 @@ def worker_command(opts: LaunchOptions, python: str = sys.executable) -> list[st
     return [python, *ZYGOTE_CLIENT, *cmd] if opts.hot_join else cmd
 
 
-def zygote_command(config: str, overrides: Iterable[str], *, job: str, host: str) -> list[str]:
-    """``elastictrain zygote serve --config X [--set ...] --job J --host H``: a host's warm worker process."""
+def zygote_command(
+    config: str, overrides: Iterable[str], *, job: str, host: str, etcd: str = "", prefix: str = ""
+) -> list[str]:
+    """``elastictrain zygote serve --config X [--set ...] --job J --host H [--etcd E --prefix P]``: a host's warm
+    worker process, for the job registered in etcd ``E`` under ``P`` (its workers find it by the same)."""
     cmd = _with_overrides(elastictrain_command("zygote", "serve", "--config", config), overrides)
-    return [*cmd, "--job", job, "--host", host]
+    cmd += ["--job", job, "--host", host]
+    return cmd + (["--etcd", etcd, "--prefix", prefix] if etcd or prefix else [])
 
 
 def config_validate_command(

@@ -7,6 +7,7 @@ code a job runs. One test warms a real zygote on a real config and counts its th
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -65,7 +66,8 @@ def sockdir(monkeypatch) -> Path:
 
 
 def client_env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "ELASTICTRAIN_JOB": "job1", "HOROVOD_HOSTNAME": "h1", "PYTHONPATH": str(REPO), **extra}
+    inherited = {k: v for k, v in os.environ.items() if k not in ("ELASTICTRAIN_ETCD", "ELASTICTRAIN_ETCD_PREFIX")}
+    return {**inherited, "ELASTICTRAIN_JOB": "job1", "HOROVOD_HOSTNAME": "h1", "PYTHONPATH": str(REPO), **extra}
 
 
 def client(procs: ProcessGroup, *args: str, cwd: Path | None = None, **env: str) -> subprocess.Popen:
@@ -182,9 +184,29 @@ def test_a_malformed_message_is_a_protocol_error(frame):
             zygote.recv_message(b)
 
 
-def test_socket_path_is_short_and_per_job_and_host(sockdir):
-    paths = {zygote.socket_path(j, h) for j in ("a", "b") for h in ("h1", "h2")}
-    assert len(paths) == 4 and all(len(str(p)) < 100 for p in paths)
+def test_socket_path_is_short_and_per_job_host_and_etcd(sockdir):
+    etcds = ("", "http://10.0.0.1:2379", "http://10.0.0.2:2379")
+    paths = {zygote.socket_path(j, h, e) for j in ("a", "b") for h in ("h1", "h2") for e in etcds}
+    assert len(paths) == 12 and all(len(str(p)) < 100 for p in paths)
+    two = "http://10.0.0.1:2379,http://10.0.0.2:2379"
+    assert zygote.socket_path("a", "h1", two) == zygote.socket_path(
+        "a", "h1", "http://10.0.0.2:2379/, http://10.0.0.1:2379"
+    )
+    assert zygote.socket_path("a", "h1", two, "/elastictrain/") == zygote.socket_path("a", "h1", two)
+    assert zygote.socket_path("a", "h1", two, "/other") != zygote.socket_path("a", "h1", two)
+
+
+def test_the_agents_zygote_listens_where_the_launchs_workers_look(tmp_path):
+    """The agent names its etcd and prefix to its zygote; launch names them to horovodrun, so to every client."""
+    from elastictrain.launcher.commands import launch_env, zygote_command
+
+    opts = LaunchOptions(config=tmp_path / "job.yaml")
+    for prefix in ("/elastictrain", "/team-a"):
+        env = launch_env(opts, etcd="http://127.0.0.1:2379", job="j", attempt=0, run_dir=tmp_path, prefix=prefix)
+        cmd = zygote_command("job.yaml", (), job="j", host="h", etcd="http://127.0.0.1:2379", prefix=prefix)
+        flags = dict(zip(cmd[-8::2], cmd[-7::2], strict=True))
+        served = zygote.socket_path(flags["--job"], flags["--host"], flags["--etcd"], flags["--prefix"])
+        assert served == zygote.client_socket_path({**env, "HOROVOD_HOSTNAME": "h"}), prefix
 
 
 def test_launch_runs_workers_through_the_client_with_hot_join(tmp_path):
@@ -234,6 +256,23 @@ def test_warm_imports_what_a_workers_first_optimizer_and_first_image_import_lazi
     assert out.stdout.split() == ["True", "True", "True", "1"], out.stderr[-2000:]
 
 
+def raw_request(*args: str) -> dict[str, object]:
+    """A request as a client of the stand-in zygote (:data:`SERVER`) sends it, with the Python of that client."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"],
+        env=env, capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    return {
+        "args": list(args),
+        "env": env,
+        "cwd": "/",
+        "prefix": sys.prefix,
+        "path0": "",
+        "path": json.loads(out.stdout),
+    }
+
+
 def test_a_worker_forked_for_a_client_that_already_left_does_not_stay(server, sockdir):
     """A client that gave up (and started its worker cold) must not leave a warm twin running."""
     path = zygote.socket_path("job1", "h1")
@@ -241,7 +280,7 @@ def test_a_worker_forked_for_a_client_that_already_left_does_not_stay(server, so
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.connect(str(path))
             null = os.open(os.devnull, os.O_RDWR)  # streams that stay writable: the worker itself would live on
-            zygote.send_message(s, {"args": ["wait"], "env": dict(os.environ), "cwd": "/"}, [null, null, null])
+            zygote.send_message(s, raw_request("wait"), [null, null, null])
             os.close(null)
     wait_until(lambda: not [c for c in worker_children(server) if c.status() != psutil.STATUS_ZOMBIE], 30,
                what="no worker left for the clients that left")  # fmt: skip
@@ -746,3 +785,58 @@ def test_a_sigterm_that_reaches_a_worker_before_it_set_its_handlers_ends_it(proc
     except subprocess.TimeoutExpired:
         pytest.fail("the SIGTERM was lost: the forked worker runs on")
     assert (c.returncode, out) == (-signal.SIGTERM, "")
+
+
+# -- hot-joined workers in the client's environment, one zygote per job (issue 37, item 11)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("OPENBLAS_CORETYPE", "Haswell"), ("PYTHONPATH", f"{REPO}{os.pathsep}/zt-elsewhere")]
+)
+def test_a_client_whose_start_up_environment_differs_from_the_zygotes_starts_cold(server, procs, name, value):
+    c = client(procs, "3", **{name: value})
+    out, err = c.communicate(timeout=60)
+    assert (c.returncode, out.strip()) == (0, "cold train 3"), (out, err)
+    assert "starting cold" in err and ("sys.path" if name == "PYTHONPATH" else name) in err, err
+
+
+THREADS_SERVER = SERVER.replace(
+    "import os, signal, sys\n",
+    "import os, signal, sys\n"
+    "for name in ('OMP_NUM_THREADS', 'MKL_NUM_THREADS', 'GOTO_NUM_THREADS'):\n"
+    "    os.environ.pop(name, None)\n"
+    "os.environ['OPENBLAS_NUM_THREADS'] = '1'  # as the zygote warms: OpenBLAS would start its threads at import\n"
+    "import numpy, torch\n",
+).replace(
+    'print("worker"',
+    'print("threads", torch.get_num_threads(), len(os.listdir("/proc/self/task")), flush=True)\n    print("worker"',
+)
+assert THREADS_SERVER.count("threads") >= 2
+
+THREADS_PROBE = "import os, numpy, torch; print('threads', torch.get_num_threads(), len(os.listdir('/proc/self/task')))"
+
+
+@pytest.mark.parametrize("threads", [{}, {"OMP_NUM_THREADS": "1"}], ids=["default", "OMP_NUM_THREADS=1"])
+def test_a_forked_worker_runs_torch_and_blas_on_the_threads_a_cold_worker_would(procs, sockdir, threads):
+    server = procs.start(
+        [sys.executable, "-c", THREADS_SERVER], env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    assert server.stdout is not None and server.stdout.readline().startswith(zygote.READY_LINE)
+    env = {k: v for k, v in client_env(**threads).items() if not k.endswith("_NUM_THREADS") or k in threads}
+    cold = subprocess.run([sys.executable, "-c", THREADS_PROBE], env=env, capture_output=True, text=True, timeout=120)
+    c = procs.start(
+        [sys.executable, "-m", "elastictrain.zygote", "client", "--", sys.executable, "-c", "", "train", "0"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    out, err = c.communicate(timeout=60)
+    assert c.returncode == 0 and "worker" in out, (out, err)
+    assert out.splitlines()[0] == cold.stdout.strip(), f"forked {out.splitlines()[0]!r}, cold {cold.stdout.strip()!r}"
+
+
+def test_a_client_of_another_job_of_the_same_name_and_host_is_not_served(server, procs):
+    """Two launches of one config on one machine (each with its etcd): neither's workers come from the other's zygote,
+    whose agent stopping would kill them."""
+    c = client(procs, "3", ELASTICTRAIN_ETCD="http://127.0.0.1:1")
+    out, err = c.communicate(timeout=60)
+    assert (c.returncode, out.strip()) == (0, "cold train 3"), (out, err)
