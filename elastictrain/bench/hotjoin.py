@@ -30,7 +30,7 @@ import yaml
 from elastictrain import envnames
 from elastictrain._testing.procs import kill_tree
 from elastictrain.launcher.commands import ZYGOTE_CLIENT, train_command, zygote_command
-from elastictrain.zygote import DIR_ENV, READY_LINE
+from elastictrain.zygote import CHECKER_NAME, DIR_ENV, READY_LINE
 
 
 def hot_command(cfg_path: Path) -> list[str]:
@@ -55,12 +55,13 @@ class WarmZygotes:
         return {host: p.poll() is None for host, p in self.procs.items()}
 
     def forked(self, host: str) -> list[psutil.Process]:
-        """The live workers that ``host``'s zygote forked (its children; a zombie not yet reaped is left out)."""
+        """The live workers that ``host``'s zygote forked (its children but its checker process; a zombie not yet
+        reaped is left out)."""
         out = []
         with contextlib.suppress(psutil.NoSuchProcess, KeyError):
             for p in psutil.Process(self.procs[host].pid).children():
                 with contextlib.suppress(psutil.NoSuchProcess):
-                    if p.status() != psutil.STATUS_ZOMBIE:
+                    if p.status() != psutil.STATUS_ZOMBIE and p.name() != CHECKER_NAME:
                         out.append(p)
         return out
 

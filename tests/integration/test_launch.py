@@ -41,6 +41,7 @@ from elastictrain.launcher.decisions import EXIT_STOPPED
 from elastictrain.launcher.processes import is_worker
 from elastictrain.launcher.rundir import STATE_FILE
 from elastictrain.live_view import STATUS_KIND
+from elastictrain.zygote import CHECKER_NAME
 from tests.fixtures.etcd import ETCD_BIN, EtcdServer
 from tests.fixtures.procs import REPO, VENV_BIN, ProcessGroup, free_port, wait_until
 
@@ -417,13 +418,15 @@ def test_launch_is_a_subcommand_and_its_help_names_the_exit_codes() -> None:
 
 
 def zygote_workers(launch: Launch) -> list[psutil.Process]:
-    """Workers forked by a warm zygote: children of an ``elastictrain zygote serve`` with its command line."""
+    """Workers forked by a warm zygote: children of an ``elastictrain zygote serve`` with its command line, other
+    than its checker process."""
     out = []
     for p in list(launch.seen.values()):
         with contextlib.suppress(psutil.Error):
             cmd = p.cmdline()
             parent = p.parent()
             forked = "zygote" in cmd and "serve" in cmd and parent is not None and parent.cmdline() == cmd
+            forked = forked and p.name() != CHECKER_NAME
             if forked and p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
                 out.append(p)
     return out
