@@ -71,6 +71,7 @@ from discovery.fileio import write_atomic
 from discovery.wire import check_name
 from elastictrain import envnames
 from elastictrain.logconf import get_logger
+from elastictrain.zygote import CHECKER_NAME
 
 log = get_logger("elastictrain.hang")
 
@@ -289,9 +290,12 @@ def forked_by_zygote(p: psutil.Process, job: str) -> bool:
     """Whether ``p`` is a worker that a zygote of ``job`` forked (hot join, :mod:`elastictrain.zygote`). A fork shows
     its parent's command line and environment, so such a worker looks like its zygote; it is told apart by its
     parent: a zygote of ``job`` (``zygote serve``, ``ELASTICTRAIN_JOB``) that was not itself forked by one (a
-    worker's own forked helpers look like the zygote too). Raises psutil's errors."""
+    worker's own forked helpers look like the zygote too), and by its name: the zygote's checker process is named
+    :data:`~elastictrain.zygote.CHECKER_NAME`. Raises psutil's errors."""
+    if not job or p.name() == CHECKER_NAME or not _runs_zygote(p, job):
+        return False
     zygote = p.parent()
-    return bool(job) and _runs_zygote(p, job) and zygote is not None and _is_zygote(zygote, job)
+    return zygote is not None and _is_zygote(zygote, job)
 
 
 def _is_zygote(p: psutil.Process, job: str) -> bool:

@@ -491,12 +491,21 @@ def test_a_beats_writer_runs_only_as_the_same_live_worker_of_the_job() -> None:
 
 ZYGOTE = """
 import os, sys, time
+ready, named = os.pipe()
+checker = os.fork()
+if checker == 0:  # the zygote's file-system checker: forked by it, and it names itself
+    with open("/proc/self/comm", "w") as f:
+        f.write("zygote-check")
+    os.write(named, b"x")
+    time.sleep(60)
+    os._exit(0)
+os.read(ready, 1)
 if os.fork() == 0:  # a hot-joined worker: the zygote's command line and environment
     loader = os.fork()
     if loader == 0:  # a helper of that worker (a data loader's process)
         time.sleep(60)
         os._exit(0)
-    print(os.getpid(), loader, flush=True)
+    print(os.getpid(), loader, checker, flush=True)
     time.sleep(60)
     os._exit(0)
 time.sleep(60)
@@ -504,16 +513,16 @@ time.sleep(60)
 
 
 @contextlib.contextmanager
-def _zygote() -> Iterator[tuple[psutil.Process, psutil.Process, psutil.Process]]:
+def _zygote() -> Iterator[tuple[psutil.Process, psutil.Process, psutil.Process, psutil.Process]]:
     """A process that looks like the job's zygote (``elastictrain zygote serve``, ``ELASTICTRAIN_JOB``), the worker it
-    forked, and that worker's own forked helper; all ended by pid at the exit."""
+    forked, that worker's own forked helper and the zygote's checker process; all ended by pid at the exit."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_")} | {"ELASTICTRAIN_JOB": JOB}
     cmd = [sys.executable, "-c", ZYGOTE, "zygote", "serve", "--config", "c.yaml", "--job", JOB, "--host", "b"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
-        worker, loader = (int(pid) for pid in proc.stdout.readline().split())
-        yield psutil.Process(proc.pid), psutil.Process(worker), psutil.Process(loader)
+        worker, loader, checker = (int(pid) for pid in proc.stdout.readline().split())
+        yield psutil.Process(proc.pid), psutil.Process(worker), psutil.Process(loader), psutil.Process(checker)
     finally:
         kill_tree(proc.pid)
         proc.wait()
@@ -525,12 +534,14 @@ def _beat_of(p: psutil.Process, boot: str = "boot", ts: float = NOW) -> Beat:
 
 def test_of_a_zygotes_processes_only_the_worker_it_forked_is_a_worker_of_the_job() -> None:
     """A hot-joined worker shows its zygote's command line and environment (a fork, no exec); the zygote, whose end
-    ends every worker it forked (parent-death signal), and the worker's own helpers are no workers."""
-    with _zygote() as (zygote, worker, loader):
+    ends every worker it forked (parent-death signal), its checker process and the worker's own helpers are no
+    workers."""
+    with _zygote() as (zygote, worker, loader, checker):
         assert job_worker_runs(_beat_of(worker), JOB)
         assert not job_worker_runs(_beat_of(worker), "another-job")
         assert not job_worker_runs(_beat_of(zygote), JOB), "the zygote"
         assert not job_worker_runs(_beat_of(loader), JOB), "a helper of a worker"
+        assert not job_worker_runs(_beat_of(checker), JOB), "the zygote's checker"
 
 
 @pytest.mark.parametrize("where", ["step", "rendezvous"])
@@ -540,7 +551,7 @@ def test_a_forged_heartbeat_never_gets_a_process_that_is_no_worker_killed(
     """A heartbeat file is untrusted. One that names the zygote (this machine's boot id, its pid and start time, silent
     for long) must not get it killed, by a step's verdict or a rendezvous's: its worker would die with it."""
     monkeypatch.setenv("ELASTICTRAIN_JOB", JOB)
-    with _zygote() as (zygote, worker, _):
+    with _zygote() as (zygote, worker, _, _):
         zygote.send_signal(signal.SIGSTOP)  # quiet: no CPU time, as an idle zygote
         wait_until(lambda: zygote.status() == psutil.STATUS_STOPPED, 10, what="the zygote stopped")
         det, hb = _detector(tmp_path)
