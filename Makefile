@@ -6,7 +6,7 @@ PYTEST  := .venv/bin/pytest
 .PHONY: setup test test-unit test-integration lint format demo bench bench-quick gpu-check chaos chaos-campaign clean peers-env bench-peers
 
 # Setup is idempotent; the stamp makes `make test` skip it when nothing it depends on changed.
-$(STAMP): scripts/setup.sh scripts/patch_horovod.py constraints/torch.txt pyproject.toml
+$(STAMP): scripts/setup.sh elastictrain/horovod/patch.py constraints/torch.txt pyproject.toml
 	bash scripts/setup.sh
 	@touch $(STAMP)
 
@@ -36,9 +36,9 @@ format: $(STAMP)
 	.venv/bin/ruff format .
 	.venv/bin/ruff check --fix .
 
-# A real elastic job on this machine with faults (elastictrain/demo.py): a few minutes, then a summary.
+# A real elastic job on this machine with faults (elastictrain/tools/demo.py): a few minutes, then a summary.
 demo: $(STAMP)
-	$(PY) -m elastictrain.demo
+	$(PY) -m elastictrain.tools.demo
 
 # Every performance goal measured side by side (elastictrain/bench/): results to bench/results/<date>-<host>.json/.md.
 bench: $(STAMP)

@@ -5,7 +5,7 @@ launch does by default, the embedded etcd, MLflow, the sample ledger) receives `
 seeded plan (:func:`plan`, pure) over the cells of :data:`CELLS`: a *phase* of the job and a *kind* of fault.
 
 Every fault is aimed by watching the job, never by a fixed sleep: its run log (``events.jsonl``, read as it
-grows), the workers' heartbeats (:mod:`elastictrain.hang`: each worker writes ``startup``, ``rendezvous``,
+grows), the workers' heartbeats (:mod:`elastictrain.engine.health.hang`: each worker writes ``startup``, ``rendezvous``,
 ``sync``, ``prologue`` and its ring's first step the moment it enters them), the ledger (a commit) and the
 checkpoint writer's temp file (a save). A fault aimed at a reset's phase first needs a reset: a *primer*
 SIGKILL of another worker, recorded as a fault of its own. What the victim's last heartbeat said when it was
@@ -49,10 +49,10 @@ from chaos import faults
 from chaos import invariants as inv
 from chaos.procs import JobNotFound, Worker, tree
 from chaos.run import LAUNCH_FLAGS, REPO, Run, ScenarioError
+from elastictrain.engine.health.hang import HEARTBEATS, IDLE, LOCAL, RENDEZVOUS, STARTUP, SYNC, WAITING, Beat
 from elastictrain.errors import ToolError
-from elastictrain.events import EVENTS_FILE, Commit, Event, Metrics, Reset, Start
-from elastictrain.hang import HEARTBEATS, IDLE, LOCAL, RENDEZVOUS, STARTUP, SYNC, WAITING, Beat
-from elastictrain.live_view import EventTail
+from elastictrain.rundir.events import EVENTS_FILE, Commit, Event, Metrics, Reset, Start
+from elastictrain.tools.live_view import EventTail
 
 PROG = "python -m chaos campaign"
 
@@ -173,7 +173,7 @@ POLL_SECONDS = 0.002
 
 class RunLog:
     """``events.jsonl`` as it grows, every event kept (read through the launcher's
-    :class:`~elastictrain.live_view.EventTail`; the campaign polls it every few milliseconds)."""
+    :class:`~elastictrain.tools.live_view.EventTail`; the campaign polls it every few milliseconds)."""
 
     def __init__(self, path: Path) -> None:
         self.tail = EventTail(path)
@@ -899,7 +899,7 @@ def refigure(run_dir: Path, out_path: Path | None = None, out: Callable[[str], N
     (its ``campaign-fault`` records and its run log), written over ``campaign.json``/``.md`` there (and ``out_path``);
     the report says so (``refigured``). Returns the campaign's exit code for the new figures."""
     from chaos.run import EVENTS_FILE
-    from elastictrain.events import read_events
+    from elastictrain.rundir.events import read_events
 
     report = json.loads((run_dir / "campaign.json").read_text())
     records = [e for e in faults.read_chaos(run_dir / "chaos.jsonl") if e.get("action") == "campaign-fault"]
@@ -918,7 +918,7 @@ def refigure(run_dir: Path, out_path: Path | None = None, out: Callable[[str], N
 
 
 def write_results_pair(report: Mapping[str, Any], folder: Path, stem: str) -> None:
-    from discovery.fileio import write_atomic
+    from elastictrain.fileio import write_atomic
 
     folder.mkdir(parents=True, exist_ok=True)
     write_atomic(folder / f"{stem}.json", json.dumps(report, indent=1, default=str) + "\n")

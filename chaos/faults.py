@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import psutil
 
 from chaos.procs import JobNotFound, JobRef, Worker, tree
-from discovery import fileio
+from elastictrain import fileio
 from elastictrain.launcher.processes import is_alive
 
 TEMP_MARKER = fileio.TEMP_MARKER
@@ -539,7 +539,7 @@ def kill_during_commit(
     deadline = time.monotonic() + timeout
 
     def newest() -> tuple[Path | None, int]:
-        from elastictrain.ledger import ledger_files
+        from elastictrain.rundir.ledger import ledger_files
 
         files = ledger_files(ledger_dir)
         if not files:

@@ -14,8 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from elastictrain.audit import SampleAudit
-from elastictrain.events import (
+from elastictrain.rundir.events import (
     Event,
     Eviction,
     Metrics,
@@ -26,6 +25,7 @@ from elastictrain.events import (
     of_kind,
     training_completed,
 )
+from elastictrain.tools.audit import SampleAudit
 
 LOSS_ABS_TOLERANCE = 0.1
 LOSS_REL_TOLERANCE = 0.1
@@ -57,7 +57,7 @@ def check_completed(launcher_exit: int | None, events: Sequence[Event]) -> Check
 
 # ---------------------------------------------------------------------------------------------- samples
 def check_exactly_once(audit: SampleAudit | None) -> Check:
-    """The ledger audit (:func:`elastictrain.audit.audit_samples`) as a table row; None: no ledger."""
+    """The ledger audit (:func:`elastictrain.tools.audit.audit_samples`) as a table row; None: no ledger."""
     if audit is None:
         return Check("every sample exactly once per epoch", False, "no ledger (audit.sample_ledger is off?)")
     ok = audit.ok

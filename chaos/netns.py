@@ -56,11 +56,11 @@ import psutil
 from chaos import faults
 from chaos.procs import JobRef
 from chaos.run import LAUNCH_FLAGS, Run, ScenarioError
-from discovery.fileio import write_atomic
 from elastictrain import envnames
-from elastictrain.events import Reset, of_kind
+from elastictrain.fileio import write_atomic
 from elastictrain.launcher.commands import agent_command
 from elastictrain.launcher.etcd import EtcdServer
+from elastictrain.rundir.events import Reset, of_kind
 
 SUBNET = "169.254.77.0/24"
 """Link-local: never routed beyond this machine. The tier's default subnet."""

@@ -28,7 +28,7 @@ import psutil
 from elastictrain import envnames
 from elastictrain.errors import ToolError
 from elastictrain.launcher.processes import forked_worker, is_alive, is_zygote_client, process_runs_train
-from elastictrain.launcher.rundir import STATE_FILE
+from elastictrain.rundir.launch import STATE_FILE
 
 
 class JobNotFound(ToolError):

@@ -50,10 +50,10 @@ from chaos import faults
 from chaos.procs import Worker, read_launch_state, tree
 from chaos.run import LAUNCH_FLAGS, REPO, Run, ScenarioError
 from chaos.scenarios import DEFAULT_RUNS, FOUR_WORKERS, base_config
-from discovery.fileio import write_atomic
-from elastictrain.events import EVENTS_FILE, Reset
+from elastictrain.fileio import write_atomic
 from elastictrain.launcher.processes import is_alive
-from elastictrain.live_view import EventTail
+from elastictrain.rundir.events import EVENTS_FILE, Reset
+from elastictrain.tools.live_view import EventTail
 
 T = TypeVar("T")
 SAMPLES_FILE = "resets.jsonl"

@@ -27,9 +27,9 @@ from chaos import faults
 from chaos.procs import JobNotFound, JobRef, environ, read_launch_state
 from elastictrain import envnames
 from elastictrain.errors import ScenarioError as ScenarioError
-from elastictrain.events import EVENTS_FILE, Checkpoint, Event, Metrics, Reset, Start, of_kind, read_events
 from elastictrain.launcher.commands import elastictrain_command
 from elastictrain.launcher.processes import is_alive
+from elastictrain.rundir.events import EVENTS_FILE, Checkpoint, Event, Metrics, Reset, Start, of_kind, read_events
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -36,10 +36,10 @@ from chaos import invariants as inv
 from chaos.netns import ClusterRun
 from chaos.procs import JobNotFound, read_launch_state
 from chaos.run import GLOO_TIMEOUT_SECONDS, LAUNCH_FLAGS, REPO, Run, ScenarioError
-from discovery.fileio import write_atomic
-from elastictrain.audit import SampleAudit
-from elastictrain.events import Checkpoint, Commit, Event, Reset, of_kind
+from elastictrain.fileio import write_atomic
 from elastictrain.launcher.commands import elastictrain_command
+from elastictrain.rundir.events import Checkpoint, Commit, Event, Reset, of_kind
+from elastictrain.tools.audit import SampleAudit
 
 DEFAULT_RUNS = REPO / "runs" / "chaos"
 REFERENCE_DIR = ".chaos-reference"
@@ -536,9 +536,9 @@ def check_run(
     tier_leftovers: list[str] | None = None,
 ) -> Result:
     """The invariant table of a finished run; ``tier_leftovers``: what the multi-node tier's teardown left."""
-    from elastictrain.audit import audit_samples
-    from elastictrain.ledger import committed_samples
-    from elastictrain.report import summarize
+    from elastictrain.rundir.ledger import committed_samples
+    from elastictrain.tools.audit import audit_samples
+    from elastictrain.tools.report import summarize
 
     events = run.events()
     chaos_events = faults.read_chaos(run.run_dir / "chaos.jsonl")

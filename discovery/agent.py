@@ -641,7 +641,7 @@ def start_zygote(
     and wait until it says it is ready, it exits, a signal arrives, or ``timeout``; a zygote that never gets
     ready costs only the hot join (workers start cold). Its environment names ``job`` (``ELASTICTRAIN_JOB``), as a
     cold worker's does: the workers it forks show that environment, by which a survivor tells a worker of the job
-    (:func:`elastictrain.hang.job_worker_runs`)."""
+    (:func:`elastictrain.engine.health.hang.job_worker_runs`)."""
     import threading
 
     env = {**os.environ, envnames.JOB: job} if job else None

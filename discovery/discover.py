@@ -40,7 +40,6 @@ import sys
 import time
 
 from discovery.endpoints import Endpoint, EtcdAccess, parse_endpoints
-from discovery.fileio import write_atomic
 from discovery.wire import (
     DEFAULT_PREFIX,
     MalformedRecord,
@@ -54,6 +53,7 @@ from discovery.wire import (
 from elastictrain import envnames
 from elastictrain.errors import ConfigError as ConfigError
 from elastictrain.errors import InputError, RegistryUnavailable
+from elastictrain.fileio import write_atomic
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing alone costs ~10 ms
 if TYPE_CHECKING:
@@ -298,7 +298,7 @@ def write_cache(path: str, job: str, lines: list[str], clock: Clock, old: object
     """Record a successful answer and when it was read, by this machine's clocks (not the file's mtime,
     which a file server stamps with its own clock).
 
-    The file is replaced atomically each time (:func:`discovery.fileio.atomic_file`); only a change
+    The file is replaced atomically each time (:func:`elastictrain.fileio.atomic_file`); only a change
     of membership (compared with ``old``, the file as read before, or as read now when not given) is
     fsynced, since a lost refresh of the stamp only makes the cache look older.
     """

@@ -24,7 +24,7 @@ def __getattr__(name: str) -> Any:
 
         return Task
     if name in _DROPIN:
-        from elastictrain import dropin
+        from elastictrain.engine import dropin
 
         return getattr(dropin, name)
     raise AttributeError(f"module 'elastictrain' has no attribute {name!r}")

@@ -14,15 +14,15 @@ from collections.abc import Callable, Sequence
 # name -> (module, help). Each module has ``main(argv: list[str]) -> int`` that parses its own flags.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "config": ("elastictrain.config_cli", "show the resolved config of a job"),
-    "train": ("elastictrain.worker", "the training worker that horovodrun starts on every slot"),
+    "train": ("elastictrain.engine.worker", "the training worker that horovodrun starts on every slot"),
     "agent": ("discovery.agent", "node agent: register this host in etcd and drain on SIGTERM"),
     "hosts": ("discovery.hosts_cli", "list, drain, undrain or remove hosts of a job"),
-    "zygote": ("elastictrain.zygote", "hot join: a host's warm worker factory (serve) and its thin client"),
+    "zygote": ("elastictrain.hotjoin.zygote", "hot join: a host's warm worker factory (serve) and its thin client"),
     "launch": ("elastictrain.launcher.main", "run a job: embedded etcd and agents, horovodrun, supervision"),
-    "status": ("elastictrain.status", "show the state of a run from its run_dir"),
-    "report": ("elastictrain.report", "timeline PNG and goodput summary of a run"),
-    "audit": ("elastictrain.audit", "check a run's sample ledger: every sample exactly once per epoch"),
-    "export": ("elastictrain.export", "write a run's trained model as a plain state_dict plus its config"),
+    "status": ("elastictrain.tools.status", "show the state of a run from its run_dir"),
+    "report": ("elastictrain.tools.report", "timeline PNG and goodput summary of a run"),
+    "audit": ("elastictrain.tools.audit", "check a run's sample ledger: every sample exactly once per epoch"),
+    "export": ("elastictrain.tools.export", "write a run's trained model as a plain state_dict plus its config"),
     "bench": ("elastictrain.bench", "measure the performance goals side by side"),
 }
 

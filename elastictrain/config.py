@@ -180,7 +180,8 @@ class ElasticConfig:
     max_np: int = 32
     """Most workers to train with (horovodrun ``--max-np``)."""
     stragglers: Literal["off", "report", "evict"] = "report"
-    """What rank 0 does about a slow host (:mod:`elastictrain.stragglers`). ``report``: a ``straggler`` event when a
+    """What rank 0 does about a slow host (:mod:`elastictrain.engine.health.stragglers`). ``report``: a ``straggler``
+    event when a
     host's median compute time per step is ``slow_ratio`` x the others' over ``window_steps``; ``evict``: also drain
     it (as a spot notice, no step lost) when the job is predicted faster without it, for a cool-down; ``off``:
     nothing is measured."""

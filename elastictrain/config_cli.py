@@ -2,7 +2,7 @@
 
 Both check the task too (import it and build it on the meta device; :func:`elastictrain.task.validate_task`):
 a bad task is one line and exit code 2. ``show --no-task-check`` prints the config without importing the task.
-``validate`` then tries the task on real samples (:mod:`elastictrain.task_trial`: collate, loss, metrics),
+``validate`` then tries the task on real samples (:mod:`elastictrain.engine.task_trial`: collate, loss, metrics),
 within ``--trial-seconds`` (``--no-trial`` skips it).
 """
 
@@ -39,7 +39,7 @@ DEFAULT_TRIAL_SECONDS = 60.0
 
 def check_task(cfg: JobConfig, config_path: str, trial_seconds: float | None = None) -> str:
     """Import and dry-run the config's task (see :func:`elastictrain.task.validate_task`); with ``trial_seconds``,
-    also try it on real samples within that time (:func:`elastictrain.task_trial.try_task`). One line about it.
+    also try it on real samples within that time (:func:`elastictrain.engine.task_trial.try_task`). One line about it.
     Raises :class:`ConfigError`."""
     from elastictrain.task import add_import_paths, describe, validate_task  # torch: only when asked
 
@@ -47,7 +47,7 @@ def check_task(cfg: JobConfig, config_path: str, trial_seconds: float | None = N
     built = validate_task(cfg)
     about = describe(built)
     if trial_seconds is not None:
-        from elastictrain.task_trial import time_limit, try_task
+        from elastictrain.engine.task_trial import time_limit, try_task
 
         with time_limit(trial_seconds):
             about += f"; {try_task(cfg, built)}"

@@ -10,7 +10,7 @@ Contract of ``build``:
   initial weights are the same on every worker); it builds the model on the CPU, the engine moves it;
 - ``launch`` and ``config validate`` call it on the meta device (``with torch.device("meta")``) to check it
   before starting anything, falling back to the CPU when the meta device cannot run it, and then once more on
-  the CPU to try the loss and metrics on two real samples (:mod:`elastictrain.task_trial`); so it should not
+  the CPU to try the loss and metrics on two real samples (:mod:`elastictrain.engine.task_trial`); so it should not
   do slow work that a check does not need (read data lazily, in the dataset).
 
 Sample ids for the ledger are the indices the engine asks the dataset for; datasets need not return ids.

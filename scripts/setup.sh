@@ -152,10 +152,10 @@ esac
 
 # ---------------------------------------------------------------- Horovod
 # NCCL-shared: wheels built before Horovod was told to link NCCL dynamically have another key.
-# patch-<digest>: the hash of scripts/patch_horovod.py's edits, so a changed patch is built again and never taken from
+# patch-<digest>: the hash of elastictrain/horovod/patch.py's edits, so a changed patch is built again and never taken from
 # the cache. The patch also writes horovod/elastictrain_patch.py naming that digest: the installed package must carry
 # it (elastictrain launch and every worker refuse a Horovod without it, such as a stock wheel installed over ours).
-PATCH_DIGEST=$("$PY" "$ROOT/scripts/patch_horovod.py" --digest) || die "scripts/patch_horovod.py --digest failed"
+PATCH_DIGEST=$("$PY" "$ROOT/elastictrain/horovod/patch.py" --digest) || die "elastictrain/horovod/patch.py --digest failed"
 KEY="horovod-${HOROVOD_VERSION}_torch-${TORCH_VER}_${PY_TAG}_cuda-${CUDA_VER}_gpuops-${GPU_OPS/NCCL/NCCL-shared}_patch-${PATCH_DIGEST}"
 WHEEL_DIR="$CACHE/wheels/$KEY"
 STAMP="$VENV/.horovod-key"
@@ -179,7 +179,7 @@ else
     say "raising Horovod's C++ standard 14 -> $STD (torch $TORCH_VER)"
     sed -i "s/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD $STD)/" "$SRC/CMakeLists.txt" "$SRC/horovod/torch/CMakeLists.txt"
     grep -q "CMAKE_CXX_STANDARD $STD" "$SRC/horovod/torch/CMakeLists.txt" || die "patching Horovod's CMakeLists failed (layout changed?)"
-    "$PY" "$ROOT/scripts/patch_horovod.py" "$SRC" || die "patching Horovod's source failed (scripts/patch_horovod.py)"
+    "$PY" "$ROOT/elastictrain/horovod/patch.py" "$SRC" || die "patching Horovod's source failed (elastictrain/horovod/patch.py)"
     export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1
     export HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
     export MAKEFLAGS="-j$(nproc)"

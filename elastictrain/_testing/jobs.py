@@ -23,15 +23,15 @@ from typing import IO, Any, overload
 import psutil
 import yaml
 
-from discovery.fileio import write_atomic
 from elastictrain import envnames
 from elastictrain._testing.procs import BIN_DIR, HarnessError, kill_tree, wait_until
-from elastictrain.events import E, Event, of_kind, read_events
+from elastictrain.fileio import write_atomic
 from elastictrain.launcher.commands import runner_command, train_command
 from elastictrain.launcher.processes import runs_train
+from elastictrain.rundir.events import E, Event, of_kind, read_events
 
 HOROVODRUN = runner_command()
-"""horovodrun as ``elastictrain launch`` starts it (:mod:`elastictrain.launcher.hvdrun`: a cheap discovery executor)."""
+"""horovodrun as ``elastictrain launch`` starts it (:mod:`elastictrain.horovod.hvdrun`: a cheap discovery executor)."""
 STOCK_HOROVODRUN = [str(BIN_DIR / "horovodrun")]
 """Horovod's own horovodrun, for the stock-Horovod contenders of the benchmarks."""
 

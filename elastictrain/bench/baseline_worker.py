@@ -28,7 +28,7 @@ from torch.utils.data import default_collate
 
 from elastictrain.cliutil import OneLineParser
 from elastictrain.config import JobConfig, load_config
-from elastictrain.events import Done, Event, EventLog, Metrics, NullEventLog, Reset, Start, open_event_log
+from elastictrain.rundir.events import Done, Event, EventLog, Metrics, NullEventLog, Reset, Start, open_event_log
 from elastictrain.task import build_task
 
 

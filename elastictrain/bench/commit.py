@@ -4,7 +4,7 @@
    ``commit_seconds`` of the ``commit`` events over the interval's step time (10 x the median
    ``step_seconds``), in percent. Goal <= 2%. Uses the world-size-2 runs of ``elastic_overhead``
    when it ran, else one run of its own (both in the default ``elastic.rollback`` mode).
-2. In-process: ``elastictrain.state.CommittedState.save()`` (copies into buffers allocated once) vs
+2. In-process: ``elastictrain.engine.state.CommittedState.save()`` (copies into buffers allocated once) vs
    stock ``horovod.torch.elastic.TorchState(model=..., optimizer=...).save()`` (deep copies of the
    state dicts) on the same state (ResNet-18 and the small CNN, SGD with momentum after one step),
    alternating. Goal: stock / elastictrain >= 3. Beside them, one ``copy_`` of the same number of bytes
@@ -34,7 +34,7 @@ COMMIT_EVERY_STEPS = 10  # the config default (ElasticConfig.commit_every_steps)
 
 def build_state(model_name: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A model and an SGD-with-momentum optimizer after one step (so momentum buffers exist)."""
-    from elastictrain.models import build_model
+    from elastictrain.engine.models import build_model
 
     torch.manual_seed(0)
     model = build_model(model_name, 10)
@@ -50,9 +50,9 @@ def savers(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str
     None needs ``hvd.init()``."""
     from horovod.torch.elastic import TorchState
 
-    from elastictrain.policy import ScaleRamp
-    from elastictrain.sampler import SamplerState
-    from elastictrain.state import Counters, make_state
+    from elastictrain.engine.policy import ScaleRamp
+    from elastictrain.engine.sampler import SamplerState
+    from elastictrain.engine.state import Counters, make_state
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lambda _: 1.0)
     ours, live = (

@@ -18,12 +18,12 @@ What runs (one machine):
   SIGKILLed one after the other.
 
 Measured, with every host registered: ``discover.sh`` run once a second through the driver's executor
-(:func:`~elastictrain.launcher.hvdrun.run_discovery_script`) for ``window_seconds`` (median, p99); etcd's
+(:func:`~elastictrain.horovod.hvdrun.run_discovery_script`) for ``window_seconds`` (median, p99); etcd's
 requests/s by method and gRPC bytes/host/minute from its Prometheus ``/metrics``, for the agents alone
 (``quiet_seconds`` without discovery) and with discovery; SIGKILL of a real agent → first ``discover.sh``
 output without its host (polled every ``poll_seconds``); Horovod's parse of the discovered lines, the
 discovery through our executor, and ``ElasticDriver._update_host_assignments`` (with
-:func:`~elastictrain.launcher.hvdrun.install` applied) for every host x 1 slot, cold and after churn;
+:func:`~elastictrain.horovod.hvdrun.install` applied) for every host x 1 slot, cold and after churn;
 and a profile of one ``discover.sh`` call by stage.
 
 Goals: ``discover.sh`` p99 <= 150 ms; an agent's death leaves discovery within TTL + 2 s. Alone:
@@ -444,7 +444,7 @@ class _Discover:
 
     def call(self) -> tuple[float, float, list[str]]:
         """``(started, ended, lines)``, monotonic seconds; RuntimeError when the script fails."""
-        from elastictrain.launcher.hvdrun import run_discovery_script
+        from elastictrain.horovod.hvdrun import run_discovery_script
 
         t0 = time.monotonic()
         out = run_discovery_script(self.script, timeout=10.0)
@@ -621,7 +621,7 @@ def measure_driver(rig: _Rig, repeats: int, rng: random.Random) -> dict[str, Any
     from horovod.runner.elastic.rendezvous import create_rendezvous_handler
     from horovod.runner.http.http_server import RendezvousServer
 
-    from elastictrain.launcher.hvdrun import install, run_discovery_script
+    from elastictrain.horovod.hvdrun import install, run_discovery_script
 
     install()
     script = HostDiscoveryScript(rig.discover.script, 1)

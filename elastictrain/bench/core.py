@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TextIO, TypeVar
 
-from discovery.fileio import write_atomic
 from elastictrain.errors import ToolError
+from elastictrain.fileio import write_atomic
 from elastictrain.launcher.commands import usable_cores
 
 T = TypeVar("T")

@@ -13,7 +13,7 @@ never a zygote.
 
 Two computations over the window from the first ``start`` event:
 
-* ``elastictrain.report.summarize`` of ``events.jsonl``: kept step time (docs/events.md) ÷ the window.
+* ``elastictrain.tools.report.summarize`` of ``events.jsonl``: kept step time (docs/events.md) ÷ the window.
   (``summarize`` alone divides by the time to the last event, which leaves out a final stretch in
   which the job had not recovered yet; its own ratio is kept in the detail.)
 * this benchmark's own bookkeeping: window - the time from each kill to the next ``reset`` - the
@@ -41,8 +41,8 @@ from elastictrain._testing.jobs import ElasticJob
 from elastictrain._testing.procs import HarnessError
 from elastictrain.bench.core import BenchContext, BenchError, Goal, Metric, Result, threads_per_worker
 from elastictrain.bench.hotjoin import WarmZygotes, hot_command, warm_zygotes
-from elastictrain.events import Event, Metrics, Reset, Start, of_kind
 from elastictrain.launcher.hosts import local_logical_hosts
+from elastictrain.rundir.events import Event, Metrics, Reset, Start, of_kind
 
 NAME = "goodput"
 GOAL = Goal(">=", 0.95)
@@ -137,7 +137,7 @@ def kill_one(job: ElasticJob, zygotes: WarmZygotes, rng: random.Random) -> dict[
 
 
 def run(ctx: BenchContext) -> Result:
-    from elastictrain.report import summarize
+    from elastictrain.tools.report import summarize
 
     window, every = plan(ctx.quick)
     hosts = local_logical_hosts()

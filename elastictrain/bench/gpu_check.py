@@ -22,7 +22,7 @@ from typing import Any
 
 from elastictrain._testing.procs import kill_tree, wait_until
 from elastictrain.bench.core import BenchError
-from elastictrain.events import Done, Reset, Start
+from elastictrain.rundir.events import Done, Reset, Start
 
 DEVICE = "cuda"
 """The device of the jobs of the checks (a CPU run of the job checks sets ``cpu`` to try their logic)."""
@@ -126,7 +126,7 @@ def check_shared_gpu_kill(work: Path) -> str:
 
 
 def _two_ranks_on_one_gpu_stop(job: Any) -> str:
-    from elastictrain.worker_error import read_worker_errors
+    from elastictrain.rundir.worker_error import read_worker_errors
 
     try:
         job.start()

@@ -29,8 +29,8 @@ import yaml
 
 from elastictrain import envnames
 from elastictrain._testing.procs import kill_tree
+from elastictrain.hotjoin.zygote import CHECKER_NAME, DIR_ENV, READY_LINE
 from elastictrain.launcher.commands import ZYGOTE_CLIENT, train_command, zygote_command
-from elastictrain.zygote import CHECKER_NAME, DIR_ENV, READY_LINE
 
 
 def hot_command(cfg_path: Path) -> list[str]:

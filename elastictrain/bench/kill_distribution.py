@@ -31,8 +31,8 @@ from elastictrain._testing.jobs import ElasticJob
 from elastictrain._testing.procs import wait_until
 from elastictrain.bench.core import BenchContext, BenchError, Goal, Metric, Result, summary
 from elastictrain.cliutil import OneLineParser
-from elastictrain.events import Reset, Start
 from elastictrain.launcher.hosts import local_logical_hosts
+from elastictrain.rundir.events import Reset, Start
 
 NAME = "kill_distribution"
 GOAL_P95 = Goal("<=", 2.0)

@@ -580,7 +580,7 @@ class HorovodJob(Job):
             if self.product
             else ("python -m horovod_train")
         )
-        runner = "horovodrun (elastictrain.launcher.hvdrun)" if self.product else "horovodrun"
+        runner = "horovodrun (elastictrain.horovod.hvdrun)" if self.product else "horovodrun"
         return (
             f"{runner} -np 3 --min-np 1 --max-np {self.max_hosts} --host-discovery-script D --network-interfaces lo "
             f"--gloo --gloo-timeout-seconds 30 --blacklist-cooldown-range 5 60 {worker}"

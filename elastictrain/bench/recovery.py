@@ -31,9 +31,9 @@ from typing import Any
 from elastictrain._testing.jobs import HOROVODRUN, STOCK_HOROVODRUN, ElasticJob
 from elastictrain.bench.core import BenchContext, Goal, Metric, Result, alternate, summary, threads_per_worker
 from elastictrain.config import ElasticConfig
-from elastictrain.events import Reset
 from elastictrain.launcher.commands import train_command
 from elastictrain.launcher.hosts import local_logical_hosts
+from elastictrain.rundir.events import Reset
 
 NAME = "recovery"
 GOAL_KILL = Goal("<=", 5.0)

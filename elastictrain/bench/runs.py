@@ -24,8 +24,8 @@ from elastictrain._testing.jobs import ElasticJob
 from elastictrain._testing.procs import BIN_DIR, kill_tree
 from elastictrain.bench.core import BenchError, threads_per_worker
 from elastictrain.bench.cpu import TreeCpuMonitor
-from elastictrain.events import EVENTS_FILE, Checkpoint, Commit, Event, Metrics, of_kind, read_events
 from elastictrain.launcher.hosts import local_logical_hosts
+from elastictrain.rundir.events import EVENTS_FILE, Checkpoint, Commit, Event, Metrics, of_kind, read_events
 
 WARMUP_STEPS = 20
 """Steps excluded from throughput: process start, first allocations, MLflow run creation."""

@@ -22,9 +22,9 @@ from elastictrain import envnames
 from elastictrain._testing.jobs import ElasticJob
 from elastictrain.bench.core import BenchContext, Goal, Metric, Result, alternate, summary, threads_per_worker
 from elastictrain.bench.hotjoin import hot_command, warm_zygotes
-from elastictrain.events import Reset
 from elastictrain.launcher.commands import train_command
 from elastictrain.launcher.hosts import local_logical_hosts
+from elastictrain.rundir.events import Reset
 
 NAME = "scale_up"
 GOAL_HOT = Goal("<=", 1.5)

@@ -55,8 +55,8 @@ from elastictrain.bench.core import BenchContext, BenchError, Goal, Metric, Resu
 from elastictrain.bench.hotjoin import WarmZygotes, hot_command, warm_zygotes
 from elastictrain.cliutil import OneLineParser
 from elastictrain.engine.reset import PAUSE_PARTS
-from elastictrain.events import Metrics, Reset, Start
 from elastictrain.launcher.hosts import local_logical_hosts
+from elastictrain.rundir.events import Metrics, Reset, Start
 
 NAME = "scale_world"
 SIZES = (4, 8, 16, 32)

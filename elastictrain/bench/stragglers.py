@@ -57,8 +57,8 @@ from elastictrain.bench.core import (
     summary,
     threads_per_worker,
 )
-from elastictrain.events import Event, Eviction, Metrics, Reset, Straggler, of_kind, read_events
 from elastictrain.launcher.hosts import local_logical_hosts
+from elastictrain.rundir.events import Event, Eviction, Metrics, Reset, Straggler, of_kind, read_events
 
 NAME = "stragglers"
 GOAL_NAMED_STEPS = Goal("<=", 100.0)

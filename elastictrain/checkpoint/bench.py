@@ -31,7 +31,7 @@ import torch
 
 from elastictrain.checkpoint.checkpointer import Checkpointer
 from elastictrain.checkpoint.storage import LocalStorage
-from elastictrain.events import Checkpoint, Event, checkpoint_event, of_kind
+from elastictrain.rundir.events import Checkpoint, Event, checkpoint_event, of_kind
 
 
 def _make_state(state_mb: int, device: str = "cpu") -> dict[str, Any]:

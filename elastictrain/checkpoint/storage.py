@@ -35,9 +35,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from discovery import fileio
-from discovery.fileio import atomic_file, fsync_dir
+from elastictrain import fileio
 from elastictrain.errors import CheckpointError
+from elastictrain.fileio import atomic_file, fsync_dir
 
 LATEST = "latest"
 """Key of the pointer file naming the newest complete, verified checkpoint folder."""

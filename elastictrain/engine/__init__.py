@@ -12,5 +12,5 @@
 :mod:`.horovod_private`       every access to a private attribute of Horovod
 ============================  =========================================================================
 
-:mod:`elastictrain.elastic` composes them over Horovod for ``elastictrain train``.
+:mod:`elastictrain.engine.compose` composes them over Horovod for ``elastictrain train``.
 """

@@ -14,10 +14,10 @@ import torch
 
 from elastictrain.config import ConfigError, JobConfig
 from elastictrain.engine.collective import Collective
-from elastictrain.policy import ScaleRamp, schedule_factor
-from elastictrain.sampler import ExactlyOncePlanner, SamplerState, StepLog
-from elastictrain.state import CommittedState, Counters, make_state
-from elastictrain.step import Precision
+from elastictrain.engine.policy import ScaleRamp, schedule_factor
+from elastictrain.engine.sampler import ExactlyOncePlanner, SamplerState, StepLog
+from elastictrain.engine.state import CommittedState, Counters, make_state
+from elastictrain.engine.step import Precision
 from elastictrain.task import Task, TaskError, build_task, check_dataset_size
 
 

@@ -26,7 +26,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 from horovod.common.elastic import State
 
-from elastictrain.engine.horovod_private import allreduces_done, exit_hook
+from elastictrain.horovod.private import allreduces_done, exit_hook
 
 T = TypeVar("T")
 
@@ -107,9 +107,9 @@ def reset_horovod(
     """Horovod's elastic reset (``shutdown``, then ``init``), with a failed ``init`` tried again up to ``attempts``.
 
     ``hvd.init`` fails (``ValueError: Horovod initialization failed``; Horovod as patched by
-    ``scripts/patch_horovod.py``) when the ring the driver assigned could not form: a peer of it died before the
+    ``elastictrain/horovod/patch.py``) when the ring the driver assigned could not form: a peer of it died before the
     Gloo contexts were built (Gloo's I/O error: within about 100 ms of the driver seeing the peer's exit, which
-    aborts the rendezvous (:mod:`elastictrain.launcher.hvdrun`), else after at most the Gloo timeout). Asking again
+    aborts the rendezvous (:mod:`elastictrain.horovod.hvdrun`), else after at most the Gloo timeout). Asking again
     joins the driver's next ring, which no longer has the dead peer. (A worker the driver removed from the job still
     ends in ``hvd.init``, as in stock Horovod.) Any other error, and the last failure, are raised."""
     for attempt in range(1, attempts + 1):
@@ -126,7 +126,7 @@ def reset_horovod(
 def init_horovod(init: Callable[[], None], exit_hook: Callable[[], Any]) -> None:
     """``init()`` (``hvd.init``), leaving exactly one ``exit_hook`` registered with :mod:`atexit`, failed or not.
 
-    Horovod's ``init`` registers its shutdown (:func:`~elastictrain.engine.horovod_private.exit_hook`) with
+    Horovod's ``init`` registers its shutdown (:func:`~elastictrain.horovod.private.exit_hook`) with
     ``atexit`` at every call, and an elastic worker calls it at every reset: each reset would keep one more
     registration for the life of the process (and one more shutdown at its exit). ``atexit.unregister`` drops
     every registration equal to it, then it is registered once, last, where the newest of Horovod's would stand."""

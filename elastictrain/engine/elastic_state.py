@@ -1,7 +1,7 @@
 """The engine's Horovod elastic ``State``: commit and roll back in place, sync from the most advanced rank.
 
-Over a :class:`~elastictrain.state.CommittedState` (``elastic.rollback: commit``) a failure rolls back to the
-last commit. Over a :class:`~elastictrain.state.LiveState` (``elastic.rollback: none``) it rolls nothing back:
+Over a :class:`~elastictrain.engine.state.CommittedState` (``elastic.rollback: commit``) a failure rolls back to the
+last commit. Over a :class:`~elastictrain.engine.state.LiveState` (``elastic.rollback: none``) it rolls nothing back:
 the partial step is discarded, and the sync takes the most advanced rank's live state, staged, so that a
 failure during the sync leaves every rank a whole step.
 
@@ -23,14 +23,14 @@ from horovod.runner.elastic.worker import HostUpdateResult
 
 from elastictrain.engine.collective import Collective
 from elastictrain.engine.gpus import check_one_rank_per_gpu
-from elastictrain.engine.horovod_private import (
+from elastictrain.engine.state import CommittedState, reseed
+from elastictrain.engine.sync import receive_state
+from elastictrain.horovod.private import (
     discard_pending_allreduces,
     host_messages,
     last_host_update,
     set_last_host_update,
 )
-from elastictrain.engine.sync import receive_state
-from elastictrain.state import CommittedState, reseed
 
 
 class StopRequested(Exception):

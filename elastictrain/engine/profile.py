@@ -11,7 +11,8 @@ first, while a worker that is stopped, throttled off its core or blocked is stil
 time is taken from CUDA events (the host returns from ``backward`` before the GPU has finished); they are read at
 :meth:`take`, at a commit, never in a step.
 
-:meth:`take` returns the sums in the order of :data:`elastictrain.stragglers.FIGURES` and starts again; they
+:meth:`take` returns the sums in the order of :data:`elastictrain.engine.health.stragglers.FIGURES` and starts again;
+they
 travel with the commit's existing collective (:meth:`ElasticTrainingState.check_host_updates`).
 """
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from elastictrain.config import ElasticConfig
-from elastictrain.events import RESET_PARTS
-from elastictrain.policy import ScaleRamp, lr_scale
+from elastictrain.engine.policy import ScaleRamp, lr_scale
+from elastictrain.rundir.events import RESET_PARTS
 
 
 @dataclass(frozen=True, slots=True)

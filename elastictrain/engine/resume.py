@@ -20,10 +20,10 @@ from elastictrain.checkpoint import (
 )
 from elastictrain.checkpoint.resume import check_resume_inputs
 from elastictrain.config import JobConfig
+from elastictrain.engine.state import CommittedState
 from elastictrain.logconf import get_logger
-from elastictrain.state import CommittedState
 
-log = get_logger("elastictrain.worker")
+log = get_logger("elastictrain.engine.worker")
 
 
 def resume_inputs(cfg: JobConfig, num_samples: int) -> dict[str, Any]:

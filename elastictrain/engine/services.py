@@ -17,18 +17,18 @@ from typing import Any
 
 import torch
 
-from discovery.fileio import write_atomic
 from elastictrain.checkpoint import Checkpointer, LocalStorage
 from elastictrain.config import JobConfig
-from elastictrain.events import EventSink, NullEventLog, TrackingClosed, open_event_log
-from elastictrain.hang import gloo_timeout_seconds
-from elastictrain.ledger import SampleLedger
+from elastictrain.engine.health.hang import gloo_timeout_seconds
+from elastictrain.engine.progress import NullProgress, Progress, make_progress
+from elastictrain.engine.sampler import ExactlyOncePlanner, StepLog
+from elastictrain.engine.tracking import NullTracker, Tracker, make_tracker
+from elastictrain.fileio import write_atomic
 from elastictrain.logconf import get_logger
-from elastictrain.progress import NullProgress, Progress, make_progress
-from elastictrain.sampler import ExactlyOncePlanner, StepLog
-from elastictrain.tracking import NullTracker, Tracker, make_tracker
+from elastictrain.rundir.events import EventSink, NullEventLog, TrackingClosed, open_event_log
+from elastictrain.rundir.ledger import SampleLedger
 
-log = get_logger("elastictrain.worker")
+log = get_logger("elastictrain.engine.worker")
 
 
 def _version(package: str) -> str:

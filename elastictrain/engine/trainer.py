@@ -37,18 +37,26 @@ from elastictrain import envnames
 from elastictrain.checkpoint.resume import META_KEY as RESUME_META_KEY
 from elastictrain.cliutil import EXIT_STOPPED
 from elastictrain.config import JobConfig
-from elastictrain.data import load_batches
 from elastictrain.engine.build import TrainingParts, build_parts
 from elastictrain.engine.collective import Collective
+from elastictrain.engine.data import load_batches
 from elastictrain.engine.elastic_state import ElasticTrainingState, StopRequested
 from elastictrain.engine.gpus import collective_gpu
+from elastictrain.engine.health.hang import gathered_members
+from elastictrain.engine.health.stragglers import StragglerMonitor, StragglerPolicy
+from elastictrain.engine.health.watchdog import CollectiveWatchdog, NullWatchdog
 from elastictrain.engine.metrics import MetricsWindow
+from elastictrain.engine.policy import batch_plan, schedule_factor, training_complete
 from elastictrain.engine.profile import StepProfile
 from elastictrain.engine.reset import PendingReset, pause_parts, plan_reset
 from elastictrain.engine.resume import resume_inputs, resume_latest
+from elastictrain.engine.sampler import StepPlan, iter_plans
 from elastictrain.engine.services import Rank0Services
+from elastictrain.engine.step import train_step
+from elastictrain.engine.tracking import make_tracker
 from elastictrain.engine.validation import validate
-from elastictrain.events import (
+from elastictrain.logconf import bind, get_logger
+from elastictrain.rundir.events import (
     Checkpoint,
     Commit,
     Done,
@@ -60,17 +68,9 @@ from elastictrain.events import (
     Stopped,
     checkpoint_event,
 )
-from elastictrain.hang import gathered_members
-from elastictrain.logconf import bind, get_logger
-from elastictrain.policy import batch_plan, schedule_factor, training_complete
-from elastictrain.sampler import StepPlan, iter_plans
-from elastictrain.step import train_step
-from elastictrain.stragglers import StragglerMonitor, StragglerPolicy
 from elastictrain.task import TaskError
-from elastictrain.tracking import make_tracker
-from elastictrain.watchdog import CollectiveWatchdog, NullWatchdog
 
-log = get_logger("elastictrain.worker")
+log = get_logger("elastictrain.engine.worker")
 
 
 @dataclass(slots=True)
@@ -465,7 +465,7 @@ class Trainer:
         state.check_host_updates(figures, self._on_step_figures)
 
     def _on_step_figures(self, rows: list[list[float]]) -> None:
-        """Every rank's figures of this commit (see :mod:`elastictrain.stragglers`)."""
+        """Every rank's figures of this commit (see :mod:`elastictrain.engine.health.stragglers`)."""
         e = self.cfg.elastic
         self.stragglers.observe(
             rows,
@@ -579,7 +579,7 @@ class Trainer:
         if not self.ctx.is_rank0:
             return
         try:
-            from elastictrain.report import report
+            from elastictrain.tools.report import report
 
             self.services.events.flush(timeout=10)
             summary = report(self.cfg.run_path)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from elastictrain.data import load_batches
 from elastictrain.engine.collective import Collective
-from elastictrain.sampler import shares
-from elastictrain.step import Precision, eval_batches
+from elastictrain.engine.data import load_batches
+from elastictrain.engine.health.watchdog import CollectiveWatchdog, NullWatchdog
+from elastictrain.engine.sampler import shares
+from elastictrain.engine.step import Precision, eval_batches
 from elastictrain.task import Task
-from elastictrain.watchdog import CollectiveWatchdog, NullWatchdog
 
 
 def validate(

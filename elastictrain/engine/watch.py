@@ -1,4 +1,4 @@
-"""Arm the collective watchdog (:mod:`elastictrain.watchdog`) on a Horovod elastic ``State``: the engine's
+"""Arm the collective watchdog (:mod:`elastictrain.engine.health.watchdog`) on a Horovod elastic ``State``: the engine's
 and the drop-in's, so both recover from a SIGKILLed peer in about a second, in a step or in the state sync
 that follows a rendezvous."""
 
@@ -11,9 +11,9 @@ from urllib.parse import urlparse
 
 from horovod.common.elastic import State
 
-from elastictrain.engine.horovod_private import host_messages, notification_ports
-from elastictrain.hang import PROLOGUE, RENDEZVOUS, SYNC, HangDetector
-from elastictrain.watchdog import CollectiveWatchdog, FailureMarker, removal_pending
+from elastictrain.engine.health.hang import PROLOGUE, RENDEZVOUS, SYNC, HangDetector
+from elastictrain.engine.health.watchdog import CollectiveWatchdog, FailureMarker, removal_pending
+from elastictrain.horovod.private import host_messages, notification_ports
 
 
 def arm_watchdog(
@@ -75,7 +75,7 @@ def guard_sync(state: State, watchdog: CollectiveWatchdog) -> None:
 
 
 def mark_phases() -> dict[str, str]:
-    """The heartbeat phase (:mod:`elastictrain.hang`) that begins at each mark of a reset
+    """The heartbeat phase (:mod:`elastictrain.engine.health.hang`) that begins at each mark of a reset
     (:data:`elastictrain.engine.reset.PAUSE_MARKS`). After Horovod's reset the sync follows, or, when Horovod skips
     it (hosts only removed), the prologue: ``reset`` says prologue until ``sync_start`` says otherwise."""
     return {"caught": RENDEZVOUS, "reset": PROLOGUE, "sync_start": SYNC, "sync_end": PROLOGUE}

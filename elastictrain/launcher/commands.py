@@ -25,10 +25,10 @@ if TYPE_CHECKING:
 
 REPO = Path(__file__).resolve().parents[2]
 DISCOVER_SCRIPT = REPO / "discovery" / "discover.sh"
-ZYGOTE_CLIENT = ("-m", "elastictrain.zygote", "client", "--")
+ZYGOTE_CLIENT = ("-m", "elastictrain.hotjoin.zygote", "client", "--")
 """After the Python: how horovodrun starts a worker through the host's warm zygote (hot join)."""
-HVDRUN_MODULE = "elastictrain.launcher.hvdrun"
-"""horovodrun with the two driver repairs (:mod:`elastictrain.launcher.hvdrun`), run as ``python -m``."""
+HVDRUN_MODULE = "elastictrain.horovod.hvdrun"
+"""horovodrun with the two driver repairs (:mod:`elastictrain.horovod.hvdrun`), run as ``python -m``."""
 
 
 def elastictrain_command(*args: str, python: str = sys.executable) -> list[str]:
@@ -108,7 +108,7 @@ def agent_command(
 
 
 def runner_command(python: str = sys.executable) -> list[str]:
-    """How the launcher starts horovodrun: through :mod:`elastictrain.launcher.hvdrun` (the same horovodrun, with
+    """How the launcher starts horovodrun: through :mod:`elastictrain.horovod.hvdrun` (the same horovodrun, with
     a host discovery that does not start a Python interpreter every second)."""
     return [python, "-m", HVDRUN_MODULE]
 

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from discovery.record import READY
-from elastictrain import events as run_log
 from elastictrain.cliutil import EXIT_STOPPED
+from elastictrain.rundir import events as run_log
 
 EXIT_COMPLETED = 0
 EXIT_FAILED = 1
@@ -93,7 +93,7 @@ def decide_after_exit(
 
 
 def training_completed(events_path: Path) -> bool:
-    """Whether ``events.jsonl`` says training completed (:func:`elastictrain.events.training_completed`)."""
+    """Whether ``events.jsonl`` says training completed (:func:`elastictrain.rundir.events.training_completed`)."""
     try:
         return run_log.training_completed(run_log.read_events(events_path, on_skip=lambda line, reason: None))
     except OSError:

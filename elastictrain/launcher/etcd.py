@@ -69,7 +69,7 @@ def etcd_healthy(endpoint: str, timeout: float = 0.5, context: ssl.SSLContext | 
 
 def etcd_data_dir_in_use(data_dir: Path) -> bool:
     """Whether a running etcd has ``data_dir`` open: its bbolt database holds an exclusive ``flock``
-    (on NFS as on a local disk, see :class:`~elastictrain.launcher.rundir.RunDirLock`). The probe takes a
+    (on NFS as on a local disk, see :class:`~elastictrain.rundir.launch.RunDirLock`). The probe takes a
     shared lock and releases it."""
     try:
         fd = os.open(data_dir / "member" / "snap" / "db", os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)

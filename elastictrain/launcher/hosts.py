@@ -8,7 +8,7 @@ machine, so that one dead worker does not take the whole machine out of the job.
 Beyond those four, the loopback network gives as many as a job needs: Linux routes all of
 ``127.0.0.0/8`` to ``lo``, so ``127.0.0.2``, ``127.0.0.3``, ... are addresses of this machine that no
 interface lists. Stock horovodrun would ssh to them; the repaired horovodrun of ``launch``
-(:mod:`elastictrain.launcher.hvdrun`) runs every loopback address locally (:func:`is_local` says the same).
+(:mod:`elastictrain.horovod.hvdrun`) runs every loopback address locally (:func:`is_local` says the same).
 
 ``launch`` (embedded mode), the demo, the benchmarks and the tests all pick hosts through
 :func:`local_logical_hosts`.

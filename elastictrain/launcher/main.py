@@ -1,7 +1,7 @@
 """``elastictrain launch``'s entry point: parse, check what can be checked before anything starts, then supervise.
 
 :func:`main` exits 2 with one line for bad flags, a bad config or task, a missing horovodrun or etcd, a Horovod
-that is not the patched build (:mod:`elastictrain.horovod_build`), an unreachable ``--etcd`` and a run_dir that
+that is not the patched build (:mod:`elastictrain.horovod.build_check`), an unreachable ``--etcd`` and a run_dir that
 another launcher drives; nothing is started then. A run_dir
 whose latest verified checkpoint already holds the whole training exits 0 without starting anything.
 Otherwise it takes the run_dir lock and hands over to :class:`~elastictrain.launcher.supervisor.Launcher`.
@@ -21,12 +21,12 @@ from discovery.registry import EtcdRegistry, RegistryError, RegistryUnavailable
 from elastictrain.cliutil import EXIT_USAGE
 from elastictrain.config import ConfigError, JobConfig
 from elastictrain.config_cli import report_config_error
-from elastictrain.horovod_build import UnpatchedHorovod, check_patched_horovod
+from elastictrain.horovod.build_check import UnpatchedHorovod, check_patched_horovod
 from elastictrain.launcher.commands import REPO, config_validate_command, find_horovodrun, runner_command
 from elastictrain.launcher.errors import LaunchError
 from elastictrain.launcher.options import PROG, LaunchOptions, parse
-from elastictrain.launcher.rundir import RunDirLock
 from elastictrain.launcher.supervisor import Launcher
+from elastictrain.rundir.launch import RunDirLock
 
 TASK_CHECK_TIMEOUT_SECONDS = 300.0
 """How long the task check may take beyond the trial's own limit (starting Python, importing torch and the task,
@@ -56,8 +56,8 @@ def run_complete(cfg: JobConfig) -> str | None:
     """
     if not (cfg.checkpoint.enabled and cfg.checkpoint.resume):
         return None
-    from elastictrain.policy import training_complete
-    from elastictrain.status import latest_checkpoint
+    from elastictrain.engine.policy import training_complete
+    from elastictrain.tools.status import latest_checkpoint
 
     ck = latest_checkpoint(cfg.run_path, time.time())
     if not ck or ck.get("error") or not isinstance(ck.get("step"), int) or not isinstance(ck.get("epoch"), int):

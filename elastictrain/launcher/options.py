@@ -57,13 +57,13 @@ class LaunchOptions:
     elastic_timeout_seconds: int = 600
     """horovodrun ``--elastic-timeout``: how long it waits for ``--min-np`` slots before failing."""
     hot_join: bool = True
-    """Each agent keeps a warm worker process (:mod:`elastictrain.zygote`) and horovodrun starts workers through
+    """Each agent keeps a warm worker process (:mod:`elastictrain.hotjoin.zygote`) and horovodrun starts workers through
     its thin client, so a joining worker does not start an interpreter and import torch while the others wait.
     On by default; ``--no-hot-join`` starts every worker cold. A host without a warm zygote (a cluster agent
     without ``--warm-config``) starts its workers cold either way."""
     task_trial: bool = True
     """Before anything starts, try the task's collate, loss and metrics on real samples on the CPU
-    (:mod:`elastictrain.task_trial`); ``--no-task-trial`` only imports and builds it."""
+    (:mod:`elastictrain.engine.task_trial`); ``--no-task-trial`` only imports and builds it."""
     task_trial_seconds: float = 60.0
     """Time limit of that trial (a task whose first samples are slow to load: raise it, or skip the trial)."""
     wait_hosts_seconds: float = 300.0
@@ -75,7 +75,7 @@ class LaunchOptions:
     drain_grace_seconds: float = 10.0
     """Of the embedded agents: seconds between SIGTERM (draining) and revoking the lease."""
     status_every_seconds: float = 30.0
-    """Live view (:mod:`elastictrain.live_view`): a JSON status line this often when stdout is not a terminal
+    """Live view (:mod:`elastictrain.tools.live_view`): a JSON status line this often when stdout is not a terminal
     (on a terminal one line is rewritten every second); 0 turns it off."""
 
     def __post_init__(self) -> None:

@@ -79,7 +79,8 @@ def is_worker(proc: psutil.Process) -> bool:
 
 
 def is_zygote_client(cmd: Sequence[str]) -> bool:
-    """``python -m elastictrain.zygote client -- ...``: what horovodrun started for a hot-joined worker (pure)."""
+    """``python -m elastictrain.hotjoin.zygote client -- ...``: what horovodrun started for a hot-joined worker
+    (pure)."""
     return tuple(cmd[1:5]) == ZYGOTE_CLIENT
 
 

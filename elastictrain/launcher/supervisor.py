@@ -61,12 +61,12 @@ from typing import Any
 import psutil
 
 from discovery import endpoints as etcd_endpoints
-from discovery.fileio import write_atomic
 from discovery.record import READY
 from discovery.registry import EtcdRegistry, RegistryError
 from elastictrain import envnames
 from elastictrain.cliutil import EXIT_USAGE
 from elastictrain.config import JobConfig
+from elastictrain.fileio import write_atomic
 from elastictrain.launcher.commands import (
     agent_command,
     format_command,
@@ -94,9 +94,9 @@ from elastictrain.launcher.processes import (
     set_child_subreaper,
     terminate,
 )
-from elastictrain.launcher.rundir import STATE_FILE
-from elastictrain.live_view import LiveView
-from elastictrain.worker_error import WorkerError, first_cause, read_worker_errors
+from elastictrain.rundir.launch import STATE_FILE
+from elastictrain.rundir.worker_error import WorkerError, first_cause, read_worker_errors
+from elastictrain.tools.live_view import LiveView
 
 POLL_SECONDS = 0.2
 REGISTRY_POLL_SECONDS = 1.0
@@ -142,7 +142,7 @@ class Launcher:
         self.registry: EtcdRegistry | None = None
         self.attempt = 0
         self.worker_error: WorkerError | None = None
-        """Why the job failed, when a worker of the last attempt raised (:mod:`elastictrain.worker_error`)."""
+        """Why the job failed, when a worker of the last attempt raised (:mod:`elastictrain.rundir.worker_error`)."""
         self.etcd_restarts = 0
         self._etcd_retry_at = 0.0
 

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from elastictrain.config import ConfigError, build_section
-from elastictrain.data import SeededImageFolder, SyntheticImages, image_transforms
-from elastictrain.models import build_model
+from elastictrain.engine.data import SeededImageFolder, SyntheticImages, image_transforms
+from elastictrain.engine.models import build_model
 from elastictrain.task import Task
 
 

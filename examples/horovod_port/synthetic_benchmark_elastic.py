@@ -17,12 +17,12 @@ sampler for ``--epochs`` epochs, and an LR scheduler. The LR of step ``s`` (0-ba
 Run it under ``horovodrun`` (see README.md next to this file). With ``--run-dir D`` rank 0 also writes, for
 auditing a run:
 
-* ``D/events.jsonl`` (``elastictrain.events``): a ``metrics`` event after every step (``step`` = steps done,
+* ``D/events.jsonl`` (``elastictrain.rundir.events``): a ``metrics`` event after every step (``step`` = steps done,
   ``world_size``, ``loss``, ``lr`` used by the step, ``samples_per_sec``, ``step_seconds``, ``steps`` = 1), and
   ``done`` at the end;
-* ``D/ledger/`` (``elastictrain.ledger.SampleLedger``): the sample ids of every step over all workers (gathered
+* ``D/ledger/`` (``elastictrain.rundir.ledger.SampleLedger``): the sample ids of every step over all workers (gathered
   with one ``hvd.allgather`` per step), with a ``restore`` line whenever training continues from a commit, so
-  ``elastictrain.ledger.committed_samples(D / "ledger")`` replays the committed steps.
+  ``elastictrain.rundir.ledger.committed_samples(D / "ledger")`` replays the committed steps.
 
 The script exits 0 when training is complete, and 2 with one line for bad arguments.
 """
@@ -46,8 +46,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import elastictrain
 from elastictrain.cliutil import OneLineParser
-from elastictrain.events import Done, EventLog, Metrics
-from elastictrain.ledger import SampleLedger
+from elastictrain.rundir.events import Done, EventLog, Metrics
+from elastictrain.rundir.ledger import SampleLedger
 
 
 def positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:

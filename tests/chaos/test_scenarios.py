@@ -29,7 +29,7 @@ import yaml
 from chaos import netns
 from chaos.procs import environ
 from chaos.scenarios import SCENARIOS, Result, run_scenario
-from elastictrain.events import EVENTS_FILE, Event, Reset, Start, read_events
+from elastictrain.rundir.events import EVENTS_FILE, Event, Reset, Start, read_events
 from tests.fixtures.procs import REPO, VENV_BIN
 
 LONG = os.environ.get("ELASTICTRAIN_CHAOS_LONG") == "1"

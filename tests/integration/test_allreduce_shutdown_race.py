@@ -5,7 +5,7 @@ background thread, once it leaves its loop, sets that flag and then empties the 
 A gradient hook whose enqueue falls between the two adds an entry that nothing will ever finish to the global
 process set's queue, which ``hvd.shutdown`` and ``hvd.init`` keep: in the next ring that parameter's hook raises
 ``ValueError: ... same name as another tensor that is currently being processed``, and a step whose last enqueue
-was the stranded one waits for it forever. The Horovod patch (``scripts/patch_horovod.py``) must close the queue
+was the stranded one waits for it forever. The Horovod patch (``elastictrain/horovod/patch.py``) must close the queue
 when it is finalized, until the next ``hvd.init``; on an unpatched build this test fails at the first stranded
 allreduce.
 

@@ -17,10 +17,10 @@ from chaos import faults
 from chaos import invariants as inv
 from chaos.run import Run, ScenarioError
 from chaos.scenarios import mlflow_run_ids, reference_loss
-from elastictrain.audit import audit_samples
-from elastictrain.events import EpochEnd, Reset, of_kind
 from elastictrain.launcher.hosts import local_logical_hosts
-from elastictrain.ledger import committed_samples
+from elastictrain.rundir.events import EpochEnd, Reset, of_kind
+from elastictrain.rundir.ledger import committed_samples
+from elastictrain.tools.audit import audit_samples
 from tests.fixtures.procs import REPO, VENV_BIN
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(480)]

@@ -14,8 +14,8 @@ import torch
 
 from elastictrain._testing.jobs import ElasticJob
 from elastictrain.checkpoint import LocalStorage, checkpoint_name, list_checkpoints, load_checkpoint
-from elastictrain.events import Done, Metrics, Reset
 from elastictrain.launcher.hosts import local_logical_hosts
+from elastictrain.rundir.events import Done, Metrics, Reset
 from tests.fixtures.elastic_job import assert_exactly_once, job_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]

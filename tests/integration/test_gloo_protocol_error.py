@@ -5,7 +5,7 @@ may receive a message from another survivor that is one step ahead or behind: it
 buffer posted (``op.preamble.length <= op.nbytes. 776 vs 8``) or no buffer is posted for it. Gloo's TCP pair
 checks this with ``GLOO_ENFORCE`` on its device thread, where nothing catches it: ``std::terminate``, exit 134
 (horovod/horovod#3264), one more worker lost to a fault that hit others, and at ``--min-np`` the whole ring waits
-for hosts to come back. The Horovod patch (``scripts/patch_horovod.py``) turns it into an I/O error of that pair:
+for hosts to come back. The Horovod patch (``elastictrain/horovod/patch.py``) turns it into an I/O error of that pair:
 its pending collectives fail (``HorovodInternalError``) and the worker goes through a reset like any survivor.
 
 The test makes the message: rank 1 of a two-rank job is stopped (its stream to rank 0 ends on a whole message:

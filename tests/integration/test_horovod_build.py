@@ -62,6 +62,8 @@ def test_two_process_allreduce_sums_across_real_workers(tmp_path):
 
 
 def test_the_installed_horovod_carries_the_marker_of_this_checkouts_patch():
-    code = "from elastictrain.horovod_build import check_patched_horovod; check_patched_horovod(); print('patched')"
+    code = (
+        "from elastictrain.horovod.build_check import check_patched_horovod; check_patched_horovod(); print('patched')"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert (proc.returncode, proc.stdout.strip()) == (0, "patched"), proc.stderr

@@ -22,10 +22,10 @@ import pytest
 
 from chaos import invariants as inv
 from chaos.procs import JobRef
-from elastictrain.audit import audit_samples
-from elastictrain.events import Metrics, of_kind, read_events
 from elastictrain.launcher.hosts import local_logical_hosts
-from elastictrain.ledger import committed_samples, ledger_files
+from elastictrain.rundir.events import Metrics, of_kind, read_events
+from elastictrain.rundir.ledger import committed_samples, ledger_files
+from elastictrain.tools.audit import audit_samples
 from tests.fixtures.etcd import EtcdServer
 from tests.fixtures.procs import REPO, VENV_BIN, ProcessGroup, wait_until
 

@@ -24,7 +24,10 @@ import pytest
 import yaml
 
 from elastictrain.envnames import LAUNCH_ID as LAUNCH_ID_ENV
-from elastictrain.events import (
+from elastictrain.hotjoin.zygote import CHECKER_NAME
+from elastictrain.launcher.decisions import EXIT_STOPPED
+from elastictrain.launcher.processes import is_worker
+from elastictrain.rundir.events import (
     EVENTS_FILE,
     Checkpoint,
     Commit,
@@ -37,11 +40,8 @@ from elastictrain.events import (
     of_kind,
     read_events,
 )
-from elastictrain.launcher.decisions import EXIT_STOPPED
-from elastictrain.launcher.processes import is_worker
-from elastictrain.launcher.rundir import STATE_FILE
-from elastictrain.live_view import STATUS_KIND
-from elastictrain.zygote import CHECKER_NAME
+from elastictrain.rundir.launch import STATE_FILE
+from elastictrain.tools.live_view import STATUS_KIND
 from tests.fixtures.etcd import ETCD_BIN, EtcdServer
 from tests.fixtures.procs import REPO, VENV_BIN, ProcessGroup, free_port, wait_until
 
@@ -178,7 +178,7 @@ def test_launch_with_embedded_etcd_runs_a_short_job_to_completion(
     assert [e.step for e in of_kind(evs, Done)] == [10]
     assert {e.world_size for e in of_kind(evs, Start)} == {2}
     out = launch.log_path.read_text(errors="replace")  # all of it: the status lines push the command out of log()
-    assert "-m elastictrain.launcher.hvdrun -np 2 --min-np 2 --max-np 2 --host-discovery-script" in out, (
+    assert "-m elastictrain.horovod.hvdrun -np 2 --min-np 2 --max-np 2 --host-discovery-script" in out, (
         "the command is printed"
     )
     assert "ELASTICTRAIN_ATTEMPT=0" in out and "training completed" in out

@@ -1,14 +1,15 @@
 """A worker killed while a reset forms (its rendezvous, its state sync): the survivors go on in seconds, not at the
 Gloo timeout.
 
-Real horovodrun (:mod:`elastictrain.launcher.hvdrun`), real workers, Horovod as built by ``scripts/setup.sh``
-(``scripts/patch_horovod.py``). In a rendezvous: the driver writes an abort marker into its rendezvous store when a
+Real horovodrun (:mod:`elastictrain.horovod.hvdrun`), real workers, Horovod as built by ``scripts/setup.sh``
+(``elastictrain/horovod/patch.py``). In a rendezvous: the driver writes an abort marker into its rendezvous store when a
 worker of the current round exits; the survivors' Gloo set-up (``hvd.init``) sees it and asks for the next ring at
 once. In the sync: the collective watchdog guards it like a step (:func:`elastictrain.engine.watch.guard_sync`), so a
 survivor whose sync failed shuts the new ring's connections down and one blocked on a live peer aborts on the
 recorded failure, instead of waiting in a Gloo receive for ``HOROVOD_GLOO_TIMEOUT_SECONDS``. A worker that is
 stopped (SIGSTOP) while the ring forms is judged by its silent heartbeat
-(:func:`elastictrain.hang.silent_in_rendezvous`): a survivor SIGKILLs it, and from there it is a dead peer.
+(:func:`elastictrain.engine.health.hang.silent_in_rendezvous`): a survivor SIGKILLs it, and from there it is a dead
+peer.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from chaos.campaign import read_beats
 from elastictrain._testing.jobs import ElasticJob
 from elastictrain._testing.procs import HarnessError, wait_until
 from elastictrain.bench import kill_distribution as kd
-from elastictrain.events import Reset
-from elastictrain.hang import HEARTBEATS, RENDEZVOUS, SYNC, Beat, HungVerdict
+from elastictrain.engine.health.hang import HEARTBEATS, RENDEZVOUS, SYNC, Beat, HungVerdict
 from elastictrain.launcher.hosts import local_logical_hosts
+from elastictrain.rundir.events import Reset
 from tests.fixtures.elastic_job import job_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]

@@ -8,9 +8,9 @@ import pytest
 
 from elastictrain._testing.jobs import ElasticJob
 from elastictrain.checkpoint import LocalStorage, load_latest
-from elastictrain.events import Commit, Done, Start, Stopped, TrackingClosed, of_kind, read_events
 from elastictrain.launcher.hosts import local_logical_hosts
-from elastictrain.ledger import committed_samples
+from elastictrain.rundir.events import Commit, Done, Start, Stopped, TrackingClosed, of_kind, read_events
+from elastictrain.rundir.ledger import committed_samples
 from tests.fixtures.elastic_job import assert_exactly_once, job_config
 from tests.fixtures.procs import kill_tree, wait_until
 

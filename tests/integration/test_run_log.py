@@ -1,6 +1,6 @@
 """What the run log says about resets, failures, starts and resumes, and that a finished run trains no more.
 
-The real worker (``elastictrain.elastic.run``) runs in one process under real single-rank Horovod, with
+The real worker (``elastictrain.engine.compose.run``) runs in one process under real single-rank Horovod, with
 scripted interruptions (``tests/integration/workers/scripted_trainer.py``): a ``HorovodInternalError``
 inside a chosen step, a ``HostsUpdatedInterrupt`` at a chosen commit, and the world size and rank the
 worker sees after each. That makes the exact moments reproducible which real kills hit only by chance.
@@ -19,8 +19,19 @@ from typing import Any
 import pytest
 import torch
 
-from elastictrain.events import EVENTS_FILE, Done, E, EpochEnd, Event, Failure, Reset, Start, of_kind, read_events
-from elastictrain.ledger import committed_samples, ledger_files
+from elastictrain.rundir.events import (
+    EVENTS_FILE,
+    Done,
+    E,
+    EpochEnd,
+    Event,
+    Failure,
+    Reset,
+    Start,
+    of_kind,
+    read_events,
+)
+from elastictrain.rundir.ledger import committed_samples, ledger_files
 from tests.fixtures.elastic_job import job_config
 from tests.fixtures.procs import VENV_BIN
 
@@ -170,7 +181,7 @@ def test_rank0_moving_away_and_back_writes_no_second_start(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "run"
     assert len(events(run, Start)) == 1, events(run, Start)
-    from elastictrain.status import read_status
+    from elastictrain.tools.status import read_status
 
     assert read_status(run)["attempts"] == 1
 

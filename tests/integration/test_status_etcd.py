@@ -9,7 +9,7 @@ import pytest
 
 from discovery.record import HostRecord
 from discovery.registry import EtcdRegistry
-from elastictrain.status import main
+from elastictrain.tools.status import main
 from tests.fixtures.etcd import EtcdServer
 
 pytestmark = pytest.mark.integration

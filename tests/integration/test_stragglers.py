@@ -1,4 +1,5 @@
-"""Slow and hung workers under real horovodrun (:mod:`elastictrain.stragglers`, :mod:`elastictrain.hang`).
+"""Slow and hung workers under real horovodrun (:mod:`elastictrain.engine.health.stragglers`,
+:mod:`elastictrain.engine.health.hang`).
 
 - A worker SIGSTOPped mid-run (never continued) is found hung by the others and SIGKILLed (same machine); the job
   continues at N-1 as after a SIGKILL: a ``reset`` with reason ``worker_hung``, well before the Gloo timeout, every
@@ -27,10 +28,10 @@ import yaml
 from chaos.faults import duty_cycle, target_worker
 from chaos.procs import JobRef
 from elastictrain._testing.jobs import ElasticJob
-from elastictrain.events import EVENTS_FILE, Done, Eviction, Metrics, Reset, Straggler, of_kind, read_events
 from elastictrain.launcher.hosts import local_logical_hosts
-from elastictrain.ledger import committed_samples
-from elastictrain.status import read_status
+from elastictrain.rundir.events import EVENTS_FILE, Done, Eviction, Metrics, Reset, Straggler, of_kind, read_events
+from elastictrain.rundir.ledger import committed_samples
+from elastictrain.tools.status import read_status
 from tests.fixtures.elastic_job import assert_exactly_once, job_config
 from tests.fixtures.procs import VENV_BIN, ProcessGroup, wait_until
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from elastictrain.events import EVENTS_FILE, Done, EpochEnd, of_kind, read_events
+from elastictrain.rundir.events import EVENTS_FILE, Done, EpochEnd, of_kind, read_events
 from tests.fixtures.procs import VENV_BIN, ProcessGroup, kill_tree
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -118,7 +118,7 @@ def test_a_readme_task_module_trains_to_completion_under_launch_and_exports(tmp_
     assert len(epoch_ends) == 4 and (epoch_ends[-1].val_metrics["val_abs_error"] or 1.0) < 0.05, epoch_ends[-1]
     assert (epoch_ends[-1].val_loss or 1.0) < 0.01 and epoch_ends[-1].val_accuracy is None
 
-    from elastictrain.ledger import committed_samples
+    from elastictrain.rundir.ledger import committed_samples
 
     per_epoch = committed_samples(run / "ledger")
     assert all(sorted(ids) == list(range(512)) for ids in per_epoch.values()) and len(per_epoch) == 4
@@ -144,7 +144,7 @@ def test_a_readme_task_module_trains_to_completion_under_launch_and_exports(tmp_
         ({"task_args": {"nn": 3}}, None, "task_args.nn: linreg:build takes no such argument (did you mean"),
         ({"task": "elastictrain.tasks.image:build", "task_args": {"model": "resnet"}}, None,
          "task_args.model: unknown architecture 'resnet'"),
-        # The task is tried on 2 real samples before anything starts (elastictrain/task_trial.py).
+        # The task is tried on 2 real samples before anything starts (elastictrain/engine/task_trial.py).
         ({"task": "broken:build"}, LINREG.replace(SQUARED, f"return ({SQUARED[7:]}).mean()"),
          NOT_PER_SAMPLE + "() (a scalar"),
         ({"task": "broken:build"}, LINREG.replace(SQUARED, "return (model(x) - y[:, None]) ** 2"),

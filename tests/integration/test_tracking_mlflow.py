@@ -8,7 +8,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from elastictrain.config import config_from_dict
-from elastictrain.tracking import (
+from elastictrain.engine.tracking import (
     RUN_ID_FILE,
     SENDER_ENV,
     TAG_JOB,
@@ -143,7 +143,7 @@ def test_a_new_rank0_backfills_from_the_run_log_what_a_killed_rank0_never_sent_t
     20. The next rank 0 opens the same sqlite store: every step is there once, with the run log's values."""
     from mlflow import MlflowClient
 
-    from elastictrain.events import Checkpoint, EventLog, Metrics
+    from elastictrain.rundir.events import Checkpoint, EventLog, Metrics
 
     run_dir = tmp_path / "run"
     cfg = config_from_dict({"job": "backfill-job", "run_dir": str(run_dir)})

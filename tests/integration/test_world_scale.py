@@ -12,8 +12,8 @@ import pytest
 from elastictrain._testing.jobs import ElasticJob
 from elastictrain.bench.hotjoin import hot_command, warm_zygotes
 from elastictrain.engine.reset import PAUSE_PARTS
-from elastictrain.events import Done, Reset, Start
 from elastictrain.launcher.hosts import is_loopback, local_logical_hosts, loopback_aliases_work
+from elastictrain.rundir.events import Done, Reset, Start
 from tests.fixtures.elastic_job import assert_exactly_once, job_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]

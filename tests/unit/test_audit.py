@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from elastictrain.audit import audit_samples, main
 from elastictrain.cli import main as cli_main
-from elastictrain.events import EVENTS_FILE
-from elastictrain.ledger import SampleLedger
+from elastictrain.rundir.events import EVENTS_FILE
+from elastictrain.rundir.ledger import SampleLedger
+from elastictrain.tools.audit import audit_samples, main
 
 N = 8  # dataset length
 EPOCHS = 2

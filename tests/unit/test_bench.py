@@ -38,7 +38,7 @@ from elastictrain.bench.core import (
     write_results,
 )
 from elastictrain.bench.cpu import TreeCpuMonitor, read_steal
-from elastictrain.events import Commit, Eviction, Metrics, Reset, Straggler
+from elastictrain.rundir.events import Commit, Eviction, Metrics, Reset, Straggler
 
 
 def test_contenders_run_interleaved_a_b_b_a_and_each_gets_its_repeat_index() -> None:

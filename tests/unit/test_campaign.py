@@ -31,8 +31,8 @@ from chaos.campaign import (
     read_beats,
     refigure,
 )
-from elastictrain.events import Commit, Metrics, Reset, Start, encode
-from elastictrain.hang import STARTUP, Beat, Heartbeats
+from elastictrain.engine.health.hang import STARTUP, Beat, Heartbeats
+from elastictrain.rundir.events import Commit, Metrics, Reset, Start, encode
 from tests.fixtures.procs import REPO
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from chaos import faults
 from chaos import invariants as inv
 from chaos.scenarios import config_hash, soak_schedule
-from elastictrain.audit import audit_samples
-from elastictrain.events import Event, parse_event
+from elastictrain.rundir.events import Event, parse_event
+from elastictrain.tools.audit import audit_samples
 
 
 def ev(ts: float, event: str, step: int = 0, **fields: object) -> Event:

@@ -7,7 +7,7 @@ import torch
 from elastictrain.checkpoint import load_latest
 from elastictrain.config import JobConfig
 from elastictrain.engine.trainer import Trainer
-from elastictrain.events import Done
+from elastictrain.rundir.events import Done
 from tests.fixtures.trainer import GatedStorage, trainer
 
 

@@ -16,9 +16,9 @@ from horovod.torch.elastic import ElasticSampler as HorovodElasticSampler
 from horovod.torch.elastic import TorchState
 from torch import nn
 
-from elastictrain import dropin
-from elastictrain.dropin import ElasticSampler, ElasticState
+from elastictrain.engine import dropin
 from elastictrain.engine.collective import LocalCollective
+from elastictrain.engine.dropin import ElasticSampler, ElasticState
 from elastictrain.errors import ConfigError
 
 

@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from elastictrain.config import ElasticConfig, ScheduleConfig, TrainingConfig
-from elastictrain.ledger import SampleLedger, committed_samples
-from elastictrain.policy import ScaleRamp, batch_plan, lr_scale, schedule_factor
-from elastictrain.sampler import ExactlyOncePlanner, SamplerState, shares
-from elastictrain.state import CommittedState, Counters
-from elastictrain.step import Precision, train_step
+from elastictrain.engine.policy import ScaleRamp, batch_plan, lr_scale, schedule_factor
+from elastictrain.engine.sampler import ExactlyOncePlanner, SamplerState, shares
+from elastictrain.engine.state import CommittedState, Counters
+from elastictrain.engine.step import Precision, train_step
+from elastictrain.rundir.ledger import SampleLedger, committed_samples
 
 
 def test_shares_split_exactly_and_nearly_evenly():
@@ -211,7 +211,7 @@ def test_uneven_and_empty_shares_give_the_global_mean_gradient():
 
 def test_a_new_rank0_rewrites_committed_steps_that_the_dead_rank0_never_recorded(tmp_path):
     """Peers committed steps 4-6 but rank 0 died before writing them; the synced step log fills the gap."""
-    from elastictrain.sampler import StepLog
+    from elastictrain.engine.sampler import StepLog
 
     planner = ExactlyOncePlanner(12, seed=0)
     perm = planner.permutation(0)
@@ -234,7 +234,7 @@ def test_a_new_rank0_rewrites_committed_steps_that_the_dead_rank0_never_recorded
 
 
 def test_step_log_keeps_only_its_last_entries_and_is_off_at_maxlen_zero():
-    from elastictrain.sampler import StepLog
+    from elastictrain.engine.sampler import StepLog
 
     log = StepLog(maxlen=3)
     for s in range(10):
@@ -257,7 +257,7 @@ def test_ledger_files_replay_in_the_order_rank0_was_held_even_when_the_later_hos
     second.record(3, 0, [33])
     second.close()
     assert committed_samples(tmp_path) == {0: [10, 20, 33]}
-    from elastictrain.ledger import ledger_files
+    from elastictrain.rundir.ledger import ledger_files
 
     assert ledger_files(tmp_path) == [first.path, second.path]
 

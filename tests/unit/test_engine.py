@@ -9,18 +9,28 @@ import pytest
 import torch
 from horovod.runner.elastic.worker import HostUpdateResult
 
-from elastictrain.audit import audit_run_dir
 from elastictrain.checkpoint import LocalStorage, load_latest
 from elastictrain.config import JobConfig
 from elastictrain.engine.collective import LocalCollective
+from elastictrain.engine.policy import ScaleRamp, lr_scale
 from elastictrain.engine.reset import PAUSE_PARTS, PendingReset, pause_parts, plan_reset
+from elastictrain.engine.sampler import ExactlyOncePlanner
 from elastictrain.engine.services import Rank0Services
+from elastictrain.engine.tracking import NullTracker
 from elastictrain.engine.trainer import Trainer, run_trainer
-from elastictrain.events import Commit, Done, EpochEnd, Failure, Reset, Start, TrackingClosed, of_kind, read_events
-from elastictrain.ledger import ledger_files
-from elastictrain.policy import ScaleRamp, lr_scale
-from elastictrain.sampler import ExactlyOncePlanner
-from elastictrain.tracking import NullTracker
+from elastictrain.rundir.events import (
+    Commit,
+    Done,
+    EpochEnd,
+    Failure,
+    Reset,
+    Start,
+    TrackingClosed,
+    of_kind,
+    read_events,
+)
+from elastictrain.rundir.ledger import ledger_files
+from elastictrain.tools.audit import audit_run_dir
 from tests.fixtures.engine import Act, ScriptedWorld, small_job
 
 ADDED, REMOVED = HostUpdateResult.added, HostUpdateResult.removed

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.events import (
+from elastictrain.rundir.events import (
     EVENT_TYPES,
     EVENTS_FILE,
     Checkpoint,

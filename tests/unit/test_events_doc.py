@@ -1,4 +1,4 @@
-"""docs/events.md lists exactly the events and fields of elastictrain/events.py (its table is generated)."""
+"""docs/events.md lists exactly the events and fields of elastictrain/rundir/events.py (its table is generated)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from elastictrain.events import EVENT_TYPES, markdown_table
+from elastictrain.rundir.events import EVENT_TYPES, markdown_table
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "events.md"

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from discovery import discover, fileio
-from elastictrain.watchdog import FailureMarker
+from discovery import discover
+from elastictrain import fileio
+from elastictrain.engine.health.watchdog import FailureMarker
 
 
 def plant_links(folder: Path, names: list[str], victim: Path) -> None:

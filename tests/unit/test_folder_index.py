@@ -11,9 +11,9 @@ import pytest
 from PIL import Image
 from torchvision.datasets import ImageFolder
 
-from elastictrain import folder_index as fi
 from elastictrain.config import ConfigError
-from elastictrain.data import SeededImageFolder, image_transforms
+from elastictrain.engine import folder_index as fi
+from elastictrain.engine.data import SeededImageFolder, image_transforms
 
 
 @pytest.fixture(autouse=True)

@@ -9,10 +9,10 @@ from torch import nn
 from elastictrain.engine.collective import LocalCollective
 from elastictrain.engine.elastic_state import ElasticTrainingState
 from elastictrain.engine.gpus import check_one_rank_per_gpu, collective_gpu, shared_gpus
+from elastictrain.engine.policy import ScaleRamp
+from elastictrain.engine.sampler import SamplerState
+from elastictrain.engine.state import CommittedState, Counters
 from elastictrain.errors import ConfigError
-from elastictrain.policy import ScaleRamp
-from elastictrain.sampler import SamplerState
-from elastictrain.state import CommittedState, Counters
 
 
 def test_shared_gpus_names_each_gpu_given_by_more_than_one_rank():

@@ -16,12 +16,12 @@ import pytest
 import torch
 from torch import nn
 
-from elastictrain.dropin import ElasticState
 from elastictrain.engine.collective import LocalCollective
-from elastictrain.policy import ScaleRamp
-from elastictrain.sampler import SamplerState
-from elastictrain.state import CommittedState, Counters
-from elastictrain.step import Precision, train_step
+from elastictrain.engine.dropin import ElasticState
+from elastictrain.engine.policy import ScaleRamp
+from elastictrain.engine.sampler import SamplerState
+from elastictrain.engine.state import CommittedState, Counters
+from elastictrain.engine.step import Precision, train_step
 
 SCALE = 512.0
 FP16_SCALER = Precision(torch.float16, True)

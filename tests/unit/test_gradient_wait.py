@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from elastictrain.engine.collective import GRADIENT_POLL_SECONDS, wait_without_spinning
-from elastictrain.engine.horovod_private import allreduces_done
+from elastictrain.horovod.private import allreduces_done
 
 
 class FakeDistributedOptimizer:

@@ -15,11 +15,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from elastictrain import hang
 from elastictrain._testing.procs import kill_tree, wait_until
-from elastictrain.engine.reset import PAUSE_MARKS
-from elastictrain.engine.watch import mark_phases
-from elastictrain.hang import (
+from elastictrain.engine.health import hang
+from elastictrain.engine.health.hang import (
     IDLE,
     LOCAL,
     PROLOGUE,
@@ -48,6 +46,8 @@ from elastictrain.hang import (
     process_alive,
     silent_in_rendezvous,
 )
+from elastictrain.engine.reset import PAUSE_MARKS
+from elastictrain.engine.watch import mark_phases
 
 NOW = 1000.0
 MEMBERS = [Member(0, "a", 0, 10), Member(1, "b", 0, 11), Member(2, "c", 0, 12)]

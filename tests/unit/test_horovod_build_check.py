@@ -1,5 +1,5 @@
 """A stock Horovod wheel is refused at start: ``elastictrain train`` and ``elastictrain launch`` exit 2 with one line
-naming ``make setup`` unless the installed Horovod carries the marker that ``scripts/patch_horovod.py`` writes for
+naming ``make setup`` unless the installed Horovod carries the marker that ``elastictrain/horovod/patch.py`` writes for
 this checkout's patch. Horovod is faked by a package in a temp folder put first on ``sys.path``."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from types import ModuleType
 
 import pytest
 
-from elastictrain import horovod_build, worker
+from elastictrain.engine import worker
+from elastictrain.horovod import build_check
 from elastictrain.launcher import main as launch_main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -19,7 +20,9 @@ DEMO = REPO / "configs" / "demo.yaml"
 
 
 def patcher() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("patch_horovod_for_marker", REPO / "scripts" / "patch_horovod.py")
+    spec = importlib.util.spec_from_file_location(
+        "patch_horovod_for_marker", REPO / "elastictrain" / "horovod" / "patch.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -74,33 +77,33 @@ def test_the_marker_of_this_patch_passes_and_another_patch_or_none_is_refused(
 ) -> None:
     ph = patcher()
     fake_horovod(monkeypatch, tmp_path / "patched", marker=ph.marker_text())
-    horovod_build.check_patched_horovod()  # the marker the patch writes for this checkout
+    build_check.check_patched_horovod()  # the marker the patch writes for this checkout
 
     fake_horovod(monkeypatch, tmp_path / "older", marker='PATCH_DIGEST = "0123456789abcdef"\n')
-    with pytest.raises(horovod_build.UnpatchedHorovod) as e:
-        horovod_build.check_patched_horovod()
+    with pytest.raises(build_check.UnpatchedHorovod) as e:
+        build_check.check_patched_horovod()
     assert "'0123456789abcdef'" in str(e.value) and "make setup" in str(e.value) and "\n" not in str(e.value)
 
     fake_horovod(monkeypatch, tmp_path / "stock", marker=None)
-    with pytest.raises(horovod_build.UnpatchedHorovod, match=r"has no elastictrain_patch\.py.*make setup"):
-        horovod_build.check_patched_horovod()
+    with pytest.raises(build_check.UnpatchedHorovod, match=r"has no elastictrain_patch\.py.*make setup"):
+        build_check.check_patched_horovod()
 
 
 def test_no_horovod_at_all_is_refused_with_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(horovod_build.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(build_check.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(
-        horovod_build.UnpatchedHorovod, match=r"^Horovod is not installed for this Python: run `make setup`"
+        build_check.UnpatchedHorovod, match=r"^Horovod is not installed for this Python: run `make setup`"
     ):
-        horovod_build.check_patched_horovod()
+        build_check.check_patched_horovod()
 
 
 def test_the_expected_digest_is_the_one_the_patch_script_prints() -> None:
     ph = patcher()
-    assert ph.digest() == horovod_build.PATCH_DIGEST, (
-        f"scripts/patch_horovod.py changed: set PATCH_DIGEST in elastictrain/horovod_build.py to {ph.digest()!r} "
+    assert ph.digest() == build_check.PATCH_DIGEST, (
+        f"elastictrain/horovod/patch.py changed: set PATCH_DIGEST in elastictrain/build_check.py to {ph.digest()!r} "
         "and run `make setup`"
     )
-    assert f"horovod/{horovod_build.MARKER_MODULE}.py" == ph.MARKER_FILE
+    assert f"horovod/{build_check.MARKER_MODULE}.py" == ph.MARKER_FILE
 
 
 def test_the_patch_writes_the_marker_into_the_source_it_patched(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Every private attribute of Horovod the engine touches (elastictrain/engine/horovod_private.py) is still there
+"""Every private attribute of Horovod the engine touches (elastictrain/horovod/private.py) is still there
 and means what the engine takes it to mean: the check to read after a Horovod upgrade."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import textwrap
 from horovod.common.elastic import State
 from horovod.runner.elastic.worker import HostUpdateResult
 
-from elastictrain.engine import horovod_private as private
+from elastictrain.horovod import private as private
 
 
 class _State(State):
@@ -46,7 +46,7 @@ def test_discarding_a_failed_steps_allreduces_resets_the_distributed_optimizer()
         """
         import os
         import torch, horovod.torch as hvd
-        from elastictrain.engine.horovod_private import discard_pending_allreduces
+        from elastictrain.horovod.private import discard_pending_allreduces
         hvd.init()
         model = torch.nn.Linear(3, 2)
         os.environ["HOROVOD_ELASTIC"] = "1"  # the gradient hooks, as under horovodrun (skipped at size 1)

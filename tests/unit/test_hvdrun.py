@@ -1,4 +1,4 @@
-"""The discovery executor of ``elastictrain.launcher.hvdrun``: Horovod's contract (stdout, a failure on a
+"""The discovery executor of ``elastictrain.horovod.hvdrun``: Horovod's contract (stdout, a failure on a
 non-zero exit), without a Python interpreter per call, and nothing left behind by a script that hangs."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from elastictrain._testing.procs import wait_until
-from elastictrain.launcher.hvdrun import run_discovery_script
+from elastictrain.horovod.hvdrun import run_discovery_script
 
 
 def test_stdout_is_returned_and_stderr_is_not_mixed_in(tmp_path: Path) -> None:
@@ -52,7 +52,7 @@ def test_horovods_discovery_class_uses_it_after_install(tmp_path: Path) -> None:
     pytest.importorskip("horovod.runner.elastic.discovery")
     from horovod.runner.elastic.discovery import HostDiscoveryScript
 
-    from elastictrain.launcher import hvdrun
+    from elastictrain.horovod import hvdrun
 
     script = tmp_path / "discover.sh"
     # Records its parent (the ``sh -c`` around it, or this process) and that one's parent.
@@ -75,7 +75,7 @@ def test_horovods_discovery_class_uses_it_after_install(tmp_path: Path) -> None:
 def test_a_slot_whose_worker_died_is_started_again_when_its_host_is_assigned_again() -> None:
     """Horovod's own driver, fixed hosts, fake rendezvous: the repair is what makes the dead slot pending."""
     pytest.importorskip("horovod.runner.elastic.driver")
-    from elastictrain.launcher import hvdrun
+    from elastictrain.horovod import hvdrun
 
     hvdrun.install()
     workers = _Workers()
@@ -154,7 +154,7 @@ def _driver(
 
 def test_a_late_exit_of_an_older_process_does_not_mark_the_live_process_of_its_slot_dead() -> None:
     pytest.importorskip("horovod.runner.elastic.driver")
-    from elastictrain.launcher import hvdrun
+    from elastictrain.horovod import hvdrun
 
     hvdrun.install()
     workers = _Workers()
@@ -180,7 +180,7 @@ def test_two_workers_that_exit_at_once_are_both_started_again() -> None:
 
     from horovod.runner.elastic.driver import ElasticDriver
 
-    from elastictrain.launcher import hvdrun
+    from elastictrain.horovod import hvdrun
 
     hvdrun.install()
     barrier = threading.Barrier(2, timeout=2)
@@ -210,7 +210,7 @@ def test_two_workers_that_exit_at_once_are_both_started_again() -> None:
 
 def test_another_horovod_version_fails_with_one_line(monkeypatch, capsys) -> None:
     horovod = pytest.importorskip("horovod")
-    from elastictrain.launcher import hvdrun
+    from elastictrain.horovod import hvdrun
 
     monkeypatch.setattr(horovod, "__version__", "0.29.0")
     monkeypatch.setattr(sys, "argv", ["hvdrun", "--version"])
@@ -227,7 +227,7 @@ def test_loopback_hosts_run_locally_after_install_and_other_addresses_still_over
     pytest.importorskip("horovod.runner.util.network")
     from horovod.runner.util import network
 
-    from elastictrain.launcher import hvdrun
+    from elastictrain.horovod import hvdrun
     from elastictrain.launcher.hosts import local_addresses
 
     assert "127.0.0.7" not in local_addresses(), "what stock Horovod compares with: it would ssh to 127.0.0.7"
@@ -249,7 +249,7 @@ def test_the_rendezvous_server_listens_with_a_backlog_that_a_large_world_does_no
 
     from horovod.runner.http.http_server import RendezvousServer
 
-    from elastictrain.launcher import hvdrun
+    from elastictrain.horovod import hvdrun
 
     hvdrun.install()
     server = RendezvousServer()
@@ -270,7 +270,7 @@ def _abort_marker(port: int) -> bytes | None:
     import urllib.error
     import urllib.request
 
-    from elastictrain.launcher import hvdrun
+    from elastictrain.horovod import hvdrun
 
     url = f"http://127.0.0.1:{port}/{hvdrun.ABORT_SCOPE}/{hvdrun.ABORT_KEY}"
     try:
@@ -289,7 +289,7 @@ def _round_of_two() -> Any:
     pytest.importorskip("horovod.runner.elastic.driver")
     from horovod.runner.http.http_server import RendezvousServer
 
-    from elastictrain.launcher import hvdrun
+    from elastictrain.horovod import hvdrun
 
     hvdrun.install()
     server = RendezvousServer()
@@ -332,10 +332,10 @@ def test_exits_that_end_no_rendezvous_write_no_abort_marker() -> None:
 def test_the_driver_writes_the_abort_marker_where_the_patched_gloo_store_looks() -> None:
     import importlib.util
 
-    from elastictrain.launcher import hvdrun
+    from elastictrain.horovod import hvdrun
     from tests.fixtures.procs import REPO
 
-    spec = importlib.util.spec_from_file_location("patch_horovod", REPO / "scripts" / "patch_horovod.py")
+    spec = importlib.util.spec_from_file_location("patch_horovod", REPO / "elastictrain" / "horovod" / "patch.py")
     assert spec is not None and spec.loader is not None
     ph = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ph)
@@ -352,7 +352,7 @@ def test_two_host_changes_within_one_second_both_reach_the_workers(monkeypatch) 
     from horovod.runner.elastic import driver as driver_module
     from horovod.runner.elastic.worker import HostUpdateResult
 
-    from elastictrain.launcher import hvdrun
+    from elastictrain.horovod import hvdrun
 
     hvdrun.install()
     monkeypatch.setattr(time, "time", lambda: 1_796_000_000.25)  # both notices in one second
@@ -364,7 +364,7 @@ def test_two_host_changes_within_one_second_both_reach_the_workers(monkeypatch) 
 
 
 def test_notice_stamps_are_wall_clock_and_strictly_increasing_even_when_the_clock_steps_back() -> None:
-    from elastictrain.launcher.hvdrun import NoticeClock
+    from elastictrain.horovod.hvdrun import NoticeClock
 
     times = iter([100.5, 100.5, 99.0, 200.25])
     clock = NoticeClock(lambda: next(times))
@@ -378,7 +378,7 @@ def test_untold_change_names_the_slots_the_hosts_allow_that_the_round_lacks_and_
     from horovod.runner.common.util.hosts import SlotInfo
     from horovod.runner.elastic.worker import HostUpdateResult
 
-    from elastictrain.launcher.hvdrun import untold_change
+    from elastictrain.horovod.hvdrun import untold_change
 
     def round_of(*slots: tuple[str, int]) -> dict[str, list[Any]]:
         out: dict[str, list[Any]] = {}
@@ -461,7 +461,7 @@ def _notices(
     pytest.importorskip("horovod.runner.elastic.driver")
     from horovod.runner.elastic import driver as driver_module
 
-    from elastictrain.launcher import hvdrun
+    from elastictrain.horovod import hvdrun
 
     hvdrun.install()
     monkeypatch.setattr(driver_module, "DISCOVER_HOSTS_FREQUENCY_SECS", 0.02)
@@ -527,7 +527,7 @@ def test_a_removal_alone_is_not_told_again_and_a_rank0_whose_process_exited_is_t
 def test_a_stopped_rank0_holds_neither_the_discovery_loop_nor_a_worker_exit(monkeypatch) -> None:
     """Horovod's notice client waits for rank 0's reply without limit, and the driver holds its locks meanwhile: a
     SIGSTOPped rank 0 (it takes the connection, never replies) held discovery for as long as it stayed stopped."""
-    from elastictrain.launcher import hvdrun
+    from elastictrain.horovod import hvdrun
 
     monkeypatch.setattr(hvdrun, "NOTICE_TIMEOUT_SECONDS", 0.2, raising=False)
     monkeypatch.setattr(hvdrun, "NOTICE_BACKOFF_SECONDS", 0.5, raising=False)
@@ -551,7 +551,7 @@ def test_a_notice_waiting_on_a_stopped_rank0_holds_neither_the_round_lock_nor_th
     """The driver sent every notice under the round lock (a worker's exit takes it before its abort marker, a round
     takes it to start) and under the hosts condition (a round waits on it for slots): each try on a stopped rank 0
     held both for the notice's timeout. The send is now the only thing that waits for rank 0."""
-    from elastictrain.launcher import hvdrun
+    from elastictrain.horovod import hvdrun
 
     monkeypatch.setattr(hvdrun, "NOTICE_TIMEOUT_SECONDS", 30.0, raising=False)
     with _notices(monkeypatch, {"a": 1, "b": 1}, 1) as (driver, hosts, workers, rank0):

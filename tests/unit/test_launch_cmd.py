@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from discovery.record import DRAINING, READY
-from elastictrain.launcher import decisions, etcd, hosts, options, rundir
+from elastictrain.launcher import decisions, etcd, hosts, options
 from elastictrain.launcher import main as launch_main
 from elastictrain.launcher.commands import format_command, horovodrun_command, launch_env, runner_command
 from elastictrain.launcher.decisions import (
@@ -31,6 +31,7 @@ from elastictrain.launcher.decisions import (
 )
 from elastictrain.launcher.errors import LaunchError
 from elastictrain.launcher.options import LaunchOptions
+from elastictrain.rundir import launch
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "configs" / "demo.yaml"
@@ -44,7 +45,7 @@ def flag(cmd: list[str], name: str, n: int = 1) -> list[str]:
 def test_embedded_command_has_discovery_bounds_local_interface_and_the_worker_after_extra_flags() -> None:
     opts = LaunchOptions(config=DEMO, overrides=("training.epochs=1",), min_np=2, max_np=3, extra=("--verbose",))
     cmd = horovodrun_command(opts, runner_command("/venv/bin/python"), python="/venv/bin/python")
-    assert cmd[:3] == ["/venv/bin/python", "-m", "elastictrain.launcher.hvdrun"]
+    assert cmd[:3] == ["/venv/bin/python", "-m", "elastictrain.horovod.hvdrun"]
     assert flag(cmd, "-np") == ["2"]
     assert flag(cmd, "--min-np") == ["2"]
     assert flag(cmd, "--max-np") == ["3"]
@@ -365,21 +366,21 @@ def test_the_stall_deadline_outlasts_every_legitimate_pause_without_workers(
 
 def test_one_launcher_per_run_dir_and_the_refusal_names_the_holder(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    first = rundir.RunDirLock.acquire(run_dir)
+    first = launch.RunDirLock.acquire(run_dir)
     try:
         before = sorted(p.name for p in run_dir.iterdir())
         with pytest.raises(LaunchError) as e:
-            rundir.RunDirLock.acquire(run_dir)  # another open file: flock excludes it as it would another process
+            launch.RunDirLock.acquire(run_dir)  # another open file: flock excludes it as it would another process
         assert f"is driven by a live launcher (pid {os.getpid()} on {socket.gethostname()})" in str(e.value)
         assert "\n" not in str(e.value)
-        assert sorted(p.name for p in run_dir.iterdir()) == before == [rundir.LOCK_FILE]
+        assert sorted(p.name for p in run_dir.iterdir()) == before == [launch.LOCK_FILE]
     finally:
         first.release()
-    rundir.RunDirLock.acquire(run_dir).release()  # free again once the holder is gone
+    launch.RunDirLock.acquire(run_dir).release()  # free again once the holder is gone
 
 
 def test_the_lock_file_is_not_inherited_by_children(tmp_path: Path) -> None:
-    lock = rundir.RunDirLock.acquire(tmp_path)
+    lock = launch.RunDirLock.acquire(tmp_path)
     try:
         assert not os.get_inheritable(lock.fd)
         assert fcntl.fcntl(lock.fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC

@@ -6,8 +6,8 @@ import io
 import json
 from pathlib import Path
 
-from elastictrain.events import EVENTS_FILE, Done, EpochEnd, Event, Metrics, Reset, Start, encode
-from elastictrain.live_view import STATUS_KIND, EventTail, LiveView, fold, status_line, view
+from elastictrain.rundir.events import EVENTS_FILE, Done, EpochEnd, Event, Metrics, Reset, Start, encode
+from elastictrain.tools.live_view import STATUS_KIND, EventTail, LiveView, fold, status_line, view
 
 T0 = 1_000_000.0
 

@@ -8,9 +8,9 @@ import torch
 from PIL import Image
 
 from elastictrain.config import ConfigError
-from elastictrain.data import SeededImageFolder, SyntheticImages, image_transforms
-from elastictrain.models import build_model
-from elastictrain.step import Precision, train_step
+from elastictrain.engine.data import SeededImageFolder, SyntheticImages, image_transforms
+from elastictrain.engine.models import build_model
+from elastictrain.engine.step import Precision, train_step
 from elastictrain.tasks.image import ImageTaskArgs, build_datasets
 
 

@@ -11,9 +11,9 @@ from chaos import netns, scenarios
 from chaos.run import Run, ScenarioError
 from chaos.scenarios import SCENARIOS, base_config
 from elastictrain.config import DiscoveryConfig
-from elastictrain.events import Event, parse_event
 from elastictrain.launcher.commands import agent_command
 from elastictrain.launcher.processes import ssh_runs_train
+from elastictrain.rundir.events import Event, parse_event
 
 
 def names(nodes: int = 3, octet: int = 77) -> netns.TierNames:

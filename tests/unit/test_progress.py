@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from elastictrain.progress import NullProgress, TqdmProgress, make_progress
+from elastictrain.engine.progress import NullProgress, TqdmProgress, make_progress
 
 
 class Tty(io.StringIO):

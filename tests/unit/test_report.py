@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from elastictrain.events import EVENTS_FILE, Event, encode, parse_event
-from elastictrain.report import build_figure, kept_step_seconds, main, summarize
+from elastictrain.rundir.events import EVENTS_FILE, Event, encode, parse_event
+from elastictrain.tools.report import build_figure, kept_step_seconds, main, summarize
 from tests.fixtures.procs import dead_pid
 
 T0 = 1_000_000.0

@@ -1,6 +1,6 @@
 """Horovod's elastic reset with a failed ``hvd.init`` tried again (:func:`reset_horovod`), and the source patch that
 makes a failed Gloo rendezvous fail ``hvd.init`` instead of killing the worker, and lets the driver abort one
-(``scripts/patch_horovod.py``)."""
+(``elastictrain/horovod/patch.py``)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def test_the_last_failure_and_any_other_error_are_raised() -> None:
 
 
 def _patcher():
-    spec = importlib.util.spec_from_file_location("patch_horovod", REPO / "scripts" / "patch_horovod.py")
+    spec = importlib.util.spec_from_file_location("patch_horovod", REPO / "elastictrain" / "horovod" / "patch.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules["patch_horovod"] = module

@@ -20,10 +20,10 @@ from torch import nn
 
 from elastictrain.engine.collective import LocalCollective
 from elastictrain.engine.elastic_state import ElasticTrainingState
-from elastictrain.policy import ScaleRamp
-from elastictrain.sampler import SamplerState, StepLog
-from elastictrain.state import CommittedState, Counters, LiveState, make_state
-from elastictrain.step import Precision, train_step
+from elastictrain.engine.policy import ScaleRamp
+from elastictrain.engine.sampler import SamplerState, StepLog
+from elastictrain.engine.state import CommittedState, Counters, LiveState, make_state
+from elastictrain.engine.step import Precision, train_step
 
 GLOBAL_COUNT = 8
 

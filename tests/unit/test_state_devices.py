@@ -14,9 +14,9 @@ from torch import nn
 
 from elastictrain.engine.collective import LocalCollective
 from elastictrain.engine.elastic_state import ElasticTrainingState
-from elastictrain.policy import ScaleRamp
-from elastictrain.sampler import SamplerState
-from elastictrain.state import CommittedState, Counters, optimizer_state_device
+from elastictrain.engine.policy import ScaleRamp
+from elastictrain.engine.sampler import SamplerState
+from elastictrain.engine.state import CommittedState, Counters, optimizer_state_device
 
 SIMULATED_GPU = torch.device("meta")
 

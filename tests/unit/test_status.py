@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from elastictrain.events import EVENTS_FILE
-from elastictrain.status import main, read_status
+from elastictrain.rundir.events import EVENTS_FILE
+from elastictrain.tools.status import main, read_status
 from tests.fixtures.procs import dead_pid
 
 T0 = 1_000_000.0
@@ -130,7 +130,7 @@ def test_status_on_a_bad_run_dir_or_flags_is_one_line_and_exit_2(
 def test_a_finished_run_stays_done_when_bookkeeping_events_follow_done(tmp_path):
     import json
 
-    from elastictrain.status import main
+    from elastictrain.tools.status import main
 
     lines = [
         {"ts": 1.0, "event": "start", "step": 0, "epoch": 0, "world_size": 2},

@@ -8,8 +8,7 @@ import threading
 import pytest
 
 from elastictrain.config import ElasticConfig
-from elastictrain.events import Eviction, Metrics, Straggler
-from elastictrain.stragglers import (
+from elastictrain.engine.health.stragglers import (
     Entry,
     Figures,
     HostWindow,
@@ -21,6 +20,7 @@ from elastictrain.stragglers import (
     straggler_summary,
     weighted_median,
 )
+from elastictrain.rundir.events import Eviction, Metrics, Straggler
 
 POLICY = StragglerPolicy(mode="evict", slow_ratio=1.3, window_steps=100, cooldown_seconds=300, min_np=2)
 HOSTS = ["a", "b", "c", "d"]

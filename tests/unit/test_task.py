@@ -16,8 +16,8 @@ from torch.utils.data import TensorDataset
 
 from elastictrain import Task
 from elastictrain.config import ConfigError, config_from_dict
-from elastictrain.data import load_batches
-from elastictrain.step import Precision, eval_batches, move_to, train_step
+from elastictrain.engine.data import load_batches
+from elastictrain.engine.step import Precision, eval_batches, move_to, train_step
 from elastictrain.task import TaskError, build_task, check_dataset_size, resolve_builder, validate_task
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,4 +1,5 @@
-"""The task is tried on real samples before a job starts (elastictrain/task_trial.py): each way a loss, a metric or
+"""The task is tried on real samples before a job starts (elastictrain/engine/task_trial.py): each way a loss, a metric
+or
 a collate can break the contract is one line naming it; a good task passes; a large model is tried on meta."""
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import elastictrain
-from elastictrain import task_trial
 from elastictrain.config import ConfigError, JobConfig, load_config
 from elastictrain.config_cli import check_task
+from elastictrain.engine import task_trial
 from elastictrain.task import TaskError, validate_task
 
 MODULE = "trial_task_mod"

@@ -12,7 +12,7 @@ from structlog.testing import capture_logs
 
 from elastictrain._testing.procs import wait_until
 from elastictrain.config import config_from_dict
-from elastictrain.tracking import (
+from elastictrain.engine.tracking import (
     RUN_ID_FILE,
     MetricPoint,
     MlflowTracker,
@@ -186,7 +186,7 @@ def test_a_new_rank0_backfills_the_run_log_points_a_killed_rank0_never_sent_once
     """Rank 0 sent loss up to step 10, then was SIGKILLed with steps 20 and 30 (and a checkpoint, a validation)
     still in its flush window. events.jsonl has them; the next rank 0 (which resumed from the commit at 25
     and re-ran step 30) must put each of them in the store exactly once."""
-    from elastictrain.events import EVENTS_FILE
+    from elastictrain.rundir.events import EVENTS_FILE
 
     killed = tracker(store, tmp_path)
     for step in range(1, 11):
@@ -239,7 +239,7 @@ def test_a_new_rank0_backfills_the_run_log_points_a_killed_rank0_never_sent_once
 
 
 def test_a_fresh_run_is_not_backfilled_from_an_old_run_log(store: FakeStore, tmp_path: Path) -> None:
-    from elastictrain.events import EVENTS_FILE
+    from elastictrain.rundir.events import EVENTS_FILE
 
     line = {"ts": 1.0, "event": "metrics", "step": 10, "epoch": 0, "world_size": 1, "loss": 1.0}
     (tmp_path / EVENTS_FILE).write_text(json.dumps(line) + "\n")
@@ -384,7 +384,7 @@ def test_the_tracking_uri_comes_from_config_then_env_then_the_run_dir(tmp_path: 
 
 
 def test_a_new_sqlite_store_appears_only_when_its_schema_is_complete(tmp_path):
-    from elastictrain.tracking import _create_sqlite_store_atomically
+    from elastictrain.engine.tracking import _create_sqlite_store_atomically
 
     db = tmp_path / "run" / "mlflow.db"
     _create_sqlite_store_atomically(f"sqlite:///{db}")

@@ -15,7 +15,7 @@ import torch.utils.data
 from horovod.runner.elastic.worker import HostUpdateResult
 from structlog.testing import capture_logs
 
-from elastictrain.watchdog import (
+from elastictrain.engine.health.watchdog import (
     CollectiveWatchdog,
     FailureMarker,
     WatchdogPolicy,
@@ -208,7 +208,7 @@ def test_closed_by_peer_sees_a_snapshotted_ring_connection_that_its_peer_closed_
     import struct
     import time
 
-    from elastictrain.watchdog import closed_by_peer
+    from elastictrain.engine.health.watchdog import closed_by_peer
 
     server = socket.create_server(("127.0.0.1", 0))
     client = socket.create_connection(("127.0.0.1", server.getsockname()[1]))
@@ -306,7 +306,7 @@ def test_a_descriptor_number_reused_after_the_listing_is_not_shut_down(tmp_path,
 
 
 def test_connections_this_process_closed_itself_are_not_evidence_of_a_dead_peer(tmp_path):
-    from elastictrain.watchdog import closed_by_peer
+    from elastictrain.engine.health.watchdog import closed_by_peer
 
     marker = FailureMarker(tmp_path / "marker")
     dog = CollectiveWatchdog(marker, host_removed=lambda: False, excluded_ports=lambda: (set(), set()))
@@ -346,7 +346,7 @@ def test_loader_workers_hold_no_tcp_socket_of_the_trainer_and_die_with_it():
     close until the workers noticed (seconds later)."""
     import signal
 
-    from elastictrain.data import load_batches
+    from elastictrain.engine.data import load_batches
 
     server, client, peer = _pair()
     try:
@@ -479,7 +479,7 @@ def test_a_ring_member_gone_from_this_machine_aborts_an_overdue_step_that_no_fai
     watchdog of either sees the dead member's pid gone and shuts the ring's connections down."""
     import psutil
 
-    from elastictrain.hang import Beat, HangDetector, Heartbeats, HungVerdict, Member, boot_id
+    from elastictrain.engine.health.hang import Beat, HangDetector, Heartbeats, HungVerdict, Member, boot_id
     from tests.fixtures.procs import dead_pid
 
     heartbeats = Heartbeats(tmp_path / "heartbeats")
@@ -511,7 +511,7 @@ def test_a_ring_member_gone_from_this_machine_aborts_an_overdue_step_that_no_fai
 def test_an_overdue_step_whose_ring_members_all_run_is_not_aborted(tmp_path):
     import psutil
 
-    from elastictrain.hang import Beat, HangDetector, Heartbeats, HungVerdict, Member, boot_id
+    from elastictrain.engine.health.hang import Beat, HangDetector, Heartbeats, HungVerdict, Member, boot_id
 
     heartbeats = Heartbeats(tmp_path / "heartbeats")
     hang = HangDetector(heartbeats, HungVerdict(tmp_path / "verdict"), host=lambda: "a", slot=lambda: 0)

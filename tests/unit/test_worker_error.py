@@ -1,4 +1,4 @@
-"""A worker that raised leaves a typed record (elastictrain/worker_error.py) that the launcher reads back: its
+"""A worker that raised leaves a typed record (elastictrain/rundir/worker_error.py) that the launcher reads back: its
 own launch and attempt only, validated field by field, the worker's own exception before Horovod's."""
 
 from __future__ import annotations
@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.worker_error import ERRORS_DIR, WorkerError, first_cause, read_worker_errors, record_worker_error
+from elastictrain.rundir.worker_error import (
+    ERRORS_DIR,
+    WorkerError,
+    first_cause,
+    read_worker_errors,
+    record_worker_error,
+)
 
 ENV = {"HOROVOD_HOSTNAME": "127.0.0.1", "HOROVOD_LOCAL_RANK": "0", "HOROVOD_RANK": "1",
        "ELASTICTRAIN_LAUNCH_ID": "abc", "ELASTICTRAIN_ATTEMPT": "2"}  # fmt: skip

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from elastictrain import zygote
+from elastictrain.hotjoin import zygote
 from elastictrain.launcher.commands import worker_command
 from elastictrain.launcher.options import LaunchOptions
 from elastictrain.launcher.processes import runs_train
@@ -27,7 +27,8 @@ from tests.fixtures.procs import REPO, ProcessGroup, wait_until
 
 SERVER = """
 import os, signal, sys
-from elastictrain import worker, zygote
+from elastictrain.engine import worker
+from elastictrain.hotjoin import zygote
 
 def stand_in(args):
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -73,7 +74,7 @@ def client_env(**extra: str) -> dict[str, str]:
 def client(procs: ProcessGroup, *args: str, cwd: Path | None = None, **env: str) -> subprocess.Popen:
     cold = [sys.executable, "-c", "import sys; print('cold', *sys.argv[1:])", "train", *args]
     return procs.start(
-        [sys.executable, "-m", "elastictrain.zygote", "client", "--", *cold],
+        [sys.executable, "-m", "elastictrain.hotjoin.zygote", "client", "--", *cold],
         env=client_env(**env),
         cwd=cwd,
         stdout=subprocess.PIPE,
@@ -213,7 +214,7 @@ def test_launch_runs_workers_through_the_client_with_hot_join(tmp_path):
     cfg = tmp_path / "job.yaml"
     cold = worker_command(LaunchOptions(config=cfg, overrides=("a=1",), hot_join=False))
     hot = worker_command(LaunchOptions(config=cfg, overrides=("a=1",)))  # hot join is the default
-    assert hot[1:5] == ["-m", "elastictrain.zygote", "client", "--"] and hot[5:] == cold
+    assert hot[1:5] == ["-m", "elastictrain.hotjoin.zygote", "client", "--"] and hot[5:] == cold
     assert runs_train(cold) and runs_train(hot)
 
 
@@ -247,7 +248,7 @@ def test_a_warm_zygote_has_one_thread_and_no_mlflow(procs, sockdir):
 
 def test_warm_imports_what_a_workers_first_optimizer_and_first_image_import_lazily_and_keeps_one_thread():
     code = (
-        "import os, sys; from elastictrain import zygote; zygote.warm('configs/demo.yaml', []);"
+        "import os, sys; from elastictrain.hotjoin import zygote; zygote.warm('configs/demo.yaml', []);"
         "print('torch._dynamo' in sys.modules, 'torchvision.datasets.folder' in sys.modules,"
         " 'PIL.PngImagePlugin' in sys.modules, len(os.listdir('/proc/self/task')))"
     )
@@ -352,7 +353,9 @@ def test_the_code_stamp_names_a_changed_or_removed_file_of_the_code_it_watched(t
     try:
         stamp = zygote.CodeStamp.take(packages=("usertask_stamp",), extra=(str(config),))
         assert str((pkg / "model.py").resolve()) in stamp.files
-        assert any(f.endswith("elastictrain/zygote.py") for f in stamp.files), "elastictrain's own code is watched"
+        assert any(f.endswith("elastictrain/hotjoin/zygote.py") for f in stamp.files), (
+            "elastictrain's own code is watched"
+        )
         assert not any("/site-packages/torch/" in f for f in stamp.files), "installed packages are not"
         assert stamp.changed() is None
         (pkg / "model.py").write_text("VERSION = 22\n")
@@ -636,7 +639,7 @@ def test_warm_ups_take_the_machines_slots_one_each_and_go_ahead_without_one_afte
 
 def test_a_dead_warm_up_frees_its_slot(procs, tmp_path):
     holder = procs.start(
-        [sys.executable, "-c", "import sys\nfrom pathlib import Path\nfrom elastictrain import zygote\n"
+        [sys.executable, "-c", "import sys\nfrom pathlib import Path\nfrom elastictrain.hotjoin import zygote\n"
          "with zygote.warm_slot(Path(sys.argv[1]), 1, 0) as got:\n    print(got, flush=True)\n    sys.stdin.read()",
          str(tmp_path)],
         env={**os.environ, "PYTHONPATH": str(REPO)}, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -826,7 +829,7 @@ def test_a_forked_worker_runs_torch_and_blas_on_the_threads_a_cold_worker_would(
     env = {k: v for k, v in client_env(**threads).items() if not k.endswith("_NUM_THREADS") or k in threads}
     cold = subprocess.run([sys.executable, "-c", THREADS_PROBE], env=env, capture_output=True, text=True, timeout=120)
     c = procs.start(
-        [sys.executable, "-m", "elastictrain.zygote", "client", "--", sys.executable, "-c", "", "train", "0"],
+        [sys.executable, "-m", "elastictrain.hotjoin.zygote", "client", "--", sys.executable, "-c", "", "train", "0"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     out, err = c.communicate(timeout=60)

@@ -1,4 +1,5 @@
-"""The real worker (``elastictrain.elastic.compose``) under real single-rank Horovod, with scripted interruptions.
+"""The real worker (``elastictrain.engine.compose.compose``) under real single-rank Horovod, with scripted
+interruptions.
 
 Usage: python -m tests.integration.workers.scripted_trainer CONFIG_JSON SCRIPT_JSON
 
@@ -27,8 +28,8 @@ from typing import Any
 
 from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
-from elastictrain import elastic
 from elastictrain.config import config_from_dict
+from elastictrain.engine import compose
 from elastictrain.engine import trainer as engine
 from elastictrain.engine.collective import HorovodCollective
 
@@ -70,7 +71,7 @@ def main(config_json: str, script_json: str) -> int:
     if hooks:  # DistributedOptimizer registers its hooks at size 1 only for an elastic job
         os.environ["HOROVOD_ELASTIC"] = "1"
     try:
-        trainer = elastic.compose(cfg, collective)
+        trainer = compose.compose(cfg, collective)
     finally:
         if hooks:
             del os.environ["HOROVOD_ELASTIC"]  # hvd.init() at a reset must not look for a rendezvous

@@ -30,8 +30,8 @@ from hashlib import sha256
 from pathlib import Path
 from typing import Any
 
-from discovery.fileio import write_atomic
 from elastictrain import envnames
+from elastictrain.fileio import write_atomic
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,8 @@ shuffle, seed)``
 What changes for the script, with the engine's parts doing the work:
 
 * **Complete rollback.** Modules and optimizers are committed into buffers allocated once
-  (:class:`~elastictrain.state.TensorSnapshot`, :class:`~elastictrain.state.OptimizerSnapshot`). Every other
+  (:class:`~elastictrain.engine.state.TensorSnapshot`, :class:`~elastictrain.engine.state.OptimizerSnapshot`). Every
+  other
   keyword argument with ``state_dict``/``load_state_dict`` (LR schedulers, GradScalers, samplers) is committed
   *by value*, as are the RNG states; stock ``TorchState`` keeps schedulers and scalers by reference, so its
   ``restore()`` leaves them where the failed steps took them. Plain values (ints, lists) behave as in
@@ -58,11 +59,9 @@ from torch import nn
 from elastictrain import envnames
 from elastictrain.engine.collective import Collective, HorovodCollective, horovod_elastic_run, wait_without_spinning
 from elastictrain.engine.gpus import check_one_rank_per_gpu, collective_gpu
-from elastictrain.engine.horovod_private import discard_pending_allreduces
-from elastictrain.engine.sync import receive_state
-from elastictrain.engine.watch import arm_watchdog
-from elastictrain.sampler import ExactlyOncePlanner, SamplerState
-from elastictrain.state import (
+from elastictrain.engine.health.watchdog import CollectiveWatchdog, FailureMarker
+from elastictrain.engine.sampler import ExactlyOncePlanner, SamplerState
+from elastictrain.engine.state import (
     OptimizerSnapshot,
     TensorSnapshot,
     load_stateful,
@@ -70,7 +69,9 @@ from elastictrain.state import (
     rng_state,
     set_rng_state,
 )
-from elastictrain.watchdog import CollectiveWatchdog, FailureMarker
+from elastictrain.engine.sync import receive_state
+from elastictrain.engine.watch import arm_watchdog
+from elastictrain.horovod.private import discard_pending_allreduces
 
 __all__ = ["ElasticSampler", "ElasticState", "elastic_run"]
 
@@ -83,7 +84,7 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
     """This rank's share of the rest of the epoch: every sample exactly once, nothing padded.
 
     The epoch's order is one permutation shared by every rank (``seed`` and the epoch, as in
-    :class:`~elastictrain.sampler.ExactlyOncePlanner`); the state is ``(epoch, cursor)``, the positions
+    :class:`~elastictrain.engine.sampler.ExactlyOncePlanner`); the state is ``(epoch, cursor)``, the positions
     consumed by recorded batches. An iteration deals the positions from the cursor on round-robin over the
     ranks of the current world, so the ``i``-th batch of every rank together covers the next
     ``batch_size x world_size`` positions: :meth:`record_batch` advances the cursor by exactly that (less at
@@ -280,7 +281,7 @@ class ElasticState(State):
         collective = self._collective
         cuda = next((d for d in self._devices() if d.type == "cuda"), None)
         gpu = collective_gpu(cuda, collective.nccl_built()) if cuda is not None else ""
-        gathered = collective.allgather_object((self.commits, gpu), name="elastictrain.dropin.commits")
+        gathered = collective.allgather_object((self.commits, gpu), name="elastictrain.engine.dropin.commits")
         check_one_rank_per_gpu([g[1] for g in gathered])  # before the first GPU broadcast, which NCCL would refuse
         counts = [g[0] for g in gathered]
         root = max(range(len(counts)), key=lambda r: (counts[r], -r))

@@ -35,10 +35,10 @@ from typing import Protocol
 from discovery.registry import BelowMinNp
 from elastictrain import envnames
 from elastictrain.config import ElasticConfig
-from elastictrain.events import Event, Eviction, Straggler
 from elastictrain.logconf import get_logger
+from elastictrain.rundir.events import Event, Eviction, Straggler
 
-log = get_logger("elastictrain.stragglers")
+log = get_logger("elastictrain.engine.health.stragglers")
 
 FIGURES = ("steps", "compute_seconds", "data_seconds", "step_seconds", "samples")
 """The per-rank figures carried at a commit, in this order (sums since the previous commit)."""
@@ -410,7 +410,7 @@ def straggler_summary(events: Sequence[Event]) -> dict[str, object]:
     """What the run log says about slow hosts, for ``status`` and ``report``: the slowest host by the last
     ``metrics`` that judged one, the hosts named slow and not cleared since, and every ``straggler`` and
     ``eviction`` decision with its numbers."""
-    from elastictrain.events import Metrics
+    from elastictrain.rundir.events import Metrics
 
     slowest: dict[str, object] | None = None
     named: list[str] = []

@@ -1,9 +1,10 @@
 """``elastictrain train --config X [--set ...]``: the command horovodrun starts on every slot.
 
 Exit 0 only when training is complete (Horovod takes a 0 as the end of the whole job); 2 for a bad
-config or input, or a Horovod that is not the patched build (:mod:`elastictrain.horovod_build`), with one line; 143
+config or input, or a Horovod that is not the patched build (:mod:`elastictrain.horovod.build_check`), with one line;
+143
 when stopped by SIGTERM. A worker whose training raised writes why
-(:mod:`elastictrain.worker_error`) before it exits, so the launcher can name the cause last.
+(:mod:`elastictrain.rundir.worker_error`) before it exits, so the launcher can name the cause last.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import sys
 from elastictrain.cliutil import OneLineParser
 from elastictrain.config import ConfigError, load_config
 from elastictrain.config_cli import add_config_args, report_config_error
-from elastictrain.horovod_build import UnpatchedHorovod, check_patched_horovod
+from elastictrain.horovod.build_check import UnpatchedHorovod, check_patched_horovod
 from elastictrain.logconf import configure_logging
 
 
@@ -29,22 +30,22 @@ def main(argv: list[str]) -> int:
     try:
         check_patched_horovod()  # before Horovod is imported: a stock wheel would run without the repairs
     except UnpatchedHorovod as e:
-        from elastictrain.worker_error import record_worker_error
+        from elastictrain.rundir.worker_error import record_worker_error
 
         record_worker_error(cfg.run_path, e)
         print(f"elastictrain train: error: {e}", file=sys.stderr)
         return 2
-    from elastictrain.hang import HEARTBEATS, STARTUP, announce
+    from elastictrain.engine.health.hang import HEARTBEATS, STARTUP, announce
 
     announce(cfg.run_path / HEARTBEATS, STARTUP)  # before torch, horovod and hvd.init
-    from elastictrain import elastic  # torch + horovod: imported only once the config is good
+    from elastictrain.engine import compose  # torch + horovod: imported only once the config is good
+    from elastictrain.rundir.worker_error import record_worker_error
     from elastictrain.task import add_import_paths
-    from elastictrain.worker_error import record_worker_error
 
     add_import_paths(args.config)  # the task module may sit next to the config or in the working directory
 
     try:
-        return elastic.run(cfg)
+        return compose.run(cfg)
     except ConfigError as e:
         record_worker_error(cfg.run_path, e)
         return report_config_error(e)

@@ -76,7 +76,7 @@ def move_to(batch: Any, device: torch.device) -> Any:
 
 def per_sample(values: Any, what: str, n: int | None = None) -> torch.Tensor:
     """Check that a task function returned per-sample values: a 1-D tensor (of length ``n`` when the batch's size
-    is known, as in :mod:`elastictrain.task_trial`)."""
+    is known, as in :mod:`elastictrain.engine.task_trial`)."""
     if not isinstance(values, torch.Tensor) or values.dim() != 1 or (n is not None and values.shape[0] != n):
         shape = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
         expected = f"[{n}] for a batch of {n}" if n is not None else "[n]"

@@ -67,13 +67,13 @@ from typing import Any
 
 import psutil
 
-from discovery.fileio import write_atomic
 from discovery.wire import check_name
 from elastictrain import envnames
+from elastictrain.fileio import write_atomic
+from elastictrain.hotjoin.zygote import CHECKER_NAME
 from elastictrain.logconf import get_logger
-from elastictrain.zygote import CHECKER_NAME
 
-log = get_logger("elastictrain.hang")
+log = get_logger("elastictrain.engine.health.hang")
 
 LOCAL, WAITING, IDLE = "local", "waiting", "idle"
 STARTUP, RENDEZVOUS, SYNC, PROLOGUE = "startup", "rendezvous", "sync", "prologue"
@@ -287,11 +287,12 @@ def job_worker_runs(beat: Beat, job: str) -> bool:
 
 
 def forked_by_zygote(p: psutil.Process, job: str) -> bool:
-    """Whether ``p`` is a worker that a zygote of ``job`` forked (hot join, :mod:`elastictrain.zygote`). A fork shows
+    """Whether ``p`` is a worker that a zygote of ``job`` forked (hot join, :mod:`elastictrain.hotjoin.zygote`). A fork
+    shows
     its parent's command line and environment, so such a worker looks like its zygote; it is told apart by its
     parent: a zygote of ``job`` (``zygote serve``, ``ELASTICTRAIN_JOB``) that was not itself forked by one (a
     worker's own forked helpers look like the zygote too), and by its name: the zygote's checker process is named
-    :data:`~elastictrain.zygote.CHECKER_NAME`. Raises psutil's errors."""
+    :data:`~elastictrain.hotjoin.zygote.CHECKER_NAME`. Raises psutil's errors."""
     if not job or p.name() == CHECKER_NAME or not _runs_zygote(p, job):
         return False
     zygote = p.parent()

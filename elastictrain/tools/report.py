@@ -4,7 +4,7 @@
 :func:`build_figure` draws world size, throughput and loss over time with failures, resets,
 checkpoints and (re)starts marked as vertical lines; :func:`main` writes ``report.png`` and
 ``report.json`` into the run dir and prints a summary table. The run's state is the last lifecycle event,
-checked against ``launch.json`` by :func:`elastictrain.status.checked_state` (the same rule as ``status``:
+checked against ``launch.json`` by :func:`elastictrain.tools.status.checked_state` (the same rule as ``status``:
 ``stopped (no live process)`` when every process of a ``running`` job is gone).
 """
 
@@ -18,9 +18,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from discovery.fileio import atomic_file, write_atomic
 from elastictrain.cliutil import OneLineParser
-from elastictrain.events import (
+from elastictrain.engine.health.stragglers import format_slowest, straggler_summary
+from elastictrain.fileio import atomic_file, write_atomic
+from elastictrain.rundir.events import (
     EVENTS_FILE,
     Checkpoint,
     CheckpointFailed,
@@ -35,8 +36,7 @@ from elastictrain.events import (
     of_kind,
     read_events,
 )
-from elastictrain.status import checked_state
-from elastictrain.stragglers import format_slowest, straggler_summary
+from elastictrain.tools.status import checked_state
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from elastictrain.events import (
+from elastictrain.rundir.events import (
     Done,
     EpochEnd,
     Event,
@@ -76,7 +76,7 @@ class LiveState:
     steps_per_epoch: int | None = None
     last_reset: LastReset | None = None
     slowest: tuple[str, float] | None = None
-    """(host, ratio) of the last ``metrics`` that judged one (see :mod:`elastictrain.stragglers`)."""
+    """(host, ratio) of the last ``metrics`` that judged one (see :mod:`elastictrain.engine.health.stragglers`)."""
     stragglers: tuple[str, ...] = ()
     """Hosts named slow by ``straggler`` events and not cleared since."""
 

@@ -34,8 +34,8 @@ import torch
 from torch.utils.data import default_collate
 
 from elastictrain.config import ConfigError, JobConfig
+from elastictrain.engine.step import move_to, per_sample
 from elastictrain.errors import one_line
-from elastictrain.step import move_to, per_sample
 from elastictrain.task import Task, TaskError, build_task
 
 TRIAL_SAMPLES = 2

@@ -1,4 +1,5 @@
-"""Patch Horovod 0.28.1's source before the build (``scripts/setup.sh`` runs it): ``python patch_horovod.py SRC``.
+"""Patch Horovod 0.28.1's source before the build (``scripts/setup.sh`` runs it): ``python
+elastictrain/horovod/patch.py SRC``.
 
 **A failed Gloo rendezvous fails ``hvd.init`` instead of killing the process.** In elastic mode every reset calls
 ``hvd.init``, whose background thread builds the new ring's Gloo contexts. When a peer of the new ring dies after
@@ -13,7 +14,7 @@ the Gloo context ready for the next try (``Finalize``), and clears the flag when
 worker can try the next ring (``elastictrain.engine.collective.reset_horovod`` does).
 
 **A rendezvous can be aborted.** When a worker of the current round exits, horovodrun's driver
-(``elastictrain.launcher.hvdrun``) writes a marker under :data:`ABORT_PATH` in its rendezvous store (the HTTP
+(``elastictrain.horovod.hvdrun``) writes a marker under :data:`ABORT_PATH` in its rendezvous store (the HTTP
 key-value store that every worker's Gloo set-up polls); a worker whose own Gloo set-up fails (its connect or
 barrier: a timeout, a peer gone) writes it too, since the others of its round would wait for it in vain. The store
 clears it when the next round starts. Two waits of the Gloo set-up end with a Gloo I/O error (so ``hvd.init`` fails
@@ -25,7 +26,7 @@ at once, as above, and the worker asks for the next ring) when they see it, inst
   died; Gloo gives this wait five times the Gloo timeout) waits in 100-ms slices and asks the store between them
   (``connectAbortCheck``, set by Horovod's ``Rendezvous`` for its own thread only).
 
-The marker's text (``ABORT_PATH`` here) must equal ``elastictrain.launcher.hvdrun``'s ``ABORT_SCOPE/ABORT_KEY``
+The marker's text (``ABORT_PATH`` here) must equal ``elastictrain.horovod.hvdrun``'s ``ABORT_SCOPE/ABORT_KEY``
 (a unit test checks it; this script runs before the project is installed, so it cannot import it).
 
 **An enqueue that races the background thread's shutdown is refused, not stranded.** ``EnqueueTensorAllreduces``
@@ -64,9 +65,10 @@ Each edit is an exact text replacement; a source that does not match exits 1 wit
 
 **The build says it is patched.** After the edits the patch writes :data:`MARKER_FILE` into Horovod's package,
 naming :func:`digest`, a hash of every edit: ``elastictrain launch`` and every worker refuse a Horovod without the
-marker of this patch (``elastictrain/horovod_build.py``, whose ``PATCH_DIGEST`` must equal ``--digest``'s output; a
+marker of this patch (``elastictrain/horovod/build_check.py``, whose ``PATCH_DIGEST`` must equal ``--digest``'s output;
+a
 unit test checks it), and ``scripts/setup.sh`` names its cached wheel by the digest, so a changed patch is built
-again, never taken from the cache. ``python patch_horovod.py --digest`` prints it.
+again, never taken from the cache. ``python elastictrain/horovod/patch.py --digest`` prints it.
 """
 
 from __future__ import annotations
@@ -474,9 +476,9 @@ def digest() -> str:
 
 def marker_text() -> str:
     return (
-        '"""Written by elastictrain\'s scripts/patch_horovod.py into the Horovod source it patched: '
+        '"""Written by elastictrain\'s elastictrain/horovod/patch.py into the Horovod source it patched: '
         "this build carries\n"
-        'the patch named below (elastictrain/horovod_build.py checks it)."""\n\n'
+        'the patch named below (elastictrain/horovod/build_check.py checks it)."""\n\n'
         f'PATCH_DIGEST = "{digest()}"\n'
     )
 
@@ -492,7 +494,7 @@ def main(argv: list[str]) -> int:
         sys.stdout.write(f"{digest()}\n")
         return 0
     if len(argv) != 1:
-        sys.stderr.write("usage: python patch_horovod.py HOROVOD_SOURCE_DIR | --digest\n")
+        sys.stderr.write("usage: python elastictrain/horovod/patch.py HOROVOD_SOURCE_DIR | --digest\n")
         return 2
     try:
         for line in [*patch(Path(argv[0])), write_marker(Path(argv[0]))]:

@@ -1,5 +1,5 @@
 """Whether the installed Horovod is the build ``make setup`` makes: Horovod 0.28.1 patched by
-``scripts/patch_horovod.py``.
+``elastictrain/horovod/patch.py``.
 
 A stock Horovod wheel of the same version imports and trains, but without the patch the driver's abort markers are
 ignored, a Gloo error ends the process (``std::terminate``) and a reset's ``hvd.init`` is never tried again. The
@@ -17,11 +17,11 @@ import os
 from elastictrain.errors import ElastictrainError
 
 PATCH_DIGEST = "f0a6dad0268cc79a"
-"""What ``python scripts/patch_horovod.py --digest`` prints for this checkout's patch (a unit test checks that they
+"""What ``python elastictrain/horovod/patch.py --digest`` prints for this checkout's patch (a unit test checks that they
 agree: a change of the patch changes both)."""
 
 MARKER_MODULE = "elastictrain_patch"
-"""The module the patch adds to Horovod's package (``MARKER_FILE`` in ``scripts/patch_horovod.py``)."""
+"""The module the patch adds to Horovod's package (``MARKER_FILE`` in ``elastictrain/horovod/patch.py``)."""
 
 FIX = "run `make setup` (it builds and installs the patched Horovod)"
 

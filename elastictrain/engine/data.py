@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 from elastictrain.config import ConfigError
-from elastictrain.folder_index import FolderIndex, folder_index
+from elastictrain.engine.folder_index import FolderIndex, folder_index
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -94,7 +94,8 @@ class SeededImageFolder(Dataset):
 
     @property
     def index(self) -> FolderIndex:
-        """The folder's classes and samples (:mod:`elastictrain.folder_index`: cached, rescanned only on change)."""
+        """The folder's classes and samples (:mod:`elastictrain.engine.folder_index`: cached, rescanned only on
+        change)."""
         if self._index is None:
             root, key = self.root, self.key
             if not Path(root).is_dir():

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from elastictrain.policy import ScaleRamp
-from elastictrain.sampler import SamplerState, StepLog
+from elastictrain.engine.policy import ScaleRamp
+from elastictrain.engine.sampler import SamplerState, StepLog
 
 
 @dataclass(slots=True)

@@ -4,7 +4,7 @@ A cold worker spends seconds before it can join Horovod's rendezvous: a Python i
 and the task's module imported, the dataset indexed; meanwhile every running worker waits. The zygote
 (``elastictrain zygote serve``, started by the node agent with ``--warm-config``) does that once, before
 anyone waits, then forks a worker per request. horovodrun runs the thin client
-(``python -m elastictrain.zygote client -- <the cold worker command>``) on the host instead of the worker:
+(``python -m elastictrain.hotjoin.zygote client -- <the cold worker command>``) on the host instead of the worker:
 the client hands the zygote its arguments, environment, working directory and standard streams, relays
 signals to the forked worker and exits as the worker exits. Horovod sees an ordinary process.
 
@@ -285,7 +285,7 @@ def _close_all(fds: list[int]) -> None:
 
 
 def client_main(argv: list[str]) -> int:
-    """``python -m elastictrain.zygote client -- COMMAND...``: run COMMAND (an ``elastictrain train``) in the
+    """``python -m elastictrain.hotjoin.zygote client -- COMMAND...``: run COMMAND (an ``elastictrain train``) in the
     warm zygote of this job and host if there is one, else exec it."""
     if argv[:1] != ["--"] or len(argv) < 2:
         print("elastictrain zygote client: error: usage: client -- COMMAND...", file=sys.stderr)
@@ -719,8 +719,8 @@ def warm(config: str, overrides: list[str]) -> CodeStamp:
 
         Image.init()  # every image plugin, which the first decode would import
 
-    from elastictrain import elastic, worker  # noqa: F401
-    from elastictrain.folder_index import folder_index
+    from elastictrain.engine import worker  # noqa: F401
+    from elastictrain.engine.folder_index import folder_index
 
     resolve_builder(cfg.task)  # imports the task's module; building it would run torch ops (threads)
     for key in ("path", "val_path"):
@@ -1201,7 +1201,7 @@ class Zygote:
                 sys.stdout.reconfigure(write_through=True)  # type: ignore[union-attr]
                 sys.stderr.reconfigure(write_through=True)  # type: ignore[union-attr]
             sys.argv = ["elastictrain", "train", *request["args"]]
-            from elastictrain import worker
+            from elastictrain.engine import worker
 
             code = worker.main(list(request["args"]))
         except SystemExit as e:

@@ -26,8 +26,9 @@ from typing import Any
 import psutil
 
 from elastictrain.cliutil import OneLineParser
+from elastictrain.engine.health.stragglers import format_slowest, straggler_summary
 from elastictrain.errors import ToolError
-from elastictrain.events import (
+from elastictrain.rundir.events import (
     EVENTS_FILE,
     Checkpoint,
     Event,
@@ -39,13 +40,12 @@ from elastictrain.events import (
     lifecycle,
     read_events,
 )
-from elastictrain.launcher.rundir import STATE_FILE
-from elastictrain.stragglers import format_slowest, straggler_summary
+from elastictrain.rundir.launch import STATE_FILE
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
 MANIFEST_FILE = "manifest.json"
-RUN_ID_FILE = "mlflow_run_id"  # written by elastictrain.tracking (not imported here: it is not needed)
+RUN_ID_FILE = "mlflow_run_id"  # written by elastictrain.engine.tracking (not imported here: it is not needed)
 NO_LIVE_PROCESS = "stopped (no live process)"
 
 
@@ -194,7 +194,7 @@ def read_status(
     run_dir: str | Path, now: float | None = None, on_skip: Callable[[int, str], None] | None = None
 ) -> dict[str, Any]:
     """The status of ``run_dir``. Raises :class:`StatusError` when it is not a readable run dir.
-    ``on_skip``: told of each unusable line of events.jsonl (:func:`elastictrain.events.read_events`)."""
+    ``on_skip``: told of each unusable line of events.jsonl (:func:`elastictrain.rundir.events.read_events`)."""
     run_dir = Path(run_dir)
     now = time.time() if now is None else now
     if not run_dir.is_dir():

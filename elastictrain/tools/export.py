@@ -11,8 +11,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from discovery.fileio import atomic_file, write_atomic
 from elastictrain.cliutil import OneLineParser
+from elastictrain.fileio import atomic_file, write_atomic
 
 PROG = "elastictrain export"
 

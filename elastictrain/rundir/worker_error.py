@@ -9,7 +9,7 @@ line of its message. When horovodrun fails, the launcher reads the records of it
 
 The files are untrusted input (any process that can write the run_dir can write them): every field is
 validated on reading and a file that is not a valid record is skipped. Writes are atomic
-(:func:`discovery.fileio.write_atomic`). Standard library only: the launcher imports it.
+(:func:`elastictrain.fileio.write_atomic`). Standard library only: the launcher imports it.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from discovery.fileio import write_atomic
 from discovery.record import check_name
 from elastictrain import envnames
 from elastictrain.errors import one_line
+from elastictrain.fileio import write_atomic
 
 ERRORS_DIR = "errors"
 MAX_RECORD_BYTES = 16 << 10

@@ -28,7 +28,7 @@ passes) is not a step (:meth:`CollectiveWatchdog.paused`).
 The decision is the pure function :func:`should_abort`; the thread only gathers its inputs.
 
 A peer that *hangs* (its process lives, but makes no progress) is no failure by these signals; the same thread
-beats and judges for :mod:`elastictrain.hang`, which turns it into one.
+beats and judges for :mod:`elastictrain.engine.health.hang`, which turns it into one.
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from discovery.fileio import write_atomic
-from elastictrain.hang import IDLE, LOCAL, WAITING, HangDetector, Member
+from elastictrain.engine.health.hang import IDLE, LOCAL, WAITING, HangDetector, Member
+from elastictrain.fileio import write_atomic
 from elastictrain.logconf import get_logger
 
-log = get_logger("elastictrain.watchdog")
+log = get_logger("elastictrain.engine.health.watchdog")
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +91,8 @@ def should_abort(
     removed (a notice that only adds hosts is no input at all). ``peer_closed`` (asked only once the step is
     overdue): a Gloo connection of this ring was closed by its peer, i.e. a worker process is gone. ``peer_gone``
     (asked only once a step, not the sync, is overdue): why a member of this ring is known gone (its process on this
-    machine no longer runs), else None; Gloo does not always say so (see :func:`elastictrain.hang.gone_peers`). The
+    machine no longer runs), else None; Gloo does not always say so (see
+    :func:`elastictrain.engine.health.hang.gone_peers`). The
     sync is never judged by it: the ring's members are gathered in the sync, and until then they are the last ring's,
     whose dead member caused this reset.
     ``syncing``: ``step_started`` is the start of the state sync, not of a step. A recorded failure or a closed

@@ -46,7 +46,7 @@ from elastictrain.logconf import get_logger
 
 EVENTS_FILE = "events.jsonl"
 
-log = get_logger("elastictrain.events")
+log = get_logger("elastictrain.rundir.events")
 
 
 class EventKind(enum.StrEnum):

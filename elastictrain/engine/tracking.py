@@ -39,15 +39,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from discovery import fileio
+from elastictrain import fileio
 from elastictrain.errors import one_line
-from elastictrain.events import EVENTS_FILE, Checkpoint, EpochEnd, Event, Metrics, Reset, read_events
 from elastictrain.logconf import get_logger
+from elastictrain.rundir.events import EVENTS_FILE, Checkpoint, EpochEnd, Event, Metrics, Reset, read_events
 
 if TYPE_CHECKING:
     from elastictrain.config import JobConfig
 
-log = get_logger("elastictrain.tracking")
+log = get_logger("elastictrain.engine.tracking")
 
 RUN_ID_FILE = "mlflow_run_id"
 TAG_JOB = "elastictrain.job"
@@ -348,7 +348,7 @@ def resolve_tracking_uri(
 
 def write_atomic(path: Path, text: str) -> None:
     """Temp file in the same folder, fsync, rename over ``path``, fsync the folder
-    (:func:`discovery.fileio.write_atomic`)."""
+    (:func:`elastictrain.fileio.write_atomic`)."""
     fileio.write_atomic(path, text)
 
 

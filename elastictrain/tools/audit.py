@@ -1,7 +1,7 @@
 """``elastictrain audit --run-dir D``: check a run's sample ledger, every sample exactly once per epoch.
 
 :func:`audit_samples` is the check itself, a pure function of the replayed ledger
-(:func:`elastictrain.ledger.read_ledger`); the chaos invariants use it too. :func:`audit_run_dir` decides
+(:func:`elastictrain.rundir.ledger.read_ledger`); the chaos invariants use it too. :func:`audit_run_dir` decides
 which epochs a run dir must have completed and audits them:
 
 - every epoch before the newest one in the ledger is complete (training moved past it), and so is every
@@ -30,8 +30,8 @@ from pathlib import Path
 
 from elastictrain.cliutil import OneLineParser
 from elastictrain.errors import ToolError
-from elastictrain.events import EVENTS_FILE, Lifecycle, lifecycle, read_events
-from elastictrain.ledger import LEDGER_DIR, LedgerError, read_ledger
+from elastictrain.rundir.events import EVENTS_FILE, Lifecycle, lifecycle, read_events
+from elastictrain.rundir.ledger import LEDGER_DIR, LedgerError, read_ledger
 
 CONFIG_FILE = "config.yaml"  # the resolved config rank 0 writes into the run dir
 EXAMPLES = 5

@@ -12,10 +12,8 @@ import signal
 
 from elastictrain.config import JobConfig
 from elastictrain.engine.collective import Collective, HorovodCollective
-from elastictrain.engine.trainer import Trainer, run_trainer
-from elastictrain.engine.watch import arm_watchdog
-from elastictrain.eviction import EtcdEvictor
-from elastictrain.hang import (
+from elastictrain.engine.health.eviction import EtcdEvictor
+from elastictrain.engine.health.hang import (
     HEARTBEATS,
     RENDEZVOUS,
     HangDetector,
@@ -25,7 +23,9 @@ from elastictrain.hang import (
     first_step_bound,
     gloo_timeout_seconds,
 )
-from elastictrain.watchdog import FailureMarker
+from elastictrain.engine.health.watchdog import FailureMarker
+from elastictrain.engine.trainer import Trainer, run_trainer
+from elastictrain.engine.watch import arm_watchdog
 
 
 def run(cfg: JobConfig) -> int:

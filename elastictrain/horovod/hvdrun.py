@@ -1,4 +1,4 @@
-"""``python -m elastictrain.launcher.hvdrun ARGS``: ``horovodrun ARGS`` with a host discovery that costs a fork,
+"""``python -m elastictrain.horovod.hvdrun ARGS``: ``horovodrun ARGS`` with a host discovery that costs a fork,
 not a Python.
 
 Horovod 0.28.1's elastic driver runs ``--host-discovery-script`` every second through
@@ -38,7 +38,8 @@ This entry point is horovodrun itself (same flags, same driver, same rendezvous)
 5. **A rendezvous that cannot complete is aborted.** When a worker of the current assignment exits (non-zero; its
    own exit, not an older process's of its slot), the driver writes :data:`ABORT_SCOPE`/:data:`ABORT_KEY` into its
    rendezvous store (:func:`abort_rendezvous`) before Horovod handles the exit. The workers' Gloo set-up, as patched
-   by ``scripts/patch_horovod.py``, polls that key while it waits for a peer's address or connection, and then fails
+   by ``elastictrain/horovod/patch.py``, polls that key while it waits for a peer's address or connection, and then
+   fails
    ``hvd.init`` at once instead of after the Gloo timeout (five times it for a pair's connection), so the survivors
    ask for the next ring (:func:`elastictrain.engine.collective.reset_horovod`). The store is cleared when the driver
    starts the next round (``RendezvousServer.init``), which Horovod does only once every worker of the round has
@@ -132,7 +133,7 @@ RENDEZVOUS_BACKLOG = 4096
 ABORT_SCOPE = "elastictrain_abort"
 ABORT_KEY = "ring"
 """Where the driver's rendezvous store holds an abort marker (``/ABORT_SCOPE/ABORT_KEY``; the value says why). The
-patched Gloo set-up asks for exactly this path: ``ABORT_PATH`` in ``scripts/patch_horovod.py``."""
+patched Gloo set-up asks for exactly this path: ``ABORT_PATH`` in ``elastictrain/horovod/patch.py``."""
 
 
 def abort_rendezvous(server: Any, reason: str) -> None:
@@ -323,7 +324,7 @@ def install() -> None:
     found = getattr(horovod, "__version__", "unknown")
     if found != HOROVOD_VERSION:
         raise UnsupportedHorovod(
-            f"elastictrain.launcher.hvdrun needs Horovod {HOROVOD_VERSION} (it repairs that release's elastic driver); "
+            f"elastictrain.horovod.hvdrun needs Horovod {HOROVOD_VERSION} (it repairs that release's elastic driver); "
             f"found Horovod {found}"
         )
     from horovod.runner.elastic import discovery

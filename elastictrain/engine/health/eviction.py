@@ -1,4 +1,5 @@
-"""Evicting a host for a cool-down, through etcd: the :class:`~elastictrain.stragglers.Evictor` of a real job.
+"""Evicting a host for a cool-down, through etcd: the :class:`~elastictrain.engine.health.stragglers.Evictor` of a real
+job.
 
 An eviction is a spot notice's path: the host's record goes ``draining`` (discover.sh stops listing it, Horovod
 removes it gracefully) with a ``drain_until`` that its agent honours by making it ``ready`` again

@@ -1,4 +1,4 @@
-"""``make demo`` (``python -m elastictrain.demo``): a real elastic job on this machine, with faults, in minutes.
+"""``make demo`` (``python -m elastictrain.tools.demo``): a real elastic job on this machine, with faults, in minutes.
 
 1. writes scikit-learn's 8x8 handwritten digits as an ImageFolder of PNG files under ``run_dir/data``;
 2. runs ``elastictrain launch --config configs/digits.yaml`` with the embedded etcd and agents for two
@@ -35,13 +35,13 @@ from elastictrain import envnames
 from elastictrain.cliutil import OneLineParser
 from elastictrain.config import ConfigError, JobConfig, load_config
 from elastictrain.errors import ToolError
-from elastictrain.events import Commit, EpochEnd, Event, Reset, Start, of_kind, read_events
 from elastictrain.launcher.commands import agent_command, elastictrain_command
 from elastictrain.launcher.hosts import local_logical_hosts
 from elastictrain.launcher.processes import is_worker
-from elastictrain.launcher.rundir import STATE_FILE
+from elastictrain.rundir.events import Commit, EpochEnd, Event, Reset, Start, of_kind, read_events
+from elastictrain.rundir.launch import STATE_FILE
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO / "configs" / "digits.yaml"
 
 
@@ -94,7 +94,7 @@ class Demo:
 
     # -- phases
     def prepare(self) -> None:
-        from elastictrain.data import write_digits_image_folder
+        from elastictrain.engine.data import write_digits_image_folder
 
         keep = self.run_dir / "data"
         if self.run_dir.exists():  # a fresh job each time (a complete checkpoint would make it finish at once)
@@ -221,7 +221,7 @@ class Demo:
                 self.launcher.wait()
 
     def summary(self) -> None:
-        from elastictrain.report import report, summarize
+        from elastictrain.tools.report import report, summarize
 
         evs = self.events()
         s = summarize(evs)
@@ -277,7 +277,7 @@ def _grew(reset: dict[str, Any]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = OneLineParser(prog="python -m elastictrain.demo", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="python -m elastictrain.tools.demo", description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(_relative(DEFAULT_CONFIG)), help="job config (default configs/digits.yaml)")
     args = p.parse_args(argv)
     try:

@@ -1,0 +1,1 @@
+"""The worker's health: the collective watchdog, hung peers, slow hosts and their eviction."""

@@ -1,0 +1,1 @@
+"""Every repair of Horovod 0.28.1: the C++ patch, the driver's repairs, private attributes."""

@@ -1,0 +1,1 @@
+"""Hot join: a warm worker factory (zygote) per host and its client."""

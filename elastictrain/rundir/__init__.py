@@ -1,0 +1,1 @@
+"""The run_dir: its records (events, sample ledger, worker errors, the launcher's files)."""
