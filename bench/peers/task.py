@@ -25,7 +25,7 @@ NUM_SAMPLES = 15_360
 
 
 class SmallCNN(nn.Module):
-    """Three conv blocks with GroupNorm and a linear head (as ``elastictrain.models.SmallCNN``)."""
+    """Three conv blocks with GroupNorm and a linear head (as ``elastictrain.engine.models.SmallCNN``)."""
 
     def __init__(self, num_classes: int = NUM_CLASSES, width: int = 32) -> None:
         super().__init__()
