@@ -5,8 +5,7 @@ rejected with their dotted path and the closest valid name, types and ranges are
 error is a :class:`ConfigError` whose message is one line. ``--set a.b=c`` overrides any field; the
 value is parsed as YAML (``--set training.base_lr=0.05``, ``--set data.path=null``).
 
-Size: one frozen dataclass per config section plus the one parser that checks them; splitting the sections
-across files would scatter the single source of truth for every key.
+Size: every config section and its one parser (docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -106,11 +105,15 @@ class TrainingConfig:
     max_steps: int | None = None
     """Stop after this many optimizer steps in all (for smoke runs); none means run all epochs."""
     optimizer: Literal["sgd", "adamw"] = "sgd"
+    """The optimizer a task without its own ``optimizer`` factory gets, built from the ``training`` keys."""
     base_lr: float = 0.1
     """LR at ``elastic.base_world_size`` workers (``per_worker``) or for the whole global batch (``global``)."""
     momentum: float = 0.9
+    """SGD momentum (AdamW ignores it)."""
     weight_decay: float = 1e-4
+    """Weight decay of the optimizer."""
     nesterov: bool = False
+    """Nesterov momentum (SGD; AdamW ignores it)."""
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     grad_clip_norm: float | None = None
     """Clip the averaged gradients to this L2 norm (applied after ``optimizer.synchronize()``)."""
@@ -245,6 +248,7 @@ class ElasticConfig:
 @dataclass(kw_only=True, frozen=True, slots=True)
 class CheckpointConfig:
     enabled: bool = True
+    """Write checkpoints to ``run_dir/checkpoints``."""
     every_steps: int | None = 100
     """Save every N optimizer steps (at a commit); none disables the step trigger."""
     every_epochs: int | None = 1
@@ -281,6 +285,7 @@ class TrackingConfig:
     tracking_uri: str | None = None
     """MLflow tracking URI; none means ``MLFLOW_TRACKING_URI`` or else ``sqlite:///<run_dir>/mlflow.db``."""
     experiment: str = "elastictrain"
+    """MLflow experiment of the job's run."""
     queue_size: int = 10000
     """Points buffered for the sender; beyond it points are dropped and counted."""
     flush_seconds: float = 5.0

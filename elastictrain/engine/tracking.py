@@ -23,8 +23,7 @@ Two invariants hold here, not in the worker:
 
 ``import mlflow`` (seconds of CPU) happens in the sender thread, so building a tracker costs nothing.
 
-Size: the tracker's queue, its sender thread and the MLflow calls (open, batch, backfill, close) share one
-lifecycle and one thread; they stay together so that no second thread touches MLflow.
+Size: one lifecycle and one thread for every MLflow call (docs/decisions.md).
 """
 
 from __future__ import annotations

@@ -18,9 +18,7 @@ Life of a worker::
         on HostsUpdatedInterrupt: (state already committed) reset, sync, train
     exit 0 only when training is complete; 143 after SIGTERM (rank 0 checkpoints the last commit first)
 
-Size: what happens between two syncs, in the order it happens (reset report, steps, LR, metrics, commits,
-checkpoints, epoch ends, the end), stays in one class so that order can be read in one place; the parts it
-calls (state, sync, reset plan, services, validation, metrics, resume) are modules of their own.
+Size: the order of everything between two syncs, read in one place (docs/decisions.md).
 """
 
 from __future__ import annotations

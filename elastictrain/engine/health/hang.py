@@ -47,9 +47,7 @@ the kernel keeps its TCP connections open and even acknowledges them while the p
   recovers exactly as after a SIGKILL -- or else evict its host through etcd, on a thread of its own (a drain:
   Horovod removes the host, stops its worker, and the watchdog's host-removed path ends the wait).
 
-Size: the heartbeat's format, its two writers (the detector, the start-up keeper) and the three verdicts that read
-it (a step's, a rendezvous's, a dead member's) share one set of rules (boot id, pid and start time, the phases);
-split, each rule would be stated, and kept in step, twice.
+Size: the heartbeat's format, its writers and its three verdicts share one set of rules (docs/decisions.md).
 """
 
 from __future__ import annotations
