@@ -28,6 +28,7 @@ import psutil
 from chaos.procs import JobNotFound, JobRef, Worker, tree
 from elastictrain import fileio
 from elastictrain.launcher.processes import is_alive
+from elastictrain.rundir import layout
 
 TEMP_MARKER = fileio.TEMP_MARKER
 """Checkpoint temp files are ``.<name>.tmp-<writer pid>-<hex>`` (elastictrain/checkpoint/storage.py)."""
@@ -391,7 +392,7 @@ def etcd_outage(job: JobRef, log: ChaosLog, *, seconds: float, etcd_pid: int | N
 # ---------------------------------------------------------------------------------------------- checkpoints
 def checkpoint_temp_files(run_dir: Path) -> list[Path]:
     """Temp files of a checkpoint being written (``checkpoints/step-*/.state.pt.tmp-<pid>-<hex>``)."""
-    root = run_dir / "checkpoints"
+    root = run_dir / layout.CHECKPOINTS
     out: list[Path] = []
     with contextlib.suppress(OSError):
         for d in os.scandir(root):
@@ -505,7 +506,7 @@ def kill_rank0_spare_writer(
         _signal([worker.proc], signal.SIGKILL)
         latest = None
         with contextlib.suppress(OSError, UnicodeDecodeError):
-            latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+            latest = (run_dir / layout.CHECKPOINTS / layout.LATEST).read_text().strip()
         return log.log(
             "kill-rank0-spare-writer",
             job=job.job,
@@ -535,7 +536,7 @@ def kill_during_commit(
     """
     if job.run_dir is None:
         raise JobNotFound("kill-during-commit needs --run-dir")
-    ledger_dir = job.run_dir / "ledger"
+    ledger_dir = job.run_dir / layout.LEDGER
     deadline = time.monotonic() + timeout
 
     def newest() -> tuple[Path | None, int]:

@@ -52,7 +52,8 @@ from chaos.run import LAUNCH_FLAGS, REPO, Run, ScenarioError
 from chaos.scenarios import DEFAULT_RUNS, FOUR_WORKERS, base_config
 from elastictrain.fileio import write_atomic
 from elastictrain.launcher.processes import is_alive
-from elastictrain.rundir.events import EVENTS_FILE, Reset
+from elastictrain.rundir import layout
+from elastictrain.rundir.events import Reset
 from elastictrain.tools.live_view import EventTail
 
 T = TypeVar("T")
@@ -326,7 +327,7 @@ class ResetDriver:
         self.fault = fault
         self.rng = rng
         self.out = out
-        self.tail = EventTail(run.run_dir / EVENTS_FILE)
+        self.tail = EventTail(run.run_dir / layout.EVENTS)
         self.resets: list[Reset] = []
         self.world_size: int | None = None
         self.step = 0

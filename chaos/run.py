@@ -29,7 +29,8 @@ from elastictrain import envnames
 from elastictrain.errors import ScenarioError as ScenarioError
 from elastictrain.launcher.commands import elastictrain_command
 from elastictrain.launcher.processes import is_alive
-from elastictrain.rundir.events import EVENTS_FILE, Checkpoint, Event, Metrics, Reset, Start, of_kind, read_events
+from elastictrain.rundir import layout
+from elastictrain.rundir.events import Checkpoint, Event, Metrics, Reset, Start, of_kind, read_events
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -142,7 +143,7 @@ class Run:
     # -- what the job wrote
     def events(self) -> list[Event]:
         try:
-            return read_events(self.run_dir / EVENTS_FILE, on_skip=lambda line, reason: None)
+            return read_events(self.run_dir / layout.EVENTS, on_skip=lambda line, reason: None)
         except FileNotFoundError:
             return []
 

@@ -38,6 +38,7 @@ from chaos.procs import JobNotFound, read_launch_state
 from chaos.run import GLOO_TIMEOUT_SECONDS, LAUNCH_FLAGS, REPO, Run, ScenarioError
 from elastictrain.fileio import write_atomic
 from elastictrain.launcher.commands import elastictrain_command
+from elastictrain.rundir import layout
 from elastictrain.rundir.events import Checkpoint, Commit, Event, Reset, of_kind
 from elastictrain.tools.audit import SampleAudit
 
@@ -149,7 +150,7 @@ class _NotRank0:
 def _wait_mlflow_run(r: Run) -> None:
     """Rank-0 kills wait until rank 0 has created the MLflow run: a rank 0 SIGKILLed while MLflow creates its
     sqlite schema leaves a store no later rank 0 can open (a known tracking bug, reported separately)."""
-    r.wait_for((r.run_dir / "mlflow_run_id").exists, 120, "the MLflow run (mlflow_run_id)")
+    r.wait_for((r.run_dir / layout.MLFLOW_RUN_ID).exists, 120, "the MLflow run (mlflow_run_id)")
 
 
 @scenario("kill-during-commit", "SIGKILL of rank 0 while it commits", ci=False)
@@ -192,7 +193,7 @@ def _kill_rank0_spare_writer(r: Run, quick: bool) -> None:
     # The new rank 0 checkpoints after the kill; then the old writer (if alive) may finish its older save.
     r.wait_for(lambda: any(e.ts > killed_at for e in of_kind(r.events(), Checkpoint)), 120,
                "a checkpoint by the new rank 0")  # fmt: skip
-    latest_path = r.run_dir / "checkpoints" / "latest"
+    latest_path = r.run_dir / layout.CHECKPOINTS / layout.LATEST
     before = latest_path.read_text().strip()
     if not writer_gone():
         with contextlib.suppress(psutil.Error):
@@ -207,7 +208,7 @@ def _kill_rank0_spare_writer(r: Run, quick: bool) -> None:
         waited_seconds=20,
         latest_before=before,
         latest_after=after,
-        latest_before_kept=(r.run_dir / "checkpoints" / before).is_dir(),
+        latest_before_kept=(r.run_dir / layout.CHECKPOINTS / before).is_dir(),
     )
 
 
@@ -504,7 +505,7 @@ class Result:
 
 
 def mlflow_run_ids(run_dir: Path) -> list[str] | None:
-    db = run_dir / "mlflow.db"
+    db = run_dir / layout.MLFLOW_DB
     if not db.exists():
         return None
     with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
@@ -544,10 +545,10 @@ def check_run(
     chaos_events = faults.read_chaos(run.run_dir / "chaos.jsonl")
     checks = [inv.check_completed(run.exit_code, events)]
     audit = None
-    if (run.run_dir / "ledger").is_dir():
+    if (run.run_dir / layout.LEDGER).is_dir():
         data = run.cfg["data"]
         audit = audit_samples(
-            committed_samples(run.run_dir / "ledger"), int(data["num_samples"]), int(run.cfg["training"]["epochs"])
+            committed_samples(run.run_dir / layout.LEDGER), int(data["num_samples"]), int(run.cfg["training"]["epochs"])
         )
     checks.append(inv.check_exactly_once(audit))
     checks.append(inv.check_final_loss(inv.final_loss(events), reference))
@@ -556,7 +557,7 @@ def check_run(
     checks.append(ck)
     file_run_id = None
     with contextlib.suppress(OSError):
-        file_run_id = (run.run_dir / "mlflow_run_id").read_text().strip()
+        file_run_id = (run.run_dir / layout.MLFLOW_RUN_ID).read_text().strip()
     checks.append(inv.check_one_mlflow_run(mlflow_run_ids(run.run_dir), file_run_id))
     checks.append(inv.check_no_leftovers(leftovers))
     if tier_leftovers is not None:

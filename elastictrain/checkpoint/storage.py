@@ -38,9 +38,7 @@ from typing import BinaryIO
 from elastictrain import fileio
 from elastictrain.errors import CheckpointError
 from elastictrain.fileio import atomic_file, fsync_dir
-
-LATEST = "latest"
-"""Key of the pointer file naming the newest complete, verified checkpoint folder."""
+from elastictrain.rundir.layout import LATEST, RunDir
 
 TEMP_MARKER = fileio.TEMP_MARKER
 """Temporary files carry this in their name; anything with it is garbage once no save is running."""
@@ -176,7 +174,7 @@ class LocalStorage(CheckpointStorage):
     @classmethod
     def for_run_dir(cls, run_dir: str | os.PathLike[str]) -> LocalStorage:
         """The storage of a job's ``run_dir``: checkpoints live in ``<run_dir>/checkpoints``."""
-        return cls(Path(run_dir) / "checkpoints")
+        return cls(RunDir.of(run_dir).checkpoints)
 
     def __repr__(self) -> str:
         return f"LocalStorage({str(self.root)!r})"

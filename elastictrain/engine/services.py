@@ -25,6 +25,7 @@ from elastictrain.engine.sampler import ExactlyOncePlanner, StepLog
 from elastictrain.engine.tracking import NullTracker, Tracker, make_tracker
 from elastictrain.fileio import write_atomic
 from elastictrain.logconf import get_logger
+from elastictrain.rundir import layout
 from elastictrain.rundir.events import EventSink, NullEventLog, TrackingClosed, open_event_log
 from elastictrain.rundir.ledger import SampleLedger
 
@@ -89,7 +90,7 @@ class Rank0Services:
         if cfg.audit.sample_ledger:
             # The ledger numbers its files in the order in which processes held rank 0 (not by a clock).
             self.ledger = SampleLedger(
-                cfg.run_path / "ledger",
+                cfg.run_path / layout.LEDGER,
                 f"{os.getpid()}",
                 num_samples=self.planner.num_samples,
                 drop_last=cfg.data.drop_last,
@@ -99,7 +100,7 @@ class Rank0Services:
             rank=0, enabled=cfg.tracking.progress_bar, total_steps=total_steps, initial_step=step
         )
         self.tracker.log_params(cfg.flat())
-        config_file = cfg.run_path / "config.yaml"  # the resolved config, next to the run and in MLflow
+        config_file = cfg.run_path / layout.CONFIG  # the resolved config, next to the run and in MLflow
         config_file.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(config_file, cfg.to_yaml(), durable=False)
         self.tracker.log_artifact(config_file)

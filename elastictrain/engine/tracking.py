@@ -41,14 +41,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 from elastictrain import fileio
 from elastictrain.errors import one_line
 from elastictrain.logconf import get_logger
-from elastictrain.rundir.events import EVENTS_FILE, Checkpoint, EpochEnd, Event, Metrics, Reset, read_events
+from elastictrain.rundir import layout
+from elastictrain.rundir.events import Checkpoint, EpochEnd, Event, Metrics, Reset, read_events
 
 if TYPE_CHECKING:
     from elastictrain.config import JobConfig
 
 log = get_logger("elastictrain.engine.tracking")
 
-RUN_ID_FILE = "mlflow_run_id"
 TAG_JOB = "elastictrain.job"
 TAG_RUN_DIR = "elastictrain.run_dir"
 # MLflow's limits per log_batch request and per value.
@@ -334,7 +334,7 @@ def backfill_points(events: Sequence[Event], high_water: dict[str, int]) -> list
 
 def default_tracking_uri(run_dir: str | os.PathLike[str]) -> str:
     """``sqlite:///<abs run_dir>/mlflow.db``: the run's own store (MLflow's default is the cwd)."""
-    return f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"
+    return f"sqlite:///{Path(run_dir).resolve() / layout.MLFLOW_DB}"
 
 
 def resolve_tracking_uri(
@@ -354,7 +354,7 @@ def write_atomic(path: Path, text: str) -> None:
 def read_run_id(run_dir: str | os.PathLike[str]) -> str | None:
     """The job's persisted MLflow run id, or None."""
     try:
-        text = (Path(run_dir) / RUN_ID_FILE).read_text().strip()
+        text = (Path(run_dir) / layout.MLFLOW_RUN_ID).read_text().strip()
     except OSError:
         return None
     return text or None
@@ -592,9 +592,9 @@ class MlflowTracker:
                 delay = min(delay * 2, self._backoff_max)
         if opened.run_id != existing:
             try:
-                write_atomic(self.run_dir / RUN_ID_FILE, opened.run_id + "\n")
+                write_atomic(self.run_dir / layout.MLFLOW_RUN_ID, opened.run_id + "\n")
             except OSError as e:
-                log.warning("tracking_run_id_not_saved", path=str(self.run_dir / RUN_ID_FILE), error=str(e))
+                log.warning("tracking_run_id_not_saved", path=str(self.run_dir / layout.MLFLOW_RUN_ID), error=str(e))
         self._run_id = opened.run_id
         self._started.set()
         log.info(
@@ -609,7 +609,7 @@ class MlflowTracker:
     def _backfill(self, backend: TrackingBackend, opened: OpenedRun) -> None:
         """Send the run log's points above the store's high-water marks, once; raise the marks past them."""
         try:
-            events = read_events(self.run_dir / EVENTS_FILE, on_skip=lambda line, reason: None)
+            events = read_events(self.run_dir / layout.EVENTS, on_skip=lambda line, reason: None)
         except OSError:  # no run log yet (or unreadable): nothing to fill in
             return
         points = backfill_points(events, opened.high_water)  # marks rise even if a request fails: never twice

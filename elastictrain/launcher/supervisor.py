@@ -94,7 +94,7 @@ from elastictrain.launcher.processes import (
     set_child_subreaper,
     terminate,
 )
-from elastictrain.rundir.launch import STATE_FILE
+from elastictrain.rundir import layout
 from elastictrain.rundir.worker_error import WorkerError, first_cause, read_worker_errors
 from elastictrain.tools.live_view import LiveView
 
@@ -128,7 +128,7 @@ class Launcher:
         self.etcd_binary = etcd_binary
         self.run_dir = cfg.run_path.resolve()
         t = cfg.training
-        self.live = LiveView(self.run_dir / "events.jsonl", sys.stdout, every_seconds=opts.status_every_seconds,
+        self.live = LiveView(self.run_dir / layout.EVENTS, sys.stdout, every_seconds=opts.status_every_seconds,
                              epochs=t.epochs, max_steps=t.max_steps)  # fmt: skip
         self.out = self.live.around(out or (lambda line: print(f"{PROG}: {line}", flush=True)))
         self.tracker = ProcessTracker()
@@ -196,7 +196,7 @@ class Launcher:
                 self._settle(watch)
             decision = decide_after_exit(
                 returncode=returncode,
-                completed=training_completed(self.run_dir / "events.jsonl"),
+                completed=training_completed(self.run_dir / layout.EVENTS),
                 hosts_lost=sorted(watch.lost),
                 min_ready_slots=watch.min_ready_slots if watch.min_ready_slots is not None else 0,
                 min_np=self.opts.min_np,
@@ -247,7 +247,7 @@ class Launcher:
         if etcd_data_dir_in_use(data_dir):
             raise LaunchError(
                 f"{data_dir} is in use by a running etcd (left by a launcher that died?); stop it "
-                f"(its pid is etcd_pid in {self.run_dir / STATE_FILE}) and launch again"
+                f"(its pid is etcd_pid in {self.run_dir / layout.LAUNCH_STATE}) and launch again"
             )
         log = self.run_dir / "logs" / "etcd.log"
         self.etcd = EtcdServer(
@@ -335,7 +335,7 @@ class Launcher:
         }
         pids = [os.getpid(), state["etcd_pid"], state["horovodrun_pid"], *(p.pid for p in self.agents.values())]
         state["create_times"] = {str(p): t for p in pids if p is not None and (t := create_time(p)) is not None}
-        write_atomic(self.run_dir / STATE_FILE, json.dumps(state, indent=2) + "\n", durable=False)
+        write_atomic(self.run_dir / layout.LAUNCH_STATE, json.dumps(state, indent=2) + "\n", durable=False)
 
     # -- hosts
     def _listing(self) -> list[Any] | None:
@@ -507,4 +507,4 @@ class Launcher:
             self.etcd.stop(signal.SIGTERM, timeout=10)
         self.tracker.kill_all()
         with contextlib.suppress(OSError):
-            (self.run_dir / STATE_FILE).unlink()
+            (self.run_dir / layout.LAUNCH_STATE).unlink()

@@ -43,8 +43,7 @@ from typing import Any, ClassVar, Protocol, TypeVar
 
 from elastictrain.errors import InputError
 from elastictrain.logconf import get_logger
-
-EVENTS_FILE = "events.jsonl"
+from elastictrain.rundir import layout
 
 log = get_logger("elastictrain.rundir.events")
 
@@ -516,7 +515,7 @@ class NullEventLog:
 
 def open_event_log(run_dir: str | os.PathLike[str], rank: int) -> EventLog | NullEventLog:
     """``EventLog(run_dir/events.jsonl)`` on rank 0, a :class:`NullEventLog` on every other rank."""
-    return EventLog(Path(run_dir) / EVENTS_FILE) if rank == 0 else NullEventLog()
+    return EventLog(Path(run_dir) / layout.EVENTS) if rank == 0 else NullEventLog()
 
 
 # ------------------------------------------------------------------------------------------------ reader

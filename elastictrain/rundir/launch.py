@@ -16,11 +16,7 @@ from pathlib import Path
 
 from discovery.record import check_name
 from elastictrain.launcher.errors import LaunchError
-
-LOCK_FILE = "launch.lock"
-"""``run_dir/launch.lock``: flock'ed by the launcher for its whole life (one job per run_dir); names pid and host."""
-STATE_FILE = "launch.json"
-"""``run_dir/launch.json``: pids, etcd endpoint and hosts of the running launcher (for operators and the demo)."""
+from elastictrain.rundir import layout
 
 
 class RunDirLock:
@@ -46,7 +42,7 @@ class RunDirLock:
         """Take the lock (creating run_dir and the lock file if needed); :class:`LaunchError` naming the
         holder when another launcher has it. Nothing else in run_dir is read or written."""
         run_dir.mkdir(parents=True, exist_ok=True)
-        path = run_dir / LOCK_FILE
+        path = run_dir / layout.LAUNCH_LOCK
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

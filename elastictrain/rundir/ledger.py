@@ -30,7 +30,6 @@ from typing import Any
 
 from elastictrain.errors import InputError
 
-LEDGER_DIR = "ledger"
 LEDGER_PREFIX = "tenure-"
 """Ledger files are ``tenure-<sequence>-<name>.jsonl``; the sequence orders them (see :func:`ledger_files`)."""
 _TENURE = re.compile(r"^tenure-(\d+)-")

@@ -28,8 +28,8 @@ from discovery.record import check_name
 from elastictrain import envnames
 from elastictrain.errors import one_line
 from elastictrain.fileio import write_atomic
+from elastictrain.rundir import layout
 
-ERRORS_DIR = "errors"
 MAX_RECORD_BYTES = 16 << 10
 MAX_TEXT = 500
 
@@ -114,7 +114,7 @@ def record_worker_error(run_dir: str | os.PathLike[str], e: BaseException) -> Pa
     """Write the record of ``e`` for this worker; None (and nothing raised) when it cannot be written: a failing
     worker must exit with its own error, not one about the run_dir."""
     err = WorkerError.from_exception(e)
-    path = Path(run_dir) / ERRORS_DIR / f"{err.host}-{err.slot}-{err.pid}.json"
+    path = Path(run_dir) / layout.WORKER_ERRORS / f"{err.host}-{err.slot}-{err.pid}.json"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, json.dumps(dataclasses.asdict(err)) + "\n", durable=False)
@@ -125,7 +125,7 @@ def record_worker_error(run_dir: str | os.PathLike[str], e: BaseException) -> Pa
 
 def read_worker_errors(run_dir: str | os.PathLike[str], *, launch_id: str, attempt: int) -> list[WorkerError]:
     """The valid records of one launch's attempt, earliest first (a malformed or foreign file is skipped)."""
-    folder = Path(run_dir) / ERRORS_DIR
+    folder = Path(run_dir) / layout.WORKER_ERRORS
     out: list[WorkerError] = []
     try:
         names = sorted(os.listdir(folder))

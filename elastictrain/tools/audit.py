@@ -30,10 +30,10 @@ from pathlib import Path
 
 from elastictrain.cliutil import OneLineParser
 from elastictrain.errors import ToolError
-from elastictrain.rundir.events import EVENTS_FILE, Lifecycle, lifecycle, read_events
-from elastictrain.rundir.ledger import LEDGER_DIR, LedgerError, read_ledger
+from elastictrain.rundir import layout
+from elastictrain.rundir.events import Lifecycle, lifecycle, read_events
+from elastictrain.rundir.ledger import LedgerError, read_ledger
 
-CONFIG_FILE = "config.yaml"  # the resolved config rank 0 writes into the run dir
 EXAMPLES = 5
 """Ids shown per kind of violation and epoch."""
 
@@ -182,7 +182,7 @@ def audit_run_dir(
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise AuditError(f"--run-dir {run_dir}: not a directory")
-    ledger_dir = run_dir / LEDGER_DIR
+    ledger_dir = run_dir / layout.LEDGER
     if not ledger_dir.is_dir() or not any(ledger_dir.glob("*.jsonl")):
         raise AuditError(f"{ledger_dir}: no ledger files (the run needs audit.sample_ledger: true)")
     try:
@@ -194,13 +194,13 @@ def audit_run_dir(
         raise AuditError(f"{ledger_dir}: the ledger does not record the dataset length; pass --num-samples N")
     if not ledger.committed:
         raise AuditError(f"{ledger_dir}: no committed step yet; nothing to audit")
-    epochs, max_steps = _training_length(run_dir / CONFIG_FILE)
+    epochs, max_steps = _training_length(run_dir / layout.CONFIG)
     try:
-        events = read_events(run_dir / EVENTS_FILE, on_skip)
+        events = read_events(run_dir / layout.EVENTS, on_skip)
     except FileNotFoundError:
         events = []
     except OSError as e:
-        raise AuditError(f"{run_dir / EVENTS_FILE}: cannot read ({e.strerror})") from None
+        raise AuditError(f"{run_dir / layout.EVENTS}: cannot read ({e.strerror})") from None
     state = lifecycle(events)
     newest = max(ledger.committed)
     if (state is Lifecycle.DONE and max_steps is None) or newest >= epochs:
@@ -223,7 +223,7 @@ def format_audit(r: RunAudit) -> str:
     """One line per epoch, then the verdict line."""
     a = r.audit
     lines = [
-        f"ledger   {r.run_dir / LEDGER_DIR}: {r.files} file(s), {r.steps} committed steps, dataset {r.num_samples} "
+        f"ledger   {r.run_dir / layout.LEDGER}: {r.files} file(s), {r.steps} committed steps, dataset {r.num_samples} "
         f"samples{', drop_last' if r.drop_last else ''}; run {r.state}, training.epochs {r.training_epochs}"
     ]
     if r.torn_lines:
@@ -270,7 +270,7 @@ def main(argv: list[str]) -> int:
         return 2
 
     def skipped(line: int, reason: str) -> None:
-        sys.stderr.write(f"elastictrain audit: warning: {EVENTS_FILE} line {line}: {reason}; skipped\n")
+        sys.stderr.write(f"elastictrain audit: warning: {layout.EVENTS} line {line}: {reason}; skipped\n")
 
     try:
         result = audit_run_dir(args.run_dir, num_samples=args.num_samples, on_skip=skipped)

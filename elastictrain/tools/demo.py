@@ -38,8 +38,8 @@ from elastictrain.errors import ToolError
 from elastictrain.launcher.commands import agent_command, elastictrain_command
 from elastictrain.launcher.hosts import local_logical_hosts
 from elastictrain.launcher.processes import is_worker
+from elastictrain.rundir import layout
 from elastictrain.rundir.events import Commit, EpochEnd, Event, Reset, Start, of_kind, read_events
-from elastictrain.rundir.launch import STATE_FILE
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO / "configs" / "digits.yaml"
@@ -55,7 +55,7 @@ class Demo:
         self.config_path = config_path
         self.hosts = hosts
         self.run_dir = cfg.run_path.resolve()
-        self.events_path = self.run_dir / "events.jsonl"
+        self.events_path = self.run_dir / layout.EVENTS
         self.t0 = time.monotonic()
         self.launcher: subprocess.Popen[bytes] | None = None
         self.extra_agent: subprocess.Popen[bytes] | None = None
@@ -87,7 +87,7 @@ class Demo:
     def state(self) -> dict[str, Any]:
         def read(_: object) -> dict[str, Any] | None:
             with contextlib.suppress(OSError, ValueError):
-                return dict(json.loads((self.run_dir / STATE_FILE).read_text()))
+                return dict(json.loads((self.run_dir / layout.LAUNCH_STATE).read_text()))
             return None
 
         return dict(self.wait_for("launcher state file", read, 60))
@@ -265,8 +265,8 @@ class Demo:
             print(f"  timeline              {png}   (elastictrain report --run-dir {self.run_dir})")
         except Exception as e:  # the PNG is a convenience; the summary above stands without it
             print(f"  timeline              not written ({type(e).__name__}: {e})")
-        uri = f"sqlite:///{self.run_dir}/mlflow.db"
-        if (self.run_dir / "mlflow.db").exists():
+        uri = f"sqlite:///{self.run_dir / layout.MLFLOW_DB}"
+        if (self.run_dir / layout.MLFLOW_DB).exists():
             print(f"  MLflow                mlflow ui --backend-store-uri {uri}")
         print("=" * 78)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from elastictrain.cliutil import OneLineParser
 from elastictrain.fileio import atomic_file, write_atomic
+from elastictrain.rundir import layout
 
 PROG = "elastictrain export"
 
@@ -25,7 +26,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     run_dir, out = Path(args.run_dir), Path(args.out)
     config_out = Path(args.config_out) if args.config_out else out.with_suffix(".yaml")
-    if not (run_dir / "checkpoints").is_dir():
+    if not (run_dir / layout.CHECKPOINTS).is_dir():
         print(
             f"{PROG}: error: --run-dir {run_dir}: no checkpoints/ folder (not a run dir, or nothing saved)",
             file=sys.stderr,
@@ -49,8 +50,8 @@ def main(argv: list[str]) -> int:
         return 2
     state = {str(k): t.detach().clone().contiguous() for k, t in model.items()}
     config = (loaded.manifest.get("meta") or {}).get("config")
-    if config is None and (run_dir / "config.yaml").exists():
-        config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    if config is None and (run_dir / layout.CONFIG).exists():
+        config = yaml.safe_load((run_dir / layout.CONFIG).read_text())
     with atomic_file(out) as f:
         torch.save(state, f)
     wrote = [str(out)]

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 from elastictrain.cliutil import OneLineParser
 from elastictrain.engine.health.stragglers import format_slowest, straggler_summary
 from elastictrain.fileio import atomic_file, write_atomic
+from elastictrain.rundir import layout
 from elastictrain.rundir.events import (
-    EVENTS_FILE,
     Checkpoint,
     CheckpointFailed,
     Done,
@@ -312,7 +312,7 @@ def report(
     """Write ``report.png`` (or ``out``) and ``report.json`` for ``run_dir``; return the summary.
     ``events``: the run's events when already read (default: read ``events.jsonl``)."""
     run_dir = Path(run_dir)
-    events = read_events(run_dir / EVENTS_FILE) if events is None else events
+    events = read_events(run_dir / layout.EVENTS) if events is None else events
     summary = summarize(events)
     summary["state"], summary["live"], summary["liveness"] = checked_state(summary["state"], run_dir)
     png = Path(out) if out is not None else run_dir / REPORT_PNG
@@ -329,7 +329,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
     args = p.parse_args(argv)
     run_dir = Path(args.run_dir)
-    events_path = run_dir / EVENTS_FILE
+    events_path = run_dir / layout.EVENTS
     if not run_dir.is_dir():
         sys.stderr.write(f"elastictrain report: --run-dir {run_dir}: not a directory\n")
         return 2

@@ -28,8 +28,8 @@ import psutil
 from elastictrain.cliutil import OneLineParser
 from elastictrain.engine.health.stragglers import format_slowest, straggler_summary
 from elastictrain.errors import ToolError
+from elastictrain.rundir import layout
 from elastictrain.rundir.events import (
-    EVENTS_FILE,
     Checkpoint,
     Event,
     Failure,
@@ -40,12 +40,8 @@ from elastictrain.rundir.events import (
     lifecycle,
     read_events,
 )
-from elastictrain.rundir.launch import STATE_FILE
 
-CHECKPOINTS_DIR = "checkpoints"
-LATEST_FILE = "latest"
 MANIFEST_FILE = "manifest.json"
-RUN_ID_FILE = "mlflow_run_id"  # written by elastictrain.engine.tracking (not imported here: it is not needed)
 NO_LIVE_PROCESS = "stopped (no live process)"
 
 
@@ -55,9 +51,9 @@ class StatusError(ToolError):
 
 def latest_checkpoint(run_dir: Path, now: float) -> dict[str, Any] | None:
     """What ``checkpoints/latest`` names, with its manifest fields and age; None when there is none."""
-    ckpt_dir = run_dir / CHECKPOINTS_DIR
+    ckpt_dir = run_dir / layout.CHECKPOINTS
     try:
-        name = (ckpt_dir / LATEST_FILE).read_text().strip()
+        name = (ckpt_dir / layout.LATEST).read_text().strip()
     except OSError:
         return None
     if not name:
@@ -98,25 +94,25 @@ def _alive_as_recorded(pid: int, created: Any) -> bool:
 
 def launch_liveness(run_dir: Path) -> tuple[bool | None, str]:
     """(live, why) from ``run_dir/launch.json``: live None when it cannot be told from this host."""
-    path = run_dir / STATE_FILE
+    path = run_dir / layout.LAUNCH_STATE
     try:
         state = json.loads(path.read_text())
     except FileNotFoundError:
-        return None, f"unknown: no {STATE_FILE}"
+        return None, f"unknown: no {layout.LAUNCH_STATE}"
     except (OSError, ValueError) as e:
-        return None, f"unknown: {STATE_FILE} unreadable ({type(e).__name__})"
+        return None, f"unknown: {layout.LAUNCH_STATE} unreadable ({type(e).__name__})"
     if not isinstance(state, dict):
-        return None, f"unknown: {STATE_FILE} is not an object"
+        return None, f"unknown: {layout.LAUNCH_STATE} is not an object"
     host, created = state.get("host"), state.get("create_times")
     if not isinstance(host, str) or not isinstance(created, dict):
-        return None, f"unknown: {STATE_FILE} has no host/create_times"
+        return None, f"unknown: {layout.LAUNCH_STATE} has no host/create_times"
     if host != socket.gethostname():
-        return None, f"unknown: {STATE_FILE} was written on host {host}; its pids are not checked here"
+        return None, f"unknown: {layout.LAUNCH_STATE} was written on host {host}; its pids are not checked here"
     pids = _launch_pids(state)
     live = [p for p in pids if _alive_as_recorded(p, created.get(str(p)))]
     if live:
         return True, f"live: pid {', '.join(map(str, live))} on {host}"
-    return False, f"no live process: pids {', '.join(map(str, pids)) or '-'} in {STATE_FILE} are gone"
+    return False, f"no live process: pids {', '.join(map(str, pids)) or '-'} in {layout.LAUNCH_STATE} are gone"
 
 
 def checked_state(state: str, run_dir: Path) -> tuple[str, bool | None, str | None]:
@@ -199,7 +195,7 @@ def read_status(
     now = time.time() if now is None else now
     if not run_dir.is_dir():
         raise StatusError(f"--run-dir {run_dir}: not a directory")
-    events_path = run_dir / EVENTS_FILE
+    events_path = run_dir / layout.EVENTS
     try:
         events = read_events(events_path, on_skip)
     except FileNotFoundError:
@@ -209,13 +205,13 @@ def read_status(
     checkpoint = latest_checkpoint(run_dir, now)
     if not events and checkpoint is None and not events_path.exists():
         raise StatusError(
-            f"--run-dir {run_dir}: no {EVENTS_FILE} and no {CHECKPOINTS_DIR}/{LATEST_FILE}: not a run_dir"
+            f"--run-dir {run_dir}: no {layout.EVENTS} and no {layout.CHECKPOINTS}/{layout.LATEST}: not a run_dir"
         )
     status = summarize_status(events, checkpoint, now)
     status["run_dir"] = str(run_dir)
     status["state"], status["live"], status["liveness"] = checked_state(status["state"], run_dir)
     try:
-        status["mlflow_run_id"] = (run_dir / RUN_ID_FILE).read_text().strip() or None
+        status["mlflow_run_id"] = (run_dir / layout.MLFLOW_RUN_ID).read_text().strip() or None
     except OSError:
         status["mlflow_run_id"] = None
     return status
@@ -323,7 +319,7 @@ def main(
         return 2
 
     def skipped(line: int, reason: str) -> None:
-        sys.stderr.write(f"elastictrain status: warning: {EVENTS_FILE} line {line}: {reason}; skipped\n")
+        sys.stderr.write(f"elastictrain status: warning: {layout.EVENTS} line {line}: {reason}; skipped\n")
 
     try:
         st = read_status(args.run_dir, on_skip=skipped)

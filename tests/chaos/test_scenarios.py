@@ -29,7 +29,8 @@ import yaml
 from chaos import netns
 from chaos.procs import environ
 from chaos.scenarios import SCENARIOS, Result, run_scenario
-from elastictrain.rundir.events import EVENTS_FILE, Event, Reset, Start, read_events
+from elastictrain.rundir import layout
+from elastictrain.rundir.events import Event, Reset, Start, read_events
 from tests.fixtures.procs import REPO, VENV_BIN
 
 LONG = os.environ.get("ELASTICTRAIN_CHAOS_LONG") == "1"
@@ -127,7 +128,7 @@ def test_multi_node_tier_with_namespaces_sshd_and_partitions(chaos_root: Path) -
 
 
 def _events(run_dir: Path) -> list[Event]:
-    return read_events(run_dir / EVENTS_FILE)
+    return read_events(run_dir / layout.EVENTS)
 
 
 @pytest.mark.timeout(120)

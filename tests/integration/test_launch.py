@@ -24,11 +24,11 @@ import pytest
 import yaml
 
 from elastictrain.envnames import LAUNCH_ID as LAUNCH_ID_ENV
-from elastictrain.hotjoin.zygote import CHECKER_NAME
+from elastictrain.hotjoin.protocol import CHECKER_NAME
 from elastictrain.launcher.decisions import EXIT_STOPPED
 from elastictrain.launcher.processes import is_worker
+from elastictrain.rundir import layout
 from elastictrain.rundir.events import (
-    EVENTS_FILE,
     Checkpoint,
     Commit,
     Done,
@@ -40,7 +40,6 @@ from elastictrain.rundir.events import (
     of_kind,
     read_events,
 )
-from elastictrain.rundir.launch import STATE_FILE
 from elastictrain.tools.live_view import STATUS_KIND
 from tests.fixtures.etcd import ETCD_BIN, EtcdServer
 from tests.fixtures.procs import REPO, VENV_BIN, ProcessGroup, free_port, wait_until
@@ -79,14 +78,14 @@ def write_config(tmp_path: Path, job: str, *, max_steps: int, mlflow: bool = Fal
 
 def events(run_dir: Path) -> list[Event]:
     try:
-        return read_events(run_dir / EVENTS_FILE)
+        return read_events(run_dir / layout.EVENTS)
     except FileNotFoundError:
         return []
 
 
 def launch_state(run_dir: Path) -> dict | None:
     try:
-        return json.loads((run_dir / STATE_FILE).read_text())
+        return json.loads((run_dir / layout.LAUNCH_STATE).read_text())
     except (OSError, ValueError):
         return None
 
@@ -182,7 +181,7 @@ def test_launch_with_embedded_etcd_runs_a_short_job_to_completion(
         "the command is printed"
     )
     assert "ELASTICTRAIN_ATTEMPT=0" in out and "training completed" in out
-    assert not (launch.run_dir / STATE_FILE).exists()
+    assert not (launch.run_dir / layout.LAUNCH_STATE).exists()
 
 
 def _hosts_listed(reg) -> int:
@@ -333,7 +332,7 @@ def test_a_second_launch_is_refused_and_a_sigkilled_launcher_takes_every_process
                what=f"a first commit; log: {launch.log()}")  # fmt: skip
     state = launch_state(run_dir)
     assert state is not None and state["horovodrun_pid"], state
-    before = (run_dir / STATE_FILE).read_text(), sorted(p.name for p in (run_dir / "etcd").rglob("*"))
+    before = (run_dir / layout.LAUNCH_STATE).read_text(), sorted(p.name for p in (run_dir / "etcd").rglob("*"))
 
     # A second launcher on the same run_dir: one line, exit 2, and the running job is untouched.
     second = subprocess.run(
@@ -343,7 +342,10 @@ def test_a_second_launch_is_refused_and_a_sigkilled_launcher_takes_every_process
     assert second.returncode == 2 and second.stdout == "", second
     (line,) = second.stderr.strip().splitlines()
     assert f"is driven by a live launcher (pid {launch.proc.pid} on " in line, line
-    assert ((run_dir / STATE_FILE).read_text(), sorted(p.name for p in (run_dir / "etcd").rglob("*"))) == before
+    assert (
+        (run_dir / layout.LAUNCH_STATE).read_text(),
+        sorted(p.name for p in (run_dir / "etcd").rglob("*")),
+    ) == before
     assert launch.proc.poll() is None and psutil.pid_exists(state["etcd_pid"])
 
     # The launcher is SIGKILLed (OOM, a force-deleted pod): etcd, agents, horovodrun and workers end too.

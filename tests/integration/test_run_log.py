@@ -19,18 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-from elastictrain.rundir.events import (
-    EVENTS_FILE,
-    Done,
-    E,
-    EpochEnd,
-    Event,
-    Failure,
-    Reset,
-    Start,
-    of_kind,
-    read_events,
-)
+from elastictrain.rundir import layout
+from elastictrain.rundir.events import Done, E, EpochEnd, Event, Failure, Reset, Start, of_kind, read_events
 from elastictrain.rundir.ledger import committed_samples, ledger_files
 from tests.fixtures.elastic_job import job_config
 from tests.fixtures.procs import VENV_BIN
@@ -65,7 +55,7 @@ def run_worker(cfg: dict[str, Any], script: list[dict[str, Any]], timeout: float
 
 
 def events(run_dir: Path, kind: type[E] = Event) -> list[E]:  # type: ignore[assignment]
-    return of_kind(read_events(run_dir / EVENTS_FILE), kind)
+    return of_kind(read_events(run_dir / layout.EVENTS), kind)
 
 
 def test_a_host_notice_at_the_final_epoch_end_does_not_train_another_epoch(tmp_path):

@@ -15,7 +15,8 @@ import pytest
 import torch
 import yaml
 
-from elastictrain.rundir.events import EVENTS_FILE, Done, EpochEnd, of_kind, read_events
+from elastictrain.rundir import layout
+from elastictrain.rundir.events import Done, EpochEnd, of_kind, read_events
 from tests.fixtures.procs import VENV_BIN, ProcessGroup, kill_tree
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -111,7 +112,7 @@ def test_a_readme_task_module_trains_to_completion_under_launch_and_exports(tmp_
         procs.cleanup()
     assert code == 0, log.read_text()[-3000:]
     run = tmp_path / "runs" / "linreg"
-    events = read_events(run / EVENTS_FILE)
+    events = read_events(run / layout.EVENTS)
     done = of_kind(events, Done)
     assert len(done) == 1 and (done[0].final_loss or 1.0) < 0.01, done
     epoch_ends = of_kind(events, EpochEnd)

@@ -8,14 +8,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from elastictrain.config import config_from_dict
-from elastictrain.engine.tracking import (
-    RUN_ID_FILE,
-    SENDER_ENV,
-    TAG_JOB,
-    MlflowTracker,
-    make_tracker,
-    read_run_id,
-)
+from elastictrain.engine.tracking import SENDER_ENV, TAG_JOB, MlflowTracker, make_tracker, read_run_id
+from elastictrain.rundir import layout
 from tests.fixtures.mlflow_server import MlflowServer
 from tests.fixtures.procs import wait_until
 
@@ -95,7 +89,7 @@ def test_the_sqlite_store_lives_in_the_run_dir_and_a_resumed_job_keeps_its_run_w
     run = MlflowClient(tracking_uri=uri).get_run(run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params["training.base_lr"] == "0.1" and run.data.tags["hosts"] == "a"
-    assert (run_dir / "mlflow.db").is_file() and (run_dir / RUN_ID_FILE).is_file()
+    assert (run_dir / "mlflow.db").is_file() and (run_dir / layout.MLFLOW_RUN_ID).is_file()
     assert list(isolated_env.iterdir()) == []  # nothing in the cwd: no mlflow.db, no mlruns/
 
     tracker = MlflowTracker(run_dir=run_dir, job="sqlite-job", tracking_uri=uri)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from elastictrain.cli import main as cli_main
-from elastictrain.rundir.events import EVENTS_FILE
+from elastictrain.rundir import layout
 from elastictrain.rundir.ledger import SampleLedger
 from elastictrain.tools.audit import audit_samples, main
 
@@ -37,7 +37,7 @@ def make_run(
     limit = "null" if max_steps is None else max_steps
     (run / "config.yaml").write_text(f"job: j\nrun_dir: {run}\ntraining:\n  epochs: {epochs}\n  max_steps: {limit}\n")
     events = [ev(0, "start", 0)] + ([ev(9, ended, steps[-1][0])] if ended else [])
-    (run / EVENTS_FILE).write_text("".join(json.dumps(e) + "\n" for e in events))
+    (run / layout.EVENTS).write_text("".join(json.dumps(e) + "\n" for e in events))
     kw = {"num_samples": N, "drop_last": drop_last} if meta else {}
     led = SampleLedger(run / "ledger", "100", **kw)
     led.restore(0)

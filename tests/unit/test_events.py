@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from elastictrain.rundir import layout
 from elastictrain.rundir.events import (
     EVENT_TYPES,
-    EVENTS_FILE,
     Checkpoint,
     Commit,
     Done,
@@ -41,11 +41,11 @@ HEAD = {"epoch": 0, "world_size": 2}
 
 
 def test_emitted_events_are_written_as_one_json_object_per_line_with_the_common_fields(tmp_path: Path) -> None:
-    log = EventLog(tmp_path / EVENTS_FILE)
+    log = EventLog(tmp_path / layout.EVENTS)
     log.emit(Start(ts=100.0, step=0, epoch=0, world_size=2, hosts=["a", "b"], resumed_from_step=None))
     log.emit(Commit(ts=101.5, step=10, epoch=0, world_size=2, commit_seconds=0.5))
     log.close()
-    lines = (tmp_path / EVENTS_FILE).read_text().splitlines()
+    lines = (tmp_path / layout.EVENTS).read_text().splitlines()
     assert [json.loads(line) for line in lines] == [
         {
             "ts": 100.0,
@@ -158,17 +158,17 @@ def test_every_kind_has_a_dataclass_a_when_and_a_documented_field_each() -> None
 
 
 def test_close_drains_every_queued_event_in_order(tmp_path: Path) -> None:
-    log = EventLog(tmp_path / EVENTS_FILE)
+    log = EventLog(tmp_path / layout.EVENTS)
     for i in range(2000):
         log.emit(Metrics(step=i, epoch=0, world_size=1))
     log.close()
     log.close()  # twice is harmless
-    assert [e.step for e in read_events(tmp_path / EVENTS_FILE)] == list(range(2000))
+    assert [e.step for e in read_events(tmp_path / layout.EVENTS)] == list(range(2000))
 
 
 def test_emit_returns_while_the_disk_is_stalled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     release = threading.Event()
-    log = EventLog(tmp_path / EVENTS_FILE)
+    log = EventLog(tmp_path / layout.EVENTS)
     real_write = log._write
     monkeypatch.setattr(log, "_write", lambda line: (release.wait(30), real_write(line)))
     for i in range(100):  # would hang here if emit waited for the writer
@@ -177,11 +177,11 @@ def test_emit_returns_while_the_disk_is_stalled(tmp_path: Path, monkeypatch: pyt
     release.set()
     assert log.flush(timeout=10)
     log.close()
-    assert len(read_events(tmp_path / EVENTS_FILE)) == 100
+    assert len(read_events(tmp_path / layout.EVENTS)) == 100
 
 
 def test_lines_from_concurrent_threads_never_interleave(tmp_path: Path) -> None:
-    log = EventLog(tmp_path / EVENTS_FILE)
+    log = EventLog(tmp_path / layout.EVENTS)
     payload = "x" * 5000
 
     def emit_many(tid: int) -> None:
@@ -194,35 +194,35 @@ def test_lines_from_concurrent_threads_never_interleave(tmp_path: Path) -> None:
     for t in threads:
         t.join()
     log.close()
-    lines = (tmp_path / EVENTS_FILE).read_text().splitlines()
+    lines = (tmp_path / layout.EVENTS).read_text().splitlines()
     assert len(lines) == 800
     assert all(json.loads(line)["error"] == payload for line in lines)
 
 
 def test_non_finite_floats_are_written_as_null(tmp_path: Path) -> None:
-    log = EventLog(tmp_path / EVENTS_FILE)
+    log = EventLog(tmp_path / layout.EVENTS)
     nan, inf = float("nan"), float("inf")
     log.emit(Metrics(step=1, epoch=0, world_size=1, loss=nan, lr=inf))
     log.emit(EpochEnd(step=1, epoch=0, world_size=1, val_loss=nan, val_metrics={"val_top5": nan}))
     log.close()
-    text = (tmp_path / EVENTS_FILE).read_text()
+    text = (tmp_path / layout.EVENTS).read_text()
     assert "NaN" not in text and "Infinity" not in text
-    metrics, epoch_end = read_events(tmp_path / EVENTS_FILE)
+    metrics, epoch_end = read_events(tmp_path / layout.EVENTS)
     assert isinstance(metrics, Metrics) and metrics.loss is None and metrics.lr is None
     assert isinstance(epoch_end, EpochEnd) and epoch_end.val_loss is None
     assert epoch_end.val_metrics == {"val_top5": None}
 
 
 def test_an_event_that_happened_earlier_keeps_its_own_time(tmp_path: Path) -> None:
-    log = EventLog(tmp_path / EVENTS_FILE)
+    log = EventLog(tmp_path / layout.EVENTS)
     log.emit(Failure(step=1, epoch=0, world_size=2, ts=42.5, reason="worker_failed", error=""))
     log.emit(Reset(step=1, epoch=0, world_size=1, ts=100.0))
     log.close()
-    assert [(e.name, e.ts) for e in read_events(tmp_path / EVENTS_FILE)] == [("failure", 42.5), ("reset", 100.0)]
+    assert [(e.name, e.ts) for e in read_events(tmp_path / layout.EVENTS)] == [("failure", 42.5), ("reset", 100.0)]
 
 
 def test_reader_skips_a_torn_final_line_silently(tmp_path: Path) -> None:
-    path = tmp_path / EVENTS_FILE
+    path = tmp_path / layout.EVENTS
     path.write_text('{"ts":1,"event":"start","step":0,"epoch":0,"world_size":1}\n{"ts":2,"event":"met')
     reports: list[tuple[int, str]] = []
     assert [e.name for e in read_events(path, lambda line, why: reports.append((line, why)))] == ["start"]
@@ -230,7 +230,7 @@ def test_reader_skips_a_torn_final_line_silently(tmp_path: Path) -> None:
 
 
 def test_a_relaunch_after_a_torn_line_appends_readable_events(tmp_path: Path) -> None:
-    path = tmp_path / EVENTS_FILE
+    path = tmp_path / layout.EVENTS
     path.write_text('{"ts":1,"event":"start","step":0,"epoch":0,"world_size":1}\n{"ts":2,"event":"met')
     log = EventLog(path)  # the relaunched rank 0
     log.emit(Start(step=0, epoch=0, world_size=2, attempt=1))
@@ -242,7 +242,7 @@ def test_a_relaunch_after_a_torn_line_appends_readable_events(tmp_path: Path) ->
 
 
 def test_reader_skips_blank_and_non_event_lines_and_reports_each(tmp_path: Path) -> None:
-    path = tmp_path / EVENTS_FILE
+    path = tmp_path / layout.EVENTS
     path.write_text('\n[1,2]\n{"no_event": 1}\n{"ts":1,"event":"done","step":5,"epoch":0,"world_size":1}\n\n')
     reports: list[tuple[int, str]] = []
     assert [e.name for e in read_events(path, lambda line, why: reports.append((line, why)))] == ["done"]
@@ -251,7 +251,7 @@ def test_reader_skips_blank_and_non_event_lines_and_reports_each(tmp_path: Path)
 
 def test_reader_raises_file_not_found_for_a_missing_file(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
-        read_events(tmp_path / EVENTS_FILE)
+        read_events(tmp_path / layout.EVENTS)
 
 
 def test_ranks_other_than_zero_write_nothing(tmp_path: Path) -> None:
@@ -260,10 +260,10 @@ def test_ranks_other_than_zero_write_nothing(tmp_path: Path) -> None:
     log.emit(Start(step=0, epoch=0, world_size=2))
     assert log.flush()
     log.close()
-    assert not (tmp_path / EVENTS_FILE).exists()
+    assert not (tmp_path / layout.EVENTS).exists()
     rank0 = open_event_log(tmp_path / "new", rank=0)
     assert isinstance(rank0, EventLog)
     rank0.emit(Start(step=0, epoch=0, world_size=2))
     rank0.close()
-    assert len(read_events(tmp_path / "new" / EVENTS_FILE)) == 1
+    assert len(read_events(tmp_path / "new" / layout.EVENTS)) == 1
     rank0.emit(Done(step=0, epoch=0, world_size=2))  # after close: ignored, never raises

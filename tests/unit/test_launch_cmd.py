@@ -31,7 +31,7 @@ from elastictrain.launcher.decisions import (
 )
 from elastictrain.launcher.errors import LaunchError
 from elastictrain.launcher.options import LaunchOptions
-from elastictrain.rundir import launch
+from elastictrain.rundir import launch, layout
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "configs" / "demo.yaml"
@@ -373,7 +373,7 @@ def test_one_launcher_per_run_dir_and_the_refusal_names_the_holder(tmp_path: Pat
             launch.RunDirLock.acquire(run_dir)  # another open file: flock excludes it as it would another process
         assert f"is driven by a live launcher (pid {os.getpid()} on {socket.gethostname()})" in str(e.value)
         assert "\n" not in str(e.value)
-        assert sorted(p.name for p in run_dir.iterdir()) == before == [launch.LOCK_FILE]
+        assert sorted(p.name for p in run_dir.iterdir()) == before == [layout.LAUNCH_LOCK]
     finally:
         first.release()
     launch.RunDirLock.acquire(run_dir).release()  # free again once the holder is gone

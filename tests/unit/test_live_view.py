@@ -6,7 +6,8 @@ import io
 import json
 from pathlib import Path
 
-from elastictrain.rundir.events import EVENTS_FILE, Done, EpochEnd, Event, Metrics, Reset, Start, encode
+from elastictrain.rundir import layout
+from elastictrain.rundir.events import Done, EpochEnd, Event, Metrics, Reset, Start, encode
 from elastictrain.tools.live_view import STATUS_KIND, EventTail, LiveView, fold, status_line, view
 
 T0 = 1_000_000.0
@@ -74,7 +75,7 @@ def append(path: Path, data: bytes) -> None:
 
 
 def test_the_tail_picks_up_a_file_that_appears_late_and_reads_only_new_complete_lines(tmp_path: Path) -> None:
-    path = tmp_path / EVENTS_FILE
+    path = tmp_path / layout.EVENTS
     tail = EventTail(path)
     assert tail.poll() == []
     first, second = encode(RUN[0]), encode(RUN[1])
@@ -86,7 +87,7 @@ def test_the_tail_picks_up_a_file_that_appears_late_and_reads_only_new_complete_
 
 
 def test_the_tail_starts_over_when_the_file_is_truncated_or_replaced(tmp_path: Path) -> None:
-    path = tmp_path / EVENTS_FILE
+    path = tmp_path / layout.EVENTS
     tail = EventTail(path)
     path.write_bytes(encode(RUN[0]) + encode(RUN[1]))
     assert len(tail.poll()) == 2
@@ -107,7 +108,7 @@ class Clock:
 
 
 def test_off_a_terminal_a_json_line_comes_every_n_seconds(tmp_path: Path) -> None:
-    path, out, clock = tmp_path / EVENTS_FILE, io.StringIO(), Clock(T0)
+    path, out, clock = tmp_path / layout.EVENTS, io.StringIO(), Clock(T0)
     live = LiveView(path, out, every_seconds=30, tty=False, epochs=4, clock=clock)
     path.write_bytes(b"".join(encode(e) for e in RUN))
     live.tick()
@@ -125,7 +126,7 @@ def test_off_a_terminal_a_json_line_comes_every_n_seconds(tmp_path: Path) -> Non
 
 
 def test_status_every_0_writes_nothing(tmp_path: Path) -> None:
-    path, out, clock = tmp_path / EVENTS_FILE, io.StringIO(), Clock(T0)
+    path, out, clock = tmp_path / layout.EVENTS, io.StringIO(), Clock(T0)
     path.write_bytes(b"".join(encode(e) for e in RUN))
     for tty in (False, True):
         live = LiveView(path, out, every_seconds=0, tty=tty, clock=clock)
@@ -137,7 +138,7 @@ def test_status_every_0_writes_nothing(tmp_path: Path) -> None:
 
 
 def test_on_a_terminal_one_line_is_rewritten_in_place_and_launcher_lines_go_above_it(tmp_path: Path) -> None:
-    path, out, clock = tmp_path / EVENTS_FILE, io.StringIO(), Clock(T0)
+    path, out, clock = tmp_path / layout.EVENTS, io.StringIO(), Clock(T0)
     live = LiveView(path, out, every_seconds=30, tty=True, clock=clock)
     printed: list[str] = []
     say = live.around(lambda line: printed.append(out.getvalue()) or out.write(line + "\n"))

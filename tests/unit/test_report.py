@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from elastictrain.rundir.events import EVENTS_FILE, Event, encode, parse_event
+from elastictrain.rundir import layout
+from elastictrain.rundir.events import Event, encode, parse_event
 from elastictrain.tools.report import build_figure, kept_step_seconds, main, summarize
 from tests.fixtures.procs import dead_pid
 
@@ -134,7 +135,7 @@ def write_events(run_dir: Path, events: list[Event | dict[str, Any]], tail: str 
     """``events`` as lines: typed events as the writer encodes them, dicts as they are (damaged lines)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     lines = [encode(e).decode() if isinstance(e, Event) else json.dumps(e) + "\n" for e in events]
-    (run_dir / EVENTS_FILE).write_text("".join(lines) + tail)
+    (run_dir / layout.EVENTS).write_text("".join(lines) + tail)
 
 
 def test_report_command_writes_a_png_and_report_json_and_prints_the_table(
@@ -170,7 +171,7 @@ def test_report_command_on_a_bad_run_dir_says_so_in_one_line_and_exits_2(
     if setup != "missing":
         run_dir.mkdir()
     if setup == "empty_events":
-        (run_dir / EVENTS_FILE).write_text("")
+        (run_dir / layout.EVENTS).write_text("")
     assert main(["--run-dir", str(run_dir)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(run_dir) in err
@@ -202,7 +203,7 @@ def test_report_leaves_no_temp_file_in_the_run_dir(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     write_events(run_dir, RUN_WITH_A_RESET)
     assert main(["--run-dir", str(run_dir), "--json"]) == 0
-    assert sorted(p.name for p in run_dir.iterdir()) == [EVENTS_FILE, "report.json", "report.png"]
+    assert sorted(p.name for p in run_dir.iterdir()) == [layout.EVENTS, "report.json", "report.png"]
 
 
 def test_report_of_a_running_job_whose_processes_are_all_gone_says_stopped_no_live_process(

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from elastictrain.rundir.events import EVENTS_FILE
+from elastictrain.rundir import layout
 from elastictrain.tools.status import main, read_status
 from tests.fixtures.procs import dead_pid
 
@@ -43,7 +43,7 @@ EVENTS = [
 def make_run_dir(tmp_path: Path, *, checkpoint: bool) -> Path:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / EVENTS_FILE).write_text("".join(json.dumps(e) + "\n" for e in EVENTS) + '{"ts": 3, "ev')
+    (run_dir / layout.EVENTS).write_text("".join(json.dumps(e) + "\n" for e in EVENTS) + '{"ts": 3, "ev')
     (run_dir / "mlflow_run_id").write_text("abc123\n")
     if checkpoint:
         folder = run_dir / "checkpoints" / "step-00000020"
@@ -110,7 +110,7 @@ def test_status_with_etcd_down_shows_the_rest_and_exits_1(tmp_path: Path, capsys
 
 def test_status_of_a_fresh_run_dir_with_only_a_checkpoint(tmp_path: Path) -> None:
     run_dir = make_run_dir(tmp_path, checkpoint=True)
-    (run_dir / EVENTS_FILE).unlink()
+    (run_dir / layout.EVENTS).unlink()
     st = read_status(run_dir, now=time.time())
     assert st["state"] == "not_started" and st["checkpoint"]["step"] == 20
 
@@ -151,9 +151,9 @@ def test_status_skips_a_well_formed_line_with_wrong_types_and_warns(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run_dir = make_run_dir(tmp_path, checkpoint=False)
-    lines = (run_dir / EVENTS_FILE).read_text().splitlines(keepends=True)
+    lines = (run_dir / layout.EVENTS).read_text().splitlines(keepends=True)
     bad = json.dumps({"ts": "late", "event": "metrics", "step": 99, "epoch": 0, "world_size": 2}) + "\n"
-    (run_dir / EVENTS_FILE).write_text("".join([lines[0], bad, *lines[1:]]))
+    (run_dir / layout.EVENTS).write_text("".join([lines[0], bad, *lines[1:]]))
     assert main(["--run-dir", str(run_dir), "--json"]) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["step"] == 30

@@ -9,13 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.rundir.worker_error import (
-    ERRORS_DIR,
-    WorkerError,
-    first_cause,
-    read_worker_errors,
-    record_worker_error,
-)
+from elastictrain.rundir import layout
+from elastictrain.rundir.worker_error import WorkerError, first_cause, read_worker_errors, record_worker_error
 
 ENV = {"HOROVOD_HOSTNAME": "127.0.0.1", "HOROVOD_LOCAL_RANK": "0", "HOROVOD_RANK": "1",
        "ELASTICTRAIN_LAUNCH_ID": "abc", "ELASTICTRAIN_ATTEMPT": "2"}  # fmt: skip
@@ -25,7 +20,7 @@ def test_a_recorded_exception_reads_back_as_the_launchers_line(tmp_path: Path, m
     for k, v in ENV.items():
         monkeypatch.setenv(k, v)
     path = record_worker_error(tmp_path, ValueError("bad batch at step 3\nsecond line"))
-    assert path is not None and path.parent == tmp_path / ERRORS_DIR
+    assert path is not None and path.parent == tmp_path / layout.WORKER_ERRORS
     (err,) = read_worker_errors(tmp_path, launch_id="abc", attempt=2)
     assert (err.host, err.slot, err.rank, err.pid) == ("127.0.0.1", 0, 1, os.getpid())
     assert err.line() == "worker 127.0.0.1[0] failed: ValueError: bad batch at step 3"
@@ -53,7 +48,7 @@ def good() -> dict:
     ],
 )
 def test_a_damaged_or_hostile_record_is_skipped(tmp_path: Path, change: dict) -> None:
-    folder = tmp_path / ERRORS_DIR
+    folder = tmp_path / layout.WORKER_ERRORS
     folder.mkdir()
     (folder / "good.json").write_text(json.dumps(good()))
     (folder / "bad.json").write_text(json.dumps({**good(), **change}))
