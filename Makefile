@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.setup-done
 PYTEST  := .venv/bin/pytest
 
-.PHONY: setup test test-unit test-integration lint format demo bench bench-quick gpu-check chaos chaos-campaign clean peers-env bench-peers
+.PHONY: setup test test-unit docs test-integration lint format demo bench bench-quick gpu-check chaos chaos-campaign clean peers-env bench-peers
 
 # Setup is idempotent; the stamp makes `make test` skip it when nothing it depends on changed.
 $(STAMP): scripts/setup.sh elastictrain/horovod/patch.py constraints/torch.txt pyproject.toml
@@ -14,6 +14,8 @@ setup:
 	bash scripts/setup.sh
 	@touch $(STAMP)
 
+# The suite includes tests/unit/test_docs_site.py: `mkdocs build --strict` of the docs site (a broken link,
+# anchor or page outside the nav fails).
 test: $(STAMP)
 	$(PYTEST) -q -ra tests
 
@@ -22,6 +24,10 @@ test-unit: $(STAMP)
 
 test-integration: $(STAMP)
 	$(PYTEST) -q -m integration tests
+
+# The docs site (mkdocs.yml, docs/) served at http://127.0.0.1:8000, rebuilt on every edit.
+docs: $(STAMP)
+	.venv/bin/mkdocs serve
 
 # Python (ruff, mypy), the Dockerfile (hadolint) and the Kubernetes manifests (kubernetes-validate, strict: unknown
 # fields are errors). The last two come with the dev extras.
