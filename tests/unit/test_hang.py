@@ -489,6 +489,21 @@ def test_a_beats_writer_runs_only_as_the_same_live_worker_of_the_job() -> None:
             _end(proc)
 
 
+def test_another_jobs_horovodrun_worker_is_never_a_worker_of_this_job() -> None:
+    """Two jobs of one user on one machine: a heartbeat written into this job's run_dir that names the other job's
+    worker (its host and slot, its pid and start time) must not get it killed; nor one of another launch of this job."""
+    theirs = _sleeper(job="another-job", slot=("b", "0"))
+    try:
+        p = psutil.Process(theirs.pid)
+        wait_until(lambda: p.environ(), 10, what="the child's environment")
+        beat = Beat(theirs.pid, "b", 0, "boot", p.create_time(), NOW, RENDEZVOUS, NOW, 0)
+        assert job_worker_runs(beat, "another-job"), "its own job's judge knows it"
+        assert not job_worker_runs(beat, JOB), "another job's worker of the same host and slot"
+        assert not job_worker_runs(beat, "another-job", launch_id="launch-2"), "another launch of its job"
+    finally:
+        _end(theirs)
+
+
 ZYGOTE = """
 import os, sys, time
 ready, named = os.pipe()

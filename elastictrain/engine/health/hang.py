@@ -265,11 +265,12 @@ def process_alive(pid: int) -> bool:
         return True
 
 
-def job_worker_runs(beat: Beat, job: str) -> bool:
+def job_worker_runs(beat: Beat, job: str, *, launch_id: str = "") -> bool:
     """Whether the process that wrote ``beat`` still exists as a worker: its pid, not a zombie, started when the
-    beat says (within a second), and either horovodrun's worker of the beat's host and slot by its environment
-    (``HOROVOD_HOSTNAME``, ``HOROVOD_LOCAL_RANK``: a cold worker, or the zygote client whose end ends its forked
-    worker), or a worker forked by a zygote of ``job`` (:func:`forked_by_zygote`). A heartbeat file is untrusted: it
+    beat says (within a second), and either horovodrun's worker of the beat's host and slot of ``job`` by its
+    environment (``HOROVOD_HOSTNAME``, ``HOROVOD_LOCAL_RANK``, ``ELASTICTRAIN_JOB`` and, when the judge has one,
+    ``ELASTICTRAIN_LAUNCH_ID``: a cold worker, or the zygote client whose end ends its forked worker), or a worker
+    forked by a zygote of ``job`` (:func:`forked_by_zygote`). A heartbeat file is untrusted: it
     must not get any other process killed (the job's environment alone names horovodrun, an agent, the zygote itself).
     Unlike :func:`process_alive` this errs towards False: it decides a SIGKILL."""
     try:
@@ -277,7 +278,8 @@ def job_worker_runs(beat: Beat, job: str) -> bool:
         if p.status() == psutil.STATUS_ZOMBIE or abs(p.create_time() - beat.created) >= 1.0:
             return False
         env = p.environ()
-        if env.get("HOROVOD_HOSTNAME") == beat.host and env.get("HOROVOD_LOCAL_RANK") == str(beat.slot):
+        ours = env.get(envnames.JOB, "") == job and (not launch_id or env.get(envnames.LAUNCH_ID) == launch_id)
+        if ours and env.get("HOROVOD_HOSTNAME") == beat.host and env.get("HOROVOD_LOCAL_RANK") == str(beat.slot):
             return True
         return forked_by_zygote(p, job)
     except (psutil.Error, OSError):
@@ -539,14 +541,14 @@ class HangDetector:
         if now - self.since < bound / 2 or now - self.last_check < BEAT_SECONDS:
             return []
         self.last_check = now
-        job = os.environ.get(envnames.JOB, "")
+        job, launch_id = os.environ.get(envnames.JOB, ""), os.environ.get(envnames.LAUNCH_ID, "")
         suspects = silent_in_rendezvous(
             now=now,
             beats=self.heartbeats.read_all(),
             bound=bound / 2,
             boot=self.identity()[0],
             me=os.getpid(),
-            runs=lambda b: job_worker_runs(b, job),
+            runs=lambda b: job_worker_runs(b, job, launch_id=launch_id),
         )
         quiet, self.quiet = self.quiet or {}, {}
         found = []
@@ -593,7 +595,8 @@ class HangDetector:
         boot, _ = self.identity()
         evict = None
         if h.beat.boot_id == boot and boot:
-            if job_worker_runs(h.beat, os.environ.get(envnames.JOB, "")):
+            mine = os.environ.get(envnames.JOB, ""), os.environ.get(envnames.LAUNCH_ID, "")
+            if job_worker_runs(h.beat, mine[0], launch_id=mine[1]):
                 done = kill_if_same(h.beat.pid, h.beat.created)
             else:
                 done = f"pid {h.beat.pid} is no worker of this job here (a stale or forged heartbeat): not killed"
