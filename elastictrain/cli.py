@@ -17,7 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("elastictrain.engine.worker", "the training worker that horovodrun starts on every slot"),
     "agent": ("discovery.agent", "node agent: register this host in etcd and drain on SIGTERM"),
     "hosts": ("discovery.hosts_cli", "list, drain, undrain or remove hosts of a job"),
-    "zygote": ("elastictrain.hotjoin.zygote", "hot join: a host's warm worker factory (serve) and its thin client"),
+    "zygote": ("elastictrain.hotjoin.server", "hot join: a host's warm worker factory (serve) and its thin client"),
     "launch": ("elastictrain.launcher.main", "run a job: embedded etcd and agents, horovodrun, supervision"),
     "status": ("elastictrain.tools.status", "show the state of a run from its run_dir"),
     "report": ("elastictrain.tools.report", "timeline PNG and goodput summary of a run"),

@@ -29,7 +29,7 @@ import yaml
 
 from elastictrain import envnames
 from elastictrain._testing.procs import kill_tree
-from elastictrain.hotjoin.zygote import CHECKER_NAME, DIR_ENV, READY_LINE
+from elastictrain.hotjoin.protocol import CHECKER_NAME, DIR_ENV, READY_LINE
 from elastictrain.launcher.commands import ZYGOTE_CLIENT, train_command, zygote_command
 
 

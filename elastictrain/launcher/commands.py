@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 REPO = Path(__file__).resolve().parents[2]
 DISCOVER_SCRIPT = REPO / "discovery" / "discover.sh"
-ZYGOTE_CLIENT = ("-m", "elastictrain.hotjoin.zygote", "client", "--")
+ZYGOTE_CLIENT = ("-m", "elastictrain.hotjoin.client", "--")
 """After the Python: how horovodrun starts a worker through the host's warm zygote (hot join)."""
 HVDRUN_MODULE = "elastictrain.horovod.hvdrun"
 """horovodrun with the two driver repairs (:mod:`elastictrain.horovod.hvdrun`), run as ``python -m``."""

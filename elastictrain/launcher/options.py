@@ -57,7 +57,7 @@ class LaunchOptions:
     elastic_timeout_seconds: int = 600
     """horovodrun ``--elastic-timeout``: how long it waits for ``--min-np`` slots before failing."""
     hot_join: bool = True
-    """Each agent keeps a warm worker process (:mod:`elastictrain.hotjoin.zygote`) and horovodrun starts workers through
+    """Each agent keeps a warm worker process (:mod:`elastictrain.hotjoin`) and horovodrun starts workers through
     its thin client, so a joining worker does not start an interpreter and import torch while the others wait.
     On by default; ``--no-hot-join`` starts every worker cold. A host without a warm zygote (a cluster agent
     without ``--warm-config``) starts its workers cold either way."""

@@ -60,7 +60,7 @@ def runs_train(cmd: Sequence[str]) -> bool:
     zygote's client (the process horovodrun started; it relays signals to the warm-forked worker). Not
     horovodrun, whose command line contains the worker's further on (pure)."""
     if is_zygote_client(cmd):
-        cmd = cmd[5:]
+        cmd = cmd[1 + len(ZYGOTE_CLIENT) :]
     for i, arg in enumerate(cmd[:3]):
         if (arg == "elastictrain" or arg.endswith("/elastictrain")) and cmd[i + 1 : i + 2] == ["train"]:
             return True
@@ -79,9 +79,8 @@ def is_worker(proc: psutil.Process) -> bool:
 
 
 def is_zygote_client(cmd: Sequence[str]) -> bool:
-    """``python -m elastictrain.hotjoin.zygote client -- ...``: what horovodrun started for a hot-joined worker
-    (pure)."""
-    return tuple(cmd[1:5]) == ZYGOTE_CLIENT
+    """``python -m elastictrain.hotjoin.client -- ...``: what horovodrun started for a hot-joined worker (pure)."""
+    return tuple(cmd[1 : 1 + len(ZYGOTE_CLIENT)]) == ZYGOTE_CLIENT
 
 
 def _std_fds(pid: int) -> tuple[str, str, str] | None:

@@ -19,7 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from elastictrain.hotjoin import zygote
+from elastictrain.hotjoin import client, protocol
+from elastictrain.hotjoin import server as zygote
 from elastictrain.launcher.commands import worker_command
 from elastictrain.launcher.options import LaunchOptions
 from elastictrain.launcher.processes import runs_train
@@ -28,7 +29,8 @@ from tests.fixtures.procs import REPO, ProcessGroup, wait_until
 SERVER = """
 import os, signal, sys
 from elastictrain.engine import worker
-from elastictrain.hotjoin import zygote
+from elastictrain.hotjoin import protocol
+from elastictrain.hotjoin import server as zygote
 
 def stand_in(args):
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -39,9 +41,9 @@ def stand_in(args):
     return int(args[0])
 
 worker.main = stand_in
-path = zygote.socket_path("job1", "h1")
+path = protocol.socket_path("job1", "h1")
 z = zygote.Zygote(zygote.listen(path), path)
-print(zygote.READY_LINE, os.getpid(), flush=True)
+print(protocol.READY_LINE, os.getpid(), flush=True)
 sys.exit(z.serve())
 """
 
@@ -59,7 +61,7 @@ def sockdir(monkeypatch) -> Path:
     import tempfile
 
     d = Path(tempfile.mkdtemp(prefix="zt-", dir="/tmp"))
-    monkeypatch.setenv(zygote.DIR_ENV, str(d / "z"))
+    monkeypatch.setenv(protocol.DIR_ENV, str(d / "z"))
     yield d / "z"
     import shutil
 
@@ -71,10 +73,10 @@ def client_env(**extra: str) -> dict[str, str]:
     return {**inherited, "ELASTICTRAIN_JOB": "job1", "HOROVOD_HOSTNAME": "h1", "PYTHONPATH": str(REPO), **extra}
 
 
-def client(procs: ProcessGroup, *args: str, cwd: Path | None = None, **env: str) -> subprocess.Popen:
+def start_client(procs: ProcessGroup, *args: str, cwd: Path | None = None, **env: str) -> subprocess.Popen:
     cold = [sys.executable, "-c", "import sys; print('cold', *sys.argv[1:])", "train", *args]
     return procs.start(
-        [sys.executable, "-m", "elastictrain.hotjoin.zygote", "client", "--", *cold],
+        [sys.executable, "-m", "elastictrain.hotjoin.client", "--", *cold],
         env=client_env(**env),
         cwd=cwd,
         stdout=subprocess.PIPE,
@@ -90,12 +92,12 @@ def server(procs, sockdir) -> subprocess.Popen:
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()
-    assert line.startswith(zygote.READY_LINE), line
+    assert line.startswith(protocol.READY_LINE), line
     return proc
 
 
 def test_worker_gets_the_clients_args_env_cwd_and_streams_and_its_exit_code(server, procs, tmp_path):
-    c = client(procs, "7", "--config", "x.yaml", cwd=tmp_path, PROBE="hello")
+    c = start_client(procs, "7", "--config", "x.yaml", cwd=tmp_path, PROBE="hello")
     out, err = c.communicate(timeout=60)
     assert c.returncode == 7, err
     word, ppid, cwd, probe, args = out.split(" ", 4)
@@ -109,7 +111,7 @@ def test_worker_gets_the_clients_args_env_cwd_and_streams_and_its_exit_code(serv
 
 
 def test_sigterm_to_the_client_reaches_the_worker(server, procs):
-    c = client(procs, "wait")
+    c = start_client(procs, "wait")
     assert c.stdout is not None
     worker_line = c.stdout.readline()  # the worker is running (it printed before it waits for a signal)
     assert worker_line.startswith("worker "), worker_line
@@ -122,7 +124,7 @@ def worker_children(server: subprocess.Popen) -> list[psutil.Process]:
 
 
 def test_a_killed_client_takes_its_worker_down(server, procs):
-    c = client(procs, "wait")
+    c = start_client(procs, "wait")
     assert c.stdout is not None and c.stdout.readline().startswith("worker ")
     (worker,) = worker_children(server)
     c.kill()
@@ -131,7 +133,7 @@ def test_a_killed_client_takes_its_worker_down(server, procs):
 
 
 def test_a_killed_worker_kills_its_client_with_the_same_signal(server, procs):
-    c = client(procs, "wait")
+    c = start_client(procs, "wait")
     assert c.stdout is not None and c.stdout.readline().startswith("worker ")
     (worker,) = worker_children(server)
     worker.kill()
@@ -139,16 +141,16 @@ def test_a_killed_worker_kills_its_client_with_the_same_signal(server, procs):
 
 
 def test_without_a_zygote_the_client_runs_the_cold_command(procs, sockdir):
-    c = client(procs, "3")
+    c = start_client(procs, "3")
     out, _ = c.communicate(timeout=60)
     assert (c.returncode, out.strip()) == (0, "cold train 3")
 
 
 def test_sigterm_to_the_zygote_waits_for_its_workers_then_removes_the_socket(server, procs):
-    c = client(procs, "wait")
+    c = start_client(procs, "wait")
     assert c.stdout is not None and c.stdout.readline().startswith("worker ")
     server.send_signal(signal.SIGTERM)
-    path = zygote.socket_path("job1", "h1")
+    path = protocol.socket_path("job1", "h1")
     wait_until(lambda: not path.exists(), 30, what="socket removed")
     assert server.poll() is None, "the zygote must outlive its running worker"
     c.send_signal(signal.SIGTERM)
@@ -157,7 +159,7 @@ def test_sigterm_to_the_zygote_waits_for_its_workers_then_removes_the_socket(ser
 
 
 def test_another_user_cannot_use_the_zygote(server, sockdir):
-    path = zygote.socket_path("job1", "h1")
+    path = protocol.socket_path("job1", "h1")
     assert oct(path.stat().st_mode & 0o777) == "0o600" and oct(path.parent.stat().st_mode & 0o777) == "0o700"
 
 
@@ -171,8 +173,8 @@ def test_another_user_cannot_use_the_zygote(server, sockdir):
     ],
 )
 def test_a_malformed_request_is_refused(request_, fds, error):
-    with pytest.raises(zygote.ProtocolError, match=error):
-        zygote._valid_request(request_, list(range(fds)))
+    with pytest.raises(protocol.ProtocolError, match=error):
+        protocol.valid_request(request_, list(range(fds)))
 
 
 @pytest.mark.parametrize("frame", [b"\xff\xff\xff\xff", b"\x00\x00\x00\x03abc", b"\x00\x00\x00\x02[]", b"\x00\x00"])
@@ -181,20 +183,20 @@ def test_a_malformed_message_is_a_protocol_error(frame):
     with a, b:
         a.sendall(frame)
         a.shutdown(socket.SHUT_WR)
-        with pytest.raises(zygote.ProtocolError):
-            zygote.recv_message(b)
+        with pytest.raises(protocol.ProtocolError):
+            protocol.recv_message(b)
 
 
 def test_socket_path_is_short_and_per_job_host_and_etcd(sockdir):
     etcds = ("", "http://10.0.0.1:2379", "http://10.0.0.2:2379")
-    paths = {zygote.socket_path(j, h, e) for j in ("a", "b") for h in ("h1", "h2") for e in etcds}
+    paths = {protocol.socket_path(j, h, e) for j in ("a", "b") for h in ("h1", "h2") for e in etcds}
     assert len(paths) == 12 and all(len(str(p)) < 100 for p in paths)
     two = "http://10.0.0.1:2379,http://10.0.0.2:2379"
-    assert zygote.socket_path("a", "h1", two) == zygote.socket_path(
+    assert protocol.socket_path("a", "h1", two) == protocol.socket_path(
         "a", "h1", "http://10.0.0.2:2379/, http://10.0.0.1:2379"
     )
-    assert zygote.socket_path("a", "h1", two, "/elastictrain/") == zygote.socket_path("a", "h1", two)
-    assert zygote.socket_path("a", "h1", two, "/other") != zygote.socket_path("a", "h1", two)
+    assert protocol.socket_path("a", "h1", two, "/elastictrain/") == protocol.socket_path("a", "h1", two)
+    assert protocol.socket_path("a", "h1", two, "/other") != protocol.socket_path("a", "h1", two)
 
 
 def test_the_agents_zygote_listens_where_the_launchs_workers_look(tmp_path):
@@ -206,15 +208,15 @@ def test_the_agents_zygote_listens_where_the_launchs_workers_look(tmp_path):
         env = launch_env(opts, etcd="http://127.0.0.1:2379", job="j", attempt=0, run_dir=tmp_path, prefix=prefix)
         cmd = zygote_command("job.yaml", (), job="j", host="h", etcd="http://127.0.0.1:2379", prefix=prefix)
         flags = dict(zip(cmd[-8::2], cmd[-7::2], strict=True))
-        served = zygote.socket_path(flags["--job"], flags["--host"], flags["--etcd"], flags["--prefix"])
-        assert served == zygote.client_socket_path({**env, "HOROVOD_HOSTNAME": "h"}), prefix
+        served = protocol.socket_path(flags["--job"], flags["--host"], flags["--etcd"], flags["--prefix"])
+        assert served == protocol.client_socket_path({**env, "HOROVOD_HOSTNAME": "h"}), prefix
 
 
 def test_launch_runs_workers_through_the_client_with_hot_join(tmp_path):
     cfg = tmp_path / "job.yaml"
     cold = worker_command(LaunchOptions(config=cfg, overrides=("a=1",), hot_join=False))
     hot = worker_command(LaunchOptions(config=cfg, overrides=("a=1",)))  # hot join is the default
-    assert hot[1:5] == ["-m", "elastictrain.hotjoin.zygote", "client", "--"] and hot[5:] == cold
+    assert hot[1:4] == ["-m", "elastictrain.hotjoin.client", "--"] and hot[4:] == cold
     assert runs_train(cold) and runs_train(hot)
 
 
@@ -238,7 +240,7 @@ def test_a_warm_zygote_has_one_thread_and_no_mlflow(procs, sockdir):
         text=True,
     )
     assert proc.stdout is not None
-    assert proc.stdout.readline().startswith(zygote.READY_LINE)
+    assert proc.stdout.readline().startswith(protocol.READY_LINE)
     assert len(os.listdir(f"/proc/{proc.pid}/task")) == 1
     maps = Path(f"/proc/{proc.pid}/maps").read_text()
     assert "libtorch" in maps and "horovod" in maps  # warm: torch and Horovod are loaded
@@ -248,7 +250,7 @@ def test_a_warm_zygote_has_one_thread_and_no_mlflow(procs, sockdir):
 
 def test_warm_imports_what_a_workers_first_optimizer_and_first_image_import_lazily_and_keeps_one_thread():
     code = (
-        "import os, sys; from elastictrain.hotjoin import zygote; zygote.warm('configs/demo.yaml', []);"
+        "import os, sys; from elastictrain.hotjoin import server as zygote; zygote.warm('configs/demo.yaml', []);"
         "print('torch._dynamo' in sys.modules, 'torchvision.datasets.folder' in sys.modules,"
         " 'PIL.PngImagePlugin' in sys.modules, len(os.listdir('/proc/self/task')))"
     )
@@ -276,12 +278,12 @@ def raw_request(*args: str) -> dict[str, object]:
 
 def test_a_worker_forked_for_a_client_that_already_left_does_not_stay(server, sockdir):
     """A client that gave up (and started its worker cold) must not leave a warm twin running."""
-    path = zygote.socket_path("job1", "h1")
+    path = protocol.socket_path("job1", "h1")
     for _ in range(3):
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.connect(str(path))
             null = os.open(os.devnull, os.O_RDWR)  # streams that stay writable: the worker itself would live on
-            zygote.send_message(s, raw_request("wait"), [null, null, null])
+            protocol.send_message(s, raw_request("wait"), [null, null, null])
             os.close(null)
     wait_until(lambda: not [c for c in worker_children(server) if c.status() != psutil.STATUS_ZOMBIE], 30,
                what="no worker left for the clients that left")  # fmt: skip
@@ -292,10 +294,10 @@ def test_the_client_never_talks_to_a_socket_in_a_folder_others_could_write(procs
     sockdir.mkdir(mode=0o777)
     os.chmod(sockdir, 0o777)
     impostor = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    impostor.bind(str(zygote.socket_path("job1", "h1")))
+    impostor.bind(str(protocol.socket_path("job1", "h1")))
     impostor.listen(1)
     try:
-        c = client(procs, "5")
+        c = start_client(procs, "5")
         out, _ = c.communicate(timeout=60)
         assert (c.returncode, out.strip()) == (0, "cold train 5")
     finally:
@@ -303,7 +305,7 @@ def test_the_client_never_talks_to_a_socket_in_a_folder_others_could_write(procs
 
 
 def test_a_second_zygote_on_a_live_socket_is_refused_and_a_stale_socket_is_replaced(server, sockdir):
-    path = zygote.socket_path("job1", "h1")
+    path = protocol.socket_path("job1", "h1")
     with pytest.raises(FileExistsError):
         zygote.listen(path)
     stale = sockdir.parent / "stale.sock"
@@ -353,7 +355,7 @@ def test_the_code_stamp_names_a_changed_or_removed_file_of_the_code_it_watched(t
     try:
         stamp = zygote.CodeStamp.take(packages=("usertask_stamp",), extra=(str(config),))
         assert str((pkg / "model.py").resolve()) in stamp.files
-        assert any(f.endswith("elastictrain/hotjoin/zygote.py") for f in stamp.files), (
+        assert any(f.endswith("elastictrain/hotjoin/server.py") for f in stamp.files), (
             "elastictrain's own code is watched"
         )
         assert not any("/site-packages/torch/" in f for f in stamp.files), "installed packages are not"
@@ -391,12 +393,12 @@ def test_a_zygote_whose_task_code_changed_forks_nothing_of_the_old_code_and_rest
     (tmp_path / "upgraded_task.py").write_text("VERSION = 1\n\ndef build():\n    raise NotImplementedError\n")
     proc = real_zygote(procs, tmp_path, "upgraded_task:build")
     first = proc.stdout.readline()
-    assert first.startswith(zygote.READY_LINE), first
+    assert first.startswith(protocol.READY_LINE), first
     (tmp_path / "upgraded_task.py").write_text("VERSION = 2\n\ndef build():\n    raise NotImplementedError\n")
-    c = client(procs, "x")
+    c = start_client(procs, "x")
     out, _ = c.communicate(timeout=60)
     said = []  # what the zygote said until it was ready again
-    while not (line := proc.stdout.readline()).startswith(zygote.READY_LINE):
+    while not (line := proc.stdout.readline()).startswith(protocol.READY_LINE):
         assert line, f"the zygote ended: {said}"
         said.append(line)
     assert any("upgraded_task.py changed since it warmed; restarting" in x for x in said), said
@@ -410,8 +412,8 @@ def test_a_zygote_whose_task_code_changed_forks_nothing_of_the_old_code_and_rest
 def test_the_forked_worker_of_a_client_is_found_by_the_streams_it_was_handed(server, procs):
     from elastictrain.launcher.processes import forked_worker
 
-    c = client(procs, "wait")
-    other = client(procs, "wait")
+    c = start_client(procs, "wait")
+    other = start_client(procs, "wait")
     assert c.stdout is not None and c.stdout.readline().startswith("worker ")
     assert other.stdout is not None and other.stdout.readline().startswith("worker ")
     everyone = list(psutil.process_iter())
@@ -441,8 +443,8 @@ def test_a_stale_zygote_lets_its_running_worker_finish_then_restarts_unless_told
         [sys.executable, "-c", STAMPED_SERVER, str(watched)],
         env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
-    assert server.stdout is not None and server.stdout.readline().startswith(zygote.READY_LINE)
-    running = client(procs, "wait")
+    assert server.stdout is not None and server.stdout.readline().startswith(protocol.READY_LINE)
+    running = start_client(procs, "wait")
     assert running.stdout is not None and running.stdout.readline().startswith("worker ")
     watched.write_text("VERSION = 22\n")
     line = server.stdout.readline()
@@ -450,7 +452,7 @@ def test_a_stale_zygote_lets_its_running_worker_finish_then_restarts_unless_told
     if "forked worker" in line:
         line = server.stdout.readline()
     assert "task.py changed since it warmed; restarting once its workers have exited" in line, line
-    late = client(procs, "1")
+    late = start_client(procs, "1")
     out, _ = late.communicate(timeout=30)
     assert out.startswith("cold "), "a stale zygote takes no request"
     assert server.poll() is None, "it waits for its running worker"
@@ -498,16 +500,16 @@ def test_a_zygote_whose_changed_code_does_not_warm_yet_tries_again_and_recovers(
     good = "def build():\n    raise NotImplementedError\n"
     (tmp_path / "flaky_task.py").write_text(good)
     proc = real_zygote(procs, tmp_path, "flaky_task:build")
-    assert proc.stdout.readline().startswith(zygote.READY_LINE)
+    assert proc.stdout.readline().startswith(protocol.READY_LINE)
     (tmp_path / "flaky_task.py").write_text("def build(:\n")  # a half-saved edit
     assert "changed since it warmed; restarting" in proc.stdout.readline()
     line = proc.stdout.readline()
     assert "warming the changed code failed" in line and "trying again in 2s" in line, line
-    assert zygote.warming_since(zygote.socket_path("job1", "h1")) is None, "no client waits for a failed warm-up"
+    assert protocol.warming_since(protocol.socket_path("job1", "h1")) is None, "no client waits for a failed warm-up"
     (tmp_path / "flaky_task.py").write_text(good + "# fixed\n")
     again = proc.stdout.readline()  # the retry re-executes the same process, which warms the fixed code
-    assert again.startswith(zygote.READY_LINE) and again.split()[-1] == str(proc.pid), again
-    assert not zygote.warming_path(zygote.socket_path("job1", "h1")).exists(), "the marker goes once it listens"
+    assert again.startswith(protocol.READY_LINE) and again.split()[-1] == str(proc.pid), again
+    assert not protocol.warming_path(protocol.socket_path("job1", "h1")).exists(), "the marker goes once it listens"
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
 
@@ -525,22 +527,22 @@ def test_a_zygote_forks_only_for_the_config_and_overrides_it_warmed(procs, sockd
         [sys.executable, "-c", JOB_SERVER, str(mine)],
         env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
-    assert server.stdout is not None and server.stdout.readline().startswith(zygote.READY_LINE)
-    ours = client(procs, "3", "--config", "job.yaml", "--set", "a=1", cwd=tmp_path)
+    assert server.stdout is not None and server.stdout.readline().startswith(protocol.READY_LINE)
+    ours = start_client(procs, "3", "--config", "job.yaml", "--set", "a=1", cwd=tmp_path)
     assert ours.communicate(timeout=30)[0].startswith("worker ") and ours.returncode == 3
     for args in (("3", "--config", "other.yaml", "--set", "a=1"), ("3", "--config", "job.yaml", "--set", "a=2")):
-        theirs = client(procs, *args, cwd=tmp_path)
+        theirs = start_client(procs, *args, cwd=tmp_path)
         out, err = theirs.communicate(timeout=30)
         assert out.startswith("cold ") and "this zygote warmed" in err, (out, err)
 
 
 WARMING_SERVER = SERVER.replace(
     "z = zygote.Zygote(zygote.listen(path), path)",
-    "mark = zygote.mark_warming(path)\n"
+    "mark = protocol.mark_warming(path)\n"
     "print('warming', flush=True)\n"
     "sys.stdin.readline()  # warm until the test says\n"
     "listener = zygote.listen(path)\n"
-    "zygote.unmark_warming(path, mark)\n"
+    "protocol.unmark_warming(path, mark)\n"
     "z = zygote.Zygote(listener, path)",
 )
 assert WARMING_SERVER != SERVER
@@ -559,7 +561,7 @@ def warming_zygote(procs: ProcessGroup) -> subprocess.Popen:
 
 
 def waiting_client(procs: ProcessGroup, zygote_pid: int) -> subprocess.Popen:
-    c = client(procs, "3")
+    c = start_client(procs, "3")
     assert c.stderr is not None
     said = c.stderr.readline()
     assert f"waiting for the warming zygote (pid {zygote_pid})" in said, said
@@ -572,18 +574,18 @@ def test_a_client_that_comes_while_its_zygote_warms_waits_for_it_and_gets_a_warm
     assert server.stdin is not None and server.stdout is not None
     server.stdin.write("go\n")
     server.stdin.flush()
-    assert server.stdout.readline().startswith(zygote.READY_LINE)
+    assert server.stdout.readline().startswith(protocol.READY_LINE)
     out, err = c.communicate(timeout=60)
     assert c.returncode == 3, err
     assert out.split(" ")[:2] == ["worker", str(server.pid)], "forked by the zygote it waited for, not cold"
-    assert not zygote.warming_path(zygote.socket_path("job1", "h1")).exists(), "the marker goes once it listens"
+    assert not protocol.warming_path(protocol.socket_path("job1", "h1")).exists(), "the marker goes once it listens"
 
 
 def test_a_client_whose_warming_zygote_dies_starts_cold(procs, sockdir):
     server = warming_zygote(procs)
     c = waiting_client(procs, server.pid)
     server.kill()  # not reaped: a zygote whose agent has not waited for it yet is a zombie
-    out, _ = c.communicate(timeout=zygote.WARMING_WAIT_SECONDS / 2)
+    out, _ = c.communicate(timeout=protocol.WARMING_WAIT_SECONDS / 2)
     assert (c.returncode, out.strip()) == (0, "cold train 3")
 
 
@@ -591,40 +593,40 @@ def test_a_signal_to_a_waiting_client_ends_it_with_that_signal_and_starts_nothin
     server = warming_zygote(procs)
     c = waiting_client(procs, server.pid)
     c.send_signal(signal.SIGTERM)
-    out, _ = c.communicate(timeout=zygote.WARMING_WAIT_SECONDS / 2)
+    out, _ = c.communicate(timeout=protocol.WARMING_WAIT_SECONDS / 2)
     assert (c.returncode, out) == (-signal.SIGTERM, "")
 
 
 def test_a_client_waits_for_a_warm_up_only_until_the_bound_after_it_began(sockdir, monkeypatch):
-    path = zygote.socket_path("job1", "h1")
-    mark = zygote.mark_warming(path)
+    path = protocol.socket_path("job1", "h1")
+    mark = protocol.mark_warming(path)
     assert mark is not None
     pid, started, since = mark.split()
     relay = types.SimpleNamespace(pending=[])
-    zygote.warming_path(path).write_text(f"{pid} {started} {float(since) - zygote.WARMING_WAIT_SECONDS}")
+    protocol.warming_path(path).write_text(f"{pid} {started} {float(since) - protocol.WARMING_WAIT_SECONDS}")
     with pytest.raises(FileNotFoundError):  # warming for longer than the bound: cold at once
-        zygote._connect(path, relay)
-    monkeypatch.setattr(zygote, "WARMING_WAIT_SECONDS", 0.3)
-    zygote.warming_path(path).write_text(mark)
+        client._connect(path, relay)
+    monkeypatch.setattr(client, "WARMING_WAIT_SECONDS", 0.3)
+    protocol.warming_path(path).write_text(mark)
     with pytest.raises(FileNotFoundError):  # still warming when the bound passes: cold
-        zygote._connect(path, relay)
+        client._connect(path, relay)
 
 
 def test_a_warming_marker_counts_only_while_the_process_it_names_runs(sockdir):
-    path = zygote.socket_path("job1", "h1")
-    assert zygote.warming_since(path) is None  # no marker
-    mark = zygote.mark_warming(path)
+    path = protocol.socket_path("job1", "h1")
+    assert protocol.warming_since(path) is None  # no marker
+    mark = protocol.mark_warming(path)
     assert mark is not None
-    assert zygote.warming_since(path) == (os.getpid(), float(mark.split()[2]))
+    assert protocol.warming_since(path) == (os.getpid(), float(mark.split()[2]))
     pid, started, since = mark.split()
-    marker = zygote.warming_path(path)
+    marker = protocol.warming_path(path)
     for other in (f"{pid} {int(started) + 1} {since}", f"999999999 1 {since}", f"{pid} {started} nan", "x y z", ""):
         marker.write_text(other)  # a reused pid, no such process, garbage
-        assert zygote.warming_since(path) is None, other
-    zygote.unmark_warming(path, mark)
+        assert protocol.warming_since(path) is None, other
+    protocol.unmark_warming(path, mark)
     assert marker.exists(), "a marker another process wrote is left alone"
     marker.write_text(mark)
-    zygote.unmark_warming(path, mark)
+    protocol.unmark_warming(path, mark)
     assert not marker.exists()
 
 
@@ -639,8 +641,9 @@ def test_warm_ups_take_the_machines_slots_one_each_and_go_ahead_without_one_afte
 
 def test_a_dead_warm_up_frees_its_slot(procs, tmp_path):
     holder = procs.start(
-        [sys.executable, "-c", "import sys\nfrom pathlib import Path\nfrom elastictrain.hotjoin import zygote\n"
-         "with zygote.warm_slot(Path(sys.argv[1]), 1, 0) as got:\n    print(got, flush=True)\n    sys.stdin.read()",
+        [sys.executable, "-c", "import sys\nfrom pathlib import Path\n"
+         "from elastictrain.hotjoin.server import warm_slot\n"
+         "with warm_slot(Path(sys.argv[1]), 1, 0) as got:\n    print(got, flush=True)\n    sys.stdin.read()",
          str(tmp_path)],
         env={**os.environ, "PYTHONPATH": str(REPO)}, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -668,8 +671,8 @@ def test_a_zygote_whose_files_have_future_mtimes_serves_instead_of_restarting(pr
     (tmp_path / "future_task.py").write_text("def build():\n    raise NotImplementedError\n")
     proc = real_zygote(procs, tmp_path, "future_task:build", mtime_ns=time.time_ns() + 3600 * 10**9)
     first = proc.stdout.readline()
-    assert first.startswith(zygote.READY_LINE), first
-    c = client(procs, "--config", "job.yaml", cwd=tmp_path)
+    assert first.startswith(protocol.READY_LINE), first
+    c = start_client(procs, "--config", "job.yaml", cwd=tmp_path)
     _, err = c.communicate(timeout=60)
     assert "starting cold" not in err, err
     line = proc.stdout.readline()
@@ -679,9 +682,9 @@ def test_a_zygote_whose_files_have_future_mtimes_serves_instead_of_restarting(pr
 # -- one client at a time (issue 37, item 5)
 
 SLOW_SERVER = SERVER.replace(
-    "path = zygote.socket_path",
-    "zygote.CONNECT_TIMEOUT_SECONDS = zygote.ANSWER_SECONDS = 60.0  # a silent connection is held a long time\n"
-    "path = zygote.socket_path",
+    "path = protocol.socket_path",
+    "protocol.CONNECT_TIMEOUT_SECONDS = protocol.ANSWER_SECONDS = 60.0  # a silent connection is held a long time\n"
+    "path = protocol.socket_path",
 )
 
 
@@ -691,20 +694,20 @@ def slow_server(procs, sockdir) -> subprocess.Popen:
         [sys.executable, "-c", SLOW_SERVER], env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
         text=True,
     )  # fmt: skip
-    assert proc.stdout is not None and proc.stdout.readline().startswith(zygote.READY_LINE)
+    assert proc.stdout is not None and proc.stdout.readline().startswith(protocol.READY_LINE)
     return proc
 
 
 def silent_connection() -> socket.socket:
     """A connection to the zygote of job1 on h1 that sends nothing (a client stopped right after connect)."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.connect(str(zygote.socket_path("job1", "h1")))
+    s.connect(str(protocol.socket_path("job1", "h1")))
     return s
 
 
 def test_a_silent_connection_does_not_hold_up_another_client(slow_server, procs):
     with silent_connection(), silent_connection():
-        c = client(procs, "3")
+        c = start_client(procs, "3")
         out, err = c.communicate(timeout=60)
     assert (c.returncode, out.split(" ")[:2]) == (3, ["worker", str(slow_server.pid)]), (out, err)
 
@@ -712,7 +715,7 @@ def test_a_silent_connection_does_not_hold_up_another_client(slow_server, procs)
 def test_a_dead_clients_worker_is_killed_while_another_connection_is_silent(slow_server, procs):
     from elastictrain.launcher.processes import forked_worker
 
-    c = client(procs, "wait")
+    c = start_client(procs, "wait")
     assert c.stdout is not None and c.stdout.readline().startswith("worker ")
     worker = forked_worker(psutil.Process(c.pid), worker_children(slow_server))
     assert worker is not None
@@ -746,8 +749,8 @@ def test_a_hung_code_check_neither_stops_reaping_nor_leaves_a_client_waiting(pro
         [sys.executable, "-c", HANGING_CHECK_SERVER, str(watched), str(hang), str(hanging)],
         env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
-    assert server.stdout is not None and server.stdout.readline().startswith(zygote.READY_LINE)
-    c = client(procs, "wait")
+    assert server.stdout is not None and server.stdout.readline().startswith(protocol.READY_LINE)
+    c = start_client(procs, "wait")
     assert c.stdout is not None and c.stdout.readline().startswith("worker ")
     worker = forked_worker(psutil.Process(c.pid), worker_children(server))
     assert worker is not None
@@ -756,7 +759,7 @@ def test_a_hung_code_check_neither_stops_reaping_nor_leaves_a_client_waiting(pro
     c.kill()
     c.wait(timeout=10)
     wait_until(lambda: not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE, 20, what="worker gone")
-    late = client(procs, "1")
+    late = start_client(procs, "1")
     out, err = late.communicate(timeout=60)
     assert out.startswith("cold ") and "check" in err, (out, err)
     assert server.poll() is None
@@ -781,8 +784,8 @@ def test_a_sigterm_that_reaches_a_worker_before_it_set_its_handlers_ends_it(proc
         [sys.executable, "-c", EARLY_SIGNAL_SERVER], env={**os.environ, "PYTHONPATH": str(REPO)},
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
-    assert server.stdout is not None and server.stdout.readline().startswith(zygote.READY_LINE)
-    c = client(procs, "wait")
+    assert server.stdout is not None and server.stdout.readline().startswith(protocol.READY_LINE)
+    c = start_client(procs, "wait")
     try:
         out, _ = c.communicate(timeout=30)
     except subprocess.TimeoutExpired:
@@ -797,7 +800,7 @@ def test_a_sigterm_that_reaches_a_worker_before_it_set_its_handlers_ends_it(proc
     ("name", "value"), [("OPENBLAS_CORETYPE", "Haswell"), ("PYTHONPATH", f"{REPO}{os.pathsep}/zt-elsewhere")]
 )
 def test_a_client_whose_start_up_environment_differs_from_the_zygotes_starts_cold(server, procs, name, value):
-    c = client(procs, "3", **{name: value})
+    c = start_client(procs, "3", **{name: value})
     out, err = c.communicate(timeout=60)
     assert (c.returncode, out.strip()) == (0, "cold train 3"), (out, err)
     assert "starting cold" in err and ("sys.path" if name == "PYTHONPATH" else name) in err, err
@@ -825,11 +828,11 @@ def test_a_forked_worker_runs_torch_and_blas_on_the_threads_a_cold_worker_would(
         [sys.executable, "-c", THREADS_SERVER], env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
         text=True,
     )  # fmt: skip
-    assert server.stdout is not None and server.stdout.readline().startswith(zygote.READY_LINE)
+    assert server.stdout is not None and server.stdout.readline().startswith(protocol.READY_LINE)
     env = {k: v for k, v in client_env(**threads).items() if not k.endswith("_NUM_THREADS") or k in threads}
     cold = subprocess.run([sys.executable, "-c", THREADS_PROBE], env=env, capture_output=True, text=True, timeout=120)
     c = procs.start(
-        [sys.executable, "-m", "elastictrain.hotjoin.zygote", "client", "--", sys.executable, "-c", "", "train", "0"],
+        [sys.executable, "-m", "elastictrain.hotjoin.client", "--", sys.executable, "-c", "", "train", "0"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     out, err = c.communicate(timeout=60)
@@ -840,6 +843,6 @@ def test_a_forked_worker_runs_torch_and_blas_on_the_threads_a_cold_worker_would(
 def test_a_client_of_another_job_of_the_same_name_and_host_is_not_served(server, procs):
     """Two launches of one config on one machine (each with its etcd): neither's workers come from the other's zygote,
     whose agent stopping would kill them."""
-    c = client(procs, "3", ELASTICTRAIN_ETCD="http://127.0.0.1:1")
+    c = start_client(procs, "3", ELASTICTRAIN_ETCD="http://127.0.0.1:1")
     out, err = c.communicate(timeout=60)
     assert (c.returncode, out.strip()) == (0, "cold train 3"), (out, err)

@@ -68,7 +68,7 @@ import psutil
 from discovery.wire import check_name
 from elastictrain import envnames
 from elastictrain.fileio import write_atomic
-from elastictrain.hotjoin.zygote import CHECKER_NAME
+from elastictrain.hotjoin.protocol import CHECKER_NAME
 from elastictrain.logconf import get_logger
 
 log = get_logger("elastictrain.engine.health.hang")

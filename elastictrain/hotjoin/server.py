@@ -1,82 +1,22 @@
-"""Hot join: a warm worker factory per host, so a worker that joins a running job starts at once.
+"""Hot join's server, the zygote: ``elastictrain zygote serve``, a warm worker factory for one job and host.
 
-A cold worker spends seconds before it can join Horovod's rendezvous: a Python interpreter, torch, Horovod
-and the task's module imported, the dataset indexed; meanwhile every running worker waits. The zygote
-(``elastictrain zygote serve``, started by the node agent with ``--warm-config``) does that once, before
-anyone waits, then forks a worker per request. horovodrun runs the thin client
-(``python -m elastictrain.hotjoin.zygote client -- <the cold worker command>``) on the host instead of the worker:
-the client hands the zygote its arguments, environment, working directory and standard streams, relays
-signals to the forked worker and exits as the worker exits. Horovod sees an ordinary process.
+Started by the node agent (``--warm-config``), it imports what a worker of its job imports and indexes its image
+folders once (:func:`warm`), then forks a worker per client request (:class:`Zygote`). Its promises are the
+contract in :mod:`elastictrain.hotjoin`; the wire format is :mod:`elastictrain.hotjoin.protocol`. At load time it
+imports only the standard library and the protocol: everything after :func:`record_reads` is stamped as read.
 
-Contract:
-- One zygote per job and host: its socket is keyed by the job, the host and the etcd (endpoints and key prefix)
-  that the host's agent registers in, which a client reads from ``ELASTICTRAIN_ETCD`` and
-  ``ELASTICTRAIN_ETCD_PREFIX``; two jobs of one name and host (two launches, each with its etcd) never share one.
-- The zygote only imports and indexes: it starts no thread (OpenBLAS is loaded with one; MLflow, which starts one,
-  is not imported) and touches no CUDA. It checks that it has one thread before every fork and answers ``error``
-  otherwise.
-- A forked worker runs ``elastictrain train`` as its client's cold command would: the client's arguments,
-  environment (exactly), working directory, standard streams and ``sys.path``, and torch's and OpenBLAS's thread
-  counts taken from the client's environment. What a process fixes when it starts does not change after a fork: the
-  zygote forks only when the client's Python installation, ``sys.path`` (after its first entry) and the variables
-  read while the interpreter and its libraries load (:func:`load_time_env`: ``PYTHON*``, ``LD_*``, ``OMP_*``,
-  ``OPENBLAS_*``, ``MKL_*``, ``TORCH*``, ...) are the zygote's, and answers ``error`` otherwise.
-- A forked worker dies with the zygote (PR_SET_PDEATHSIG) and is SIGKILLed when its client's connection closes (the
-  client died). SIGTERM and SIGINT are blocked across the fork and unblocked in the worker once its handlers are the
-  defaults: a signal its client relays at once is never taken by the zygote's handlers.
-- With no zygote (no socket, no answer, an ``error``), the client execs the cold command: the same worker.
-  A zygote that is still warming keeps a marker beside its socket's path (its pid, start time and when it began)
-  until it listens. A client that finds no socket but the marker of a live process says so on stderr and waits
-  for the socket, up to :data:`WARMING_WAIT_SECONDS` after the warm-up began; then, or once that process is
-  gone, it starts cold (a relayed signal that comes meanwhile ends the wait and then acts as on a cold worker).
-  horovodrun may start a worker on a host whose agent has just restarted: a cold start takes about as long as
-  the warm-up it would race, and on the same CPUs slows it down.
-- The zygotes of one machine warm at most one per usable core at a time (:func:`warm_slot`; a zygote that finds
-  no slot free for :data:`WARM_SLOT_WAIT_SECONDS` warms anyway).
-- Only the zygote's own user may connect (a 0700 folder, a 0600 socket, SO_PEERCRED checked): a request
-  runs code as that user. It forks only for its own config and ``--set`` overrides (:class:`JobSpec`).
-- It serves every connection at once and waits on none: one thread, a selector, non-blocking sockets. A connection
-  is answered or dropped within :data:`ANSWER_SECONDS`; a dead client's worker is killed, and an exited worker
-  reaped, whatever the other connections do. Its file-system work (the code stamp, a config's real path) runs in a
-  checker process it forked: a check that takes longer than :data:`CHECK_SECONDS` (a hung network file system)
-  refuses the requests that waited on it, and the checker is replaced once the old one is gone.
-- On SIGTERM the zygote stops taking requests, and exits when its running workers have exited.
-- It never serves code older than the files on disk: :class:`CodeStamp` records the mtime and size of every
-  file it imported from elastictrain, ``discovery``, the task's package and any module outside the Python
-  installation (the user's code), as the import system read them, and of the config as it was read. Before each
-  fork, and every :data:`STAMP_CHECK_SECONDS`, the checker compares them with the disk; on a change the zygote
-  refuses requests (clients start cold, with the new code), stops listening, and once its running workers have
-  exited it re-executes itself (same pid, same arguments, a fresh interpreter) and warms the new code. Restarts in a
-  row (the code changed again within :data:`RESTART_RESET_SECONDS` of being ready, or new code that does not warm
-  yet) wait 2, 4, ... up to 60 s before the re-execution.
-- It never touches CUDA, and refuses to fork once something did (a forked child cannot use CUDA).
-
-Protocol, one AF_UNIX stream connection per worker; each message is a 4-byte big-endian length and JSON.
-The client sends ``{"args": [...], "env": {...}, "cwd": "...", "prefix": "...", "path0": "...", "path": [...]}``
-(``args``: what follows ``train``; ``prefix``: its ``sys.prefix``; ``path0`` and ``path``: the cold command's first
-``sys.path`` entry, or null, and the entries after it) with its fds 0, 1 and 2 attached (SCM_RIGHTS). The zygote
-answers ``{"pid": N}`` and later ``{"exit": code}`` (negative: killed by that signal), or ``{"error": "..."}``
-instead of the pid.
-
-This module imports only the standard library at load time: the client must start in milliseconds.
-
-Size: both ends of one socket protocol (the framing, the client and the forking server) stay in one module
-so that the two sides cannot drift apart.
+Size: the warm-up, the code stamp, the checker and the serving loop guard one process's fork (docs/decisions.md).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import itertools
-import json
 import math
 import os
 import signal
 import socket
-import stat
-import struct
 import sys
 import time
 from collections.abc import Iterator, Mapping
@@ -84,363 +24,38 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from discovery.wire import DEFAULT_PREFIX, host_key
 from elastictrain import envnames
-from elastictrain.errors import ElastictrainError
+from elastictrain.hotjoin.protocol import (
+    ANSWER_SECONDS,
+    CHECKER_NAME,
+    READY_LINE,
+    WARMING_POLL_SECONDS,
+    ProtocolError,
+    check_folder,
+    close_all,
+    decode,
+    mark_warming,
+    missing,
+    path_tail,
+    peer_uid,
+    recv_message,
+    send_message,
+    socket_path,
+    unmark_warming,
+    valid_request,
+)
 
-DIR_ENV = envnames.ZYGOTE_DIR
-MAX_MESSAGE = 1 << 20
-RELAYED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
-CONNECT_TIMEOUT_SECONDS = 5.0
-"""How long a client waits to connect, and then for the answer to its request."""
-ANSWER_SECONDS = 4.0
-"""How long after it accepted a connection the zygote answers it (a pid or an error) or drops it: less than
-:data:`CONNECT_TIMEOUT_SECONDS`, so that a client never waits on a connection the zygote gave up."""
 CHECK_SECONDS = 3.0
 """How long one check of the checker process may take (stat of the watched files, realpath of the configs asked,
 which a hung network file system never returns from); then it is killed, the requests that waited on it are
 refused, and a new checker starts once it is gone."""
-WARMING_WAIT_SECONDS = 20.0
-"""How long after a warm-up began a client still waits for that zygote instead of starting its worker cold (a
-warm-up takes 3-4 s of CPU here; one that takes much longer is stuck, or its agent gave up on it)."""
-WARMING_POLL_SECONDS = 0.05
-READY_LINE = "zygote ready"
 STAMP_CHECK_SECONDS = 2.0
 """How often the zygote compares the code it imported with the files on disk, besides before every fork."""
 RESTART_RESET_SECONDS = 60.0
 """A zygote whose code changed after it had served this long re-executes at once; sooner, it counts as a restart in
 a row and waits (:func:`restart_delay`)."""
-CHECKER_NAME = "zygote-check"
-"""The name (``/proc/<pid>/comm``) of the zygote's checker process: a child of the zygote that is not a worker."""
 RESTART = -1
 """What :meth:`Zygote.serve` returns when the code changed on disk: re-execute, do not exit."""
-
-
-class ProtocolError(ElastictrainError):
-    """A peer sent something that is not a message of this protocol."""
-
-
-def socket_dir() -> Path:
-    return Path(os.environ.get(DIR_ENV) or f"/tmp/elastictrain-zygote-{os.getuid()}")
-
-
-def check_folder(folder: Path) -> None:
-    """``folder`` must be a real directory (not a link) owned by us with mode 0700: anyone else who could
-    place the socket could read every client's environment and streams, or answer for the zygote."""
-    st = os.lstat(folder)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise PermissionError(f"{folder} must be a directory owned by uid {os.getuid()} with mode 0700")
-
-
-def peer_uid(sock: socket.socket) -> int:
-    return int(struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1])
-
-
-def socket_path(job: str, host: str, etcd: str = "", prefix: str = "") -> Path:
-    """Where the zygote of ``job`` on ``host`` listens, for the job whose agent registers the host in the etcd at
-    ``etcd`` (comma-separated endpoints) under ``prefix`` (default ``/elastictrain``): two jobs of one name and host
-    with their own etcd never share a zygote. Short: AF_UNIX paths have a 107-byte limit."""
-    endpoints = ",".join(sorted({e.strip().rstrip("/") for e in etcd.split(",")} - {""}))
-    registration = f"{endpoints}\n{host_key(prefix or DEFAULT_PREFIX, job, host)}"  # names hold no newline
-    return socket_dir() / f"{hashlib.sha256(registration.encode()).hexdigest()[:20]}.sock"
-
-
-def client_socket_path(env: Mapping[str, str]) -> Path | None:
-    """The socket of the zygote that serves a worker whose environment is ``env`` (horovodrun's: the job, the host
-    and the etcd of its agents); None when ``env`` names no job or host."""
-    job, host = env.get(envnames.JOB, ""), env.get("HOROVOD_HOSTNAME", "")
-    if not (job and host):
-        return None
-    return socket_path(job, host, env.get(envnames.ETCD, ""), env.get(envnames.ETCD_PREFIX, ""))
-
-
-def warming_path(path: Path) -> Path:
-    """The marker a zygote keeps beside its socket's ``path`` while it warms."""
-    return path.with_name(f"{path.stem}.warming")
-
-
-def _start_time(pid: int) -> int | None:
-    """The start time of the live process ``pid`` (clock ticks since boot), or None: gone, or a zombie."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()  # the name may hold anything
-        return None if fields[0] in (b"Z", b"X", b"x") else int(fields[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def mark_warming(path: Path) -> str | None:
-    """Write this process's warming marker for the socket ``path`` (atomically) and return what it holds; None when
-    it could not be written (clients then start cold while we warm, as without a marker)."""
-    folder = path.parent
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    check_folder(folder)
-    started = _start_time(os.getpid())
-    if started is None:
-        return None
-    mark = f"{os.getpid()} {started} {time.time():.3f}"
-    tmp = folder / f".{path.stem}.{os.getpid()}.tmp"
-    try:
-        tmp.write_text(mark)
-        os.replace(tmp, warming_path(path))
-    except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        return None
-    return mark
-
-
-def unmark_warming(path: Path, mark: str | None) -> None:
-    """Remove the warming marker of ``path`` if it is still the one this process wrote (``mark``)."""
-    with contextlib.suppress(OSError):
-        if mark is not None and warming_path(path).read_text() == mark:
-            warming_path(path).unlink()
-
-
-def warming_since(path: Path) -> tuple[int, float] | None:
-    """(pid, Unix time its warm-up began) of the zygote warming for the socket ``path``: its marker (untrusted) names
-    a live process with that start time; else None."""
-    try:
-        with warming_path(path).open("rb") as f:
-            pid_, started_, since_ = f.read(96).split()
-        pid, started, since = int(pid_), int(started_), float(since_)
-    except (OSError, ValueError):
-        return None
-    return (pid, since) if pid > 0 and _start_time(pid) == started and math.isfinite(since) else None
-
-
-def send_message(sock: socket.socket, msg: dict[str, Any], fds: list[int] | None = None) -> None:
-    data = json.dumps(msg).encode()
-    frame = struct.pack(">I", len(data)) + data
-    if fds:
-        sent = socket.send_fds(sock, [frame], fds)
-        frame = frame[sent:]
-    if frame:  # an empty send to a peer that already answered and closed fails with EPIPE
-        sock.sendall(frame)
-
-
-def recv_message(sock: socket.socket, *, max_fds: int = 0) -> tuple[dict[str, Any] | None, list[int]]:
-    """One message and the fds that came with it; ``(None, [])`` on a clean end of stream. Every fd received is
-    closed again when the message fails (a timeout, a malformed body)."""
-    fds: list[int] = []
-    try:
-        return _recv_message(sock, max_fds, fds)
-    except BaseException:
-        _close_all(fds)
-        raise
-
-
-def _recv_message(sock: socket.socket, max_fds: int, fds: list[int]) -> tuple[dict[str, Any] | None, list[int]]:
-    buf = b""
-    while len(buf) < 4:
-        if max_fds and not fds:
-            chunk, got, _, _ = socket.recv_fds(sock, 4 - len(buf), max_fds)
-            fds += got
-        else:
-            chunk = sock.recv(4 - len(buf))
-        if not chunk:
-            if buf or fds:
-                _close_all(fds)
-                raise ProtocolError("connection closed inside a message")
-            return None, []
-        buf += chunk
-    size = _missing(bytearray(buf))
-    body = b""
-    while len(body) < size:
-        chunk = sock.recv(size - len(body))
-        if not chunk:
-            _close_all(fds)
-            raise ProtocolError("connection closed inside a message")
-        body += chunk
-    return _decode(body), fds
-
-
-def _missing(frame: bytearray) -> int:
-    """How many more bytes the message that ``frame`` begins needs (0: it is complete)."""
-    if len(frame) < 4:
-        return 4 - len(frame)
-    (size,) = struct.unpack(">I", frame[:4])
-    if size > MAX_MESSAGE:
-        raise ProtocolError(f"message of {size} bytes")
-    return 4 + size - len(frame)
-
-
-def _decode(body: bytes) -> dict[str, Any]:
-    try:
-        msg = json.loads(body)
-    except (ValueError, RecursionError):
-        raise ProtocolError("message is not JSON") from None
-    if not isinstance(msg, dict):
-        raise ProtocolError("message is not an object")
-    return msg
-
-
-def _close_all(fds: list[int]) -> None:
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-
-
-# --------------------------------------------------------------------------------------------------
-# client
-
-
-def client_main(argv: list[str]) -> int:
-    """``python -m elastictrain.hotjoin.zygote client -- COMMAND...``: run COMMAND (an ``elastictrain train``) in the
-    warm zygote of this job and host if there is one, else exec it."""
-    if argv[:1] != ["--"] or len(argv) < 2:
-        print("elastictrain zygote client: error: usage: client -- COMMAND...", file=sys.stderr)
-        return 2
-    cold = argv[1:]
-    path = client_socket_path(os.environ)
-    relay = _Relay()  # from here on, a signal is kept until there is a worker to give it to
-    if "train" in cold and path is not None:
-        sock = _request(path, cold, relay)
-        if sock is not None:
-            return _wait_exit(sock)
-    relay.restore()
-    os.execvp(cold[0], cold)
-    return 127  # not reached
-
-
-class _Relay:
-    """Signal handlers that forward to the worker once its pid is known, and hold signals until then."""
-
-    def __init__(self) -> None:
-        self.pid: int | None = None
-        self.pending: list[int] = []
-        for sig in RELAYED_SIGNALS:
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, _frame: Any) -> None:
-        if self.pid is None:
-            self.pending.append(signum)
-        else:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signum)
-
-    def attach(self, pid: int) -> None:
-        self.pid = pid
-        for signum in self.pending:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signum)
-
-    def restore(self) -> None:
-        """Default dispositions again (before exec); a signal that came meanwhile acts now."""
-        for sig in RELAYED_SIGNALS:
-            signal.signal(sig, signal.SIG_DFL)
-        for signum in self.pending:
-            os.kill(os.getpid(), signum)
-
-
-def _connect(path: Path, relay: _Relay) -> socket.socket:
-    """A connection to the zygote at ``path``; while that zygote warms (no socket yet, a live marker), the socket is
-    tried again every :data:`WARMING_POLL_SECONDS` until :data:`WARMING_WAIT_SECONDS` after its warm-up began."""
-    said = False
-    while True:
-        warming = warming_since(path)  # read before the attempt: a zygote removes its marker only once it listens
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(CONNECT_TIMEOUT_SECONDS)
-        try:
-            if relay.pending:
-                raise ConnectionAbortedError("a signal came while the zygote warmed")
-            sock.connect(str(path))
-            return sock
-        except (FileNotFoundError, ConnectionRefusedError):
-            sock.close()
-            if warming is None or time.time() >= warming[1] + WARMING_WAIT_SECONDS:
-                raise
-        except BaseException:
-            sock.close()
-            raise
-        if not said:
-            print(
-                f"elastictrain zygote: waiting for the warming zygote (pid {warming[0]})", file=sys.stderr, flush=True
-            )
-            said = True
-        time.sleep(WARMING_POLL_SECONDS)
-
-
-def _request(path: Path, cold: list[str], relay: _Relay) -> socket.socket | None:
-    sock = None
-    try:
-        check_folder(path.parent)
-        sock = _connect(path, relay)
-        if peer_uid(sock) != os.getuid():
-            raise PermissionError("the zygote socket is served by another user")
-        cwd = os.getcwd()
-        request = {
-            "args": cold[cold.index("train") + 1 :],
-            "env": dict(os.environ),
-            "cwd": cwd,
-            "prefix": sys.prefix,
-            "path0": cold_path0(cold, cwd),
-            "path": path_tail(sys.path),  # the client's Python is the cold command's
-        }
-        send_message(sock, request, [0, 1, 2])
-        reply, _ = recv_message(sock)
-    except (OSError, ProtocolError):
-        if sock is not None:
-            sock.close()
-        return None
-    pid = reply.get("pid") if reply else None
-    if type(pid) is not int or pid <= 0:
-        if reply and "error" in reply:
-            print(f"elastictrain zygote: starting cold ({str(reply['error'])[:200]})", file=sys.stderr)
-        sock.close()
-        return None
-    sock.settimeout(None)
-    relay.attach(pid)
-    return sock
-
-
-def cold_path0(cold: list[str], cwd: str) -> str | None:
-    """The entry that the Python which ``cold`` starts puts first on ``sys.path``: the working directory for ``-m``,
-    ``""`` for ``-c``, else the script's folder (links resolved); None under PYTHONSAFEPATH (no such entry)."""
-    if sys.flags.safe_path:
-        return None
-    args = list(cold)
-    if os.path.basename(args[0]).startswith("python"):
-        args = args[1:]
-        while args and args[0].startswith("-") and args[0] not in ("-m", "-c"):
-            args = args[2:] if args[0] in ("-X", "-W") else args[1:]  # options; -X and -W take a value
-        if not args or args[0] == "-c":
-            return ""
-        if args[0] == "-m":
-            return cwd
-    script = args[0]
-    if os.sep not in script:  # found on PATH, as execvp finds it
-        for folder in os.environ.get("PATH", os.defpath).split(os.pathsep):
-            candidate = os.path.join(folder or ".", script)
-            if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
-                script = candidate
-                break
-    return os.path.dirname(os.path.realpath(os.path.join(cwd, script)))
-
-
-def path_tail(path: list[str]) -> list[str]:
-    """``sys.path`` without the entry Python puts first for the script, module or command it runs."""
-    return list(path if sys.flags.safe_path else path[1:])
-
-
-def _wait_exit(sock: socket.socket) -> int:
-    """The worker's exit code; killed by a signal: die of the same signal, as the worker did."""
-    try:
-        reply, _ = recv_message(sock)
-    except (OSError, ProtocolError):
-        reply = None
-    code = reply.get("exit") if reply else None
-    if type(code) is not int:
-        return 1  # the zygote died: so did the worker (PR_SET_PDEATHSIG)
-    if code < 0:
-        if -code in RELAYED_SIGNALS:
-            signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
-        return 128 - code
-    return code
-
-
-# --------------------------------------------------------------------------------------------------
-# server
 
 
 @dataclass(frozen=True, slots=True)
@@ -740,10 +355,8 @@ WARM_SLOT_WAIT_SECONDS = 60.0
 def warm_slot(folder: Path, slots: int, wait: float) -> Iterator[bool]:
     """Hold one of the machine's ``slots`` warm-up slots (``warm-<i>.lock`` in the zygote ``folder``, taken with
     ``flock``, so a dead holder frees its slot) while the block runs; yields False when none was free within
-    ``wait`` seconds (the block runs anyway). A warm-up is a few seconds of one core: the agents of several logical
-    hosts that start at once (a launch, hosts returning together) would otherwise share the cores so that none is
-    warm before all are; with a slot per core, the first ones are warm sooner (at the fault campaign's --min-np
-    boundary on 2 cores, the first returned host registered 6.3-7.3 s after its return instead of 9.0-10.1 s)."""
+    ``wait`` seconds (the block runs anyway): zygotes that start at once are warm one after another, not all
+    late together."""
     deadline, fd = time.monotonic() + wait, None
     try:
         while fd is None:
@@ -947,7 +560,7 @@ class Zygote:
         try:
             if conn.request is not None:  # a client sends nothing after its request: it left (or misbehaves)
                 raise ProtocolError("the client sent more than its request, or left")
-            while (need := _missing(conn.frame)) > 0:
+            while (need := missing(conn.frame)) > 0:
                 try:
                     data, fds, flags, _ = socket.recv_fds(conn.sock, min(need, 1 << 16), 3)
                 except (BlockingIOError, InterruptedError):
@@ -958,7 +571,7 @@ class Zygote:
                 if not data:
                     raise ProtocolError("connection closed inside a message" if conn.frame else "no request")
                 conn.frame += data
-            conn.request = _valid_request(_decode(bytes(conn.frame[4:])), conn.fds)
+            conn.request = valid_request(decode(bytes(conn.frame[4:])), conn.fds)
         except (OSError, ProtocolError) as e:
             self._refuse(conn, str(e))
             return
@@ -995,7 +608,7 @@ class Zygote:
         with contextlib.suppress(KeyError, ValueError):
             self.sel.unregister(conn.sock)
         conn.sock.close()
-        _close_all(conn.fds)
+        close_all(conn.fds)
         conn.fds = []
 
     def _start_worker(self, conn: _Conn) -> None:
@@ -1015,7 +628,7 @@ class Zygote:
         except OSError as e:  # no fork (memory, process limit): the client starts cold
             return self._refuse(conn, f"fork failed: {e}")
         finally:
-            _close_all(fds)  # the worker has its own copies
+            close_all(fds)  # the worker has its own copies
         self.children[pid] = conn.sock  # from here on, its client's end is its end
         self.sel.modify(conn.sock, self.EVENT_READ, pid)
         try:
@@ -1085,7 +698,7 @@ class Zygote:
         if checker is not self.checker:
             return
         try:
-            while (need := _missing(checker.frame)) > 0:
+            while (need := missing(checker.frame)) > 0:
                 try:
                     data = checker.sock.recv(min(need, 1 << 16))
                 except (BlockingIOError, InterruptedError):
@@ -1093,7 +706,7 @@ class Zygote:
                 if not data:
                     raise ProtocolError("it exited")
                 checker.frame += data
-            answer = _decode(bytes(checker.frame[4:]))
+            answer = decode(bytes(checker.frame[4:]))
             asked, changed, configs = checker.asked, answer.get("changed"), answer.get("configs")
             if asked is None or not isinstance(configs, list) or len(configs) != len(asked):
                 raise ProtocolError("it answered what was not asked")
@@ -1179,7 +792,7 @@ class Zygote:
         for sock in self.children.values():  # one whose client left is no longer in the selector
             sock.close()
         for conn in self.conns:
-            _close_all(conn.fds)
+            close_all(conn.fds)
 
     def _fork_worker(self, request: dict[str, Any], fds: list[int]) -> int:
         pid = self._fork()
@@ -1191,7 +804,7 @@ class Zygote:
             stop_recording()
             for target, fd in enumerate(fds):
                 os.dup2(fd, target)
-            _close_all([fd for fd in fds if fd > 2])
+            close_all([fd for fd in fds if fd > 2])
             os.chdir(request["cwd"])
             os.environ.clear()
             os.environ.update(request["env"])
@@ -1292,29 +905,6 @@ def _say(line: str) -> None:
     """A line on stdout for the agent's log; a closed stdout (the agent died) must not fail a request."""
     with contextlib.suppress(OSError, ValueError):
         print(line, flush=True)
-
-
-def _valid_request(msg: dict[str, Any] | None, fds: list[int]) -> dict[str, Any]:
-    if msg is None:
-        raise ProtocolError("no request")
-    args, env, cwd = msg.get("args"), msg.get("env"), msg.get("cwd")
-    if not (isinstance(args, list) and all(isinstance(a, str) for a in args)):
-        raise ProtocolError("args must be a list of strings")
-    if not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
-        raise ProtocolError("env must map strings to strings")
-    if not isinstance(cwd, str) or not os.path.isabs(cwd):
-        raise ProtocolError("cwd must be an absolute path")
-    if len(fds) != 3:
-        raise ProtocolError(f"expected fds 0, 1 and 2, got {len(fds)}")
-    prefix, path0, path = msg.get("prefix"), msg.get("path0"), msg.get("path")
-    if not (
-        isinstance(prefix, str)
-        and (path0 is None or isinstance(path0, str))
-        and isinstance(path, list)
-        and all(isinstance(p, str) for p in path)
-    ):
-        raise ProtocolError("prefix, path0 and path must name the client's Python (a client of another version?)")
-    return {"args": args, "env": env, "cwd": cwd, "prefix": prefix, "path0": path0, "path": path}
 
 
 def _die_with(parent: int) -> None:
@@ -1432,7 +1022,9 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["serve"]:
         return serve_main(argv[1:])
     if argv[:1] == ["client"]:
-        return client_main(argv[1:])
+        from elastictrain.hotjoin import client
+
+        return client.main(argv[1:])
     print(
         "elastictrain zygote: error: usage: zygote serve --config X --job J --host H | client -- CMD", file=sys.stderr
     )
