@@ -1,8 +1,9 @@
 """The worker under horovodrun: the engine's parts (:mod:`elastictrain.engine`) composed over Horovod.
 
-``hvd.init``, the training parts from the config and its task, rank 0's services, the collective watchdog
-armed on the elastic state, a SIGTERM handler, then :func:`~elastictrain.engine.trainer.run_trainer`. Exit 0
-only when training is complete; 143 after SIGTERM (rank 0 checkpoints the last commit first).
+``hvd.init``, the training parts from the config and its task, rank 0's services, the workers' signals (the
+run_dir's files), the collective watchdog armed on the elastic state, a SIGTERM handler, then
+:func:`~elastictrain.engine.trainer.run_trainer`. Exit 0 only when training is complete; 143 after SIGTERM (rank 0
+checkpoints the last commit first).
 """
 
 from __future__ import annotations
@@ -13,31 +14,22 @@ import signal
 from elastictrain.config import JobConfig
 from elastictrain.engine.collective import Collective, HorovodCollective
 from elastictrain.engine.health.eviction import EtcdEvictor
-from elastictrain.engine.health.hang import (
-    HEARTBEATS,
-    RENDEZVOUS,
-    HangDetector,
-    Heartbeats,
-    HungVerdict,
-    announce,
-    first_step_bound,
-    gloo_timeout_seconds,
-)
-from elastictrain.engine.health.watchdog import FailureMarker
+from elastictrain.engine.health.hang import HangDetector, announce, first_step_bound, gloo_timeout_seconds
+from elastictrain.engine.health.signals import RENDEZVOUS, FileSignals
 from elastictrain.engine.trainer import Trainer, run_trainer
 from elastictrain.engine.watch import arm_watchdog
 
 
 def run(cfg: JobConfig) -> int:
     """Run one worker to completion: 0 when training completed, 143 when stopped by SIGTERM."""
-    announce(cfg.run_path / HEARTBEATS, RENDEZVOUS)  # hvd.init: the driver's assignment and the rendezvous
+    announce(FileSignals.of_run_dir(cfg.run_path), RENDEZVOUS)  # hvd.init: the driver's assignment and the rendezvous
     return run_trainer(compose(cfg, HorovodCollective.init()))
 
 
 def compose(cfg: JobConfig, collective: Collective) -> Trainer:
     """The worker's trainer over ``collective`` (initialised): parts, services, the armed watchdog, SIGTERM."""
     trainer = Trainer.build(cfg, collective)
-    elastic_dir = cfg.run_path / ".elastic"
+    signals = FileSignals.of_run_dir(cfg.run_path)
     policy = trainer.straggler_policy
     evictor = EtcdEvictor.from_env(os.environ, min_np=policy.min_np)
     if policy.mode == "evict":
@@ -53,12 +45,11 @@ def compose(cfg: JobConfig, collective: Collective) -> Trainer:
 
     trainer.watchdog = arm_watchdog(
         trainer.state,
-        FailureMarker(elastic_dir / "collective-failure"),
+        signals,
         host=lambda: trainer.ctx.host,
         tracking_uri=cfg.tracking.tracking_uri,
         hang=HangDetector(
-            Heartbeats(cfg.run_path / HEARTBEATS),
-            HungVerdict(elastic_dir / "hung-verdict"),
+            signals,
             host=lambda: trainer.ctx.host,
             slot=lambda: trainer.ctx.local_rank,
             configured_seconds=cfg.elastic.hang_seconds,

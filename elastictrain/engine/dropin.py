@@ -33,9 +33,9 @@ What changes for the script, with the engine's parts doing the work:
 * **Two ranks on one GPU stop the job with one line** at the sync, where NCCL carries the gradients
   (:mod:`elastictrain.engine.gpus`), instead of resetting forever.
 
-The failure marker the watchdog shares between workers lives in ``$ELASTICTRAIN_RUN_DIR/.elastic/`` when that
-is set (shared storage on a cluster), else in this machine's temporary folder under the job's rendezvous
-address, removed when the training function returns.
+The failure marker the watchdog shares between workers (:mod:`~elastictrain.engine.health.signals`) lives in
+``$ELASTICTRAIN_RUN_DIR/.elastic/`` when that is set (shared storage on a cluster), else in this machine's
+temporary folder under the job's rendezvous address, removed when the training function returns.
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ from torch import nn
 from elastictrain import envnames
 from elastictrain.engine.collective import Collective, HorovodCollective, horovod_elastic_run, wait_without_spinning
 from elastictrain.engine.gpus import check_one_rank_per_gpu, collective_gpu
-from elastictrain.engine.health.watchdog import CollectiveWatchdog, FailureMarker
+from elastictrain.engine.health.signals import FileSignals
+from elastictrain.engine.health.watchdog import CollectiveWatchdog
 from elastictrain.engine.sampler import ExactlyOncePlanner, SamplerState
 from elastictrain.engine.state import (
     OptimizerSnapshot,
@@ -72,6 +73,7 @@ from elastictrain.engine.state import (
 from elastictrain.engine.sync import receive_state
 from elastictrain.engine.watch import arm_watchdog
 from elastictrain.horovod.private import discard_pending_allreduces
+from elastictrain.rundir.layout import RunDir
 
 __all__ = ["ElasticSampler", "ElasticState", "elastic_run"]
 
@@ -307,14 +309,15 @@ class ElasticState(State):
         self.save()
 
 
-def _marker_path() -> Path:
+def _signals_folder() -> Path:
+    """Where the workers' signals live: ``$ELASTICTRAIN_RUN_DIR/.elastic``, else a temporary folder of the job."""
     run_dir = os.environ.get(envnames.RUN_DIR)
     if run_dir:
-        return Path(run_dir) / ".elastic" / "collective-failure"
+        return RunDir.of(run_dir).signals
     addr = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR", "local")
     port = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT", "0")
     job = f"{addr}-{port}".replace("/", "_")
-    return Path(tempfile.gettempdir()) / f"elastictrain-{os.getuid()}" / job / "collective-failure"
+    return Path(tempfile.gettempdir()) / f"elastictrain-{os.getuid()}" / job
 
 
 def _host() -> str:
@@ -348,8 +351,8 @@ def elastic_run(func: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
-        marker = _marker_path()
-        watchdog = arm_watchdog(state, FailureMarker(marker), host=_host)
+        folder = _signals_folder()
+        watchdog = arm_watchdog(state, FileSignals.in_folder(folder), host=_host)
         state.watchdog = watchdog
         try:
             result = run(state, *args, **kwargs)
@@ -357,7 +360,7 @@ def elastic_run(func: Callable[..., Any]) -> Callable[..., Any]:
             watchdog.stop()
             state.watchdog = None
         if not os.environ.get(envnames.RUN_DIR):  # the job's folder in the temp dir: nothing reads it now
-            shutil.rmtree(marker.parent, ignore_errors=True)
+            shutil.rmtree(folder, ignore_errors=True)
         return result
 
     return wrapper

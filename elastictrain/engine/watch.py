@@ -11,14 +11,15 @@ from urllib.parse import urlparse
 
 from horovod.common.elastic import State
 
-from elastictrain.engine.health.hang import PROLOGUE, RENDEZVOUS, SYNC, HangDetector
-from elastictrain.engine.health.watchdog import CollectiveWatchdog, FailureMarker, removal_pending
+from elastictrain.engine.health.hang import HangDetector
+from elastictrain.engine.health.signals import PROLOGUE, RENDEZVOUS, SYNC, WorkerSignals
+from elastictrain.engine.health.watchdog import CollectiveWatchdog, removal_pending
 from elastictrain.horovod.private import host_messages, notification_ports
 
 
 def arm_watchdog(
     state: State,
-    marker: FailureMarker,
+    signals: WorkerSignals,
     host: Callable[[], str],
     tracking_uri: str | None = None,
     hang: HangDetector | None = None,
@@ -26,7 +27,7 @@ def arm_watchdog(
     """Start the collective watchdog of this worker and hook it to ``state``.
 
     ``state`` must call ``on_failure()`` first in its ``restore()`` (a failed collective: the watchdog stands
-    down and the failure is recorded in ``marker`` for the other workers) and may call ``on_failure_notice()``
+    down and the failure is recorded in ``signals`` for the other workers) and may call ``on_failure_notice()``
     on a host-change interrupt. The caller marks steps (``step_started``/``step_finished``) and calls
     ``snapshot_ring()`` after each rendezvous, and ``stop()`` at the end. With ``hang`` (the engine's workers) the
     caller also marks ``grads_ready`` and gives the ring's members after each rendezvous (``set_members``), and a
@@ -38,17 +39,16 @@ def arm_watchdog(
 
     def on_failure() -> None:
         watchdog.ring_failed()
-        marker.record(host())
+        signals.record_failure(host())
 
     state.on_failure = on_failure
     state.on_failure_notice = lambda: watchdog.idle()
     if hang is not None:
-        verdict = hang.verdict
-        state.failure_cause = lambda since: verdict.since(since)
+        state.failure_cause = signals.verdict_since
         phases = mark_phases()
         state.on_mark = lambda name: hang.mark(phases[name]) if name in phases else None
     watchdog = CollectiveWatchdog(
-        marker,
+        signals,
         host_removed=lambda: removal_pending(host_messages(state)),
         excluded_ports=lambda: control_ports(tracking_uri),
         hang=hang,

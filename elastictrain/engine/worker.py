@@ -35,9 +35,10 @@ def main(argv: list[str]) -> int:
         record_worker_error(cfg.run_path, e)
         print(f"elastictrain train: error: {e}", file=sys.stderr)
         return 2
-    from elastictrain.engine.health.hang import HEARTBEATS, STARTUP, announce
+    from elastictrain.engine.health.hang import announce
+    from elastictrain.engine.health.signals import STARTUP, FileSignals
 
-    announce(cfg.run_path / HEARTBEATS, STARTUP)  # before torch, horovod and hvd.init
+    announce(FileSignals.of_run_dir(cfg.run_path), STARTUP)  # before torch, horovod and hvd.init
     from elastictrain.engine import compose  # torch + horovod: imported only once the config is good
     from elastictrain.rundir.worker_error import record_worker_error
     from elastictrain.task import add_import_paths

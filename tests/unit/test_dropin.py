@@ -275,7 +275,7 @@ def test_the_temp_failure_marker_folder_is_removed_when_training_returns(monkeyp
         monkeypatch.delenv("ELASTICTRAIN_RUN_DIR", raising=False)
     monkeypatch.setattr(dropin, "horovod_elastic_run", lambda func: func)
     monkeypatch.setattr(dropin, "arm_watchdog", lambda *a, **k: _Watchdog())
-    folder = dropin._marker_path().parent
+    folder = dropin._signals_folder()
     folder.mkdir(parents=True)
 
     class State:

@@ -10,7 +10,7 @@ import pytest
 
 from discovery import discover
 from elastictrain import fileio
-from elastictrain.engine.health.watchdog import FailureMarker
+from elastictrain.engine.health.signals import FailureMarker
 
 
 def plant_links(folder: Path, names: list[str], victim: Path) -> None:

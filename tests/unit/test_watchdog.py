@@ -15,9 +15,9 @@ import torch.utils.data
 from horovod.runner.elastic.worker import HostUpdateResult
 from structlog.testing import capture_logs
 
+from elastictrain.engine.health.signals import FailureMarker, FileSignals
 from elastictrain.engine.health.watchdog import (
     CollectiveWatchdog,
-    FailureMarker,
     WatchdogPolicy,
     abort_connections,
     removal_pending,
@@ -101,7 +101,7 @@ def test_a_scale_up_notice_pending_through_a_long_step_does_not_abort_the_ring(t
     notices = _notices(HostUpdateResult.added)
     try:
         dog = CollectiveWatchdog(
-            FailureMarker(tmp_path / "marker"),
+            FileSignals.in_folder(tmp_path),
             host_removed=lambda: removal_pending(notices),
             excluded_ports=lambda: (set(), set()),
         )
@@ -123,7 +123,7 @@ def test_epoch_end_validation_is_not_a_step_but_its_collectives_are(tmp_path):
     from tests.fixtures.engine import small_job
 
     dog = CollectiveWatchdog(
-        FailureMarker(tmp_path / "marker"), host_removed=lambda: False, excluded_ports=lambda: (set(), set())
+        FileSignals.in_folder(tmp_path), host_removed=lambda: False, excluded_ports=lambda: (set(), set())
     )
     seen: dict[str, list] = {"eval": [], "allgather": [], "commit": []}
 
@@ -227,13 +227,13 @@ def test_closed_by_peer_sees_a_snapshotted_ring_connection_that_its_peer_closed_
 
 
 def test_a_long_step_with_a_known_failure_but_no_abort_is_logged_once_with_the_decisions_inputs(tmp_path):
-    marker = FailureMarker(tmp_path / "marker")
-    dog = CollectiveWatchdog(marker, host_removed=lambda: False, excluded_ports=lambda: (set(), set()))
+    signals = FileSignals.in_folder(tmp_path)
+    dog = CollectiveWatchdog(signals, host_removed=lambda: False, excluded_ports=lambda: (set(), set()))
     dog._typical = 4.0  # slow steps: a failure aborts only after 3 x 4 s
     with capture_logs() as logs:
         dog._step_started = time.time() - 6.0
         dog._check()  # a long step (a validation, say) with no failure known: nothing to explain
-        marker.record("peer")
+        signals.record_failure("peer")
         dog._step_started = started = time.time() - 6.0
         dog._check()
         dog._check()  # the same step: not again
@@ -252,9 +252,9 @@ def _pair() -> tuple[socket.socket, socket.socket, socket.socket]:
     return server, client, peer
 
 
-def _failed_overdue_step(dog: CollectiveWatchdog, marker: FailureMarker) -> None:
+def _failed_overdue_step(dog: CollectiveWatchdog, signals: FileSignals) -> None:
     dog._step_started = time.time() - 10.0
-    marker.record("peer")
+    signals.record_failure("peer")
 
 
 def _works(a: socket.socket, b: socket.socket) -> bool:
@@ -264,12 +264,12 @@ def _works(a: socket.socket, b: socket.socket) -> bool:
 
 
 def test_an_empty_ring_snapshot_aborts_nothing(tmp_path):
-    marker = FailureMarker(tmp_path / "marker")
-    dog = CollectiveWatchdog(marker, host_removed=lambda: False, excluded_ports=lambda: (set(), set()))
+    signals = FileSignals.in_folder(tmp_path)
+    dog = CollectiveWatchdog(signals, host_removed=lambda: False, excluded_ports=lambda: (set(), set()))
     dog.snapshot_ring()  # no connection yet: this ring is empty
     server, client, peer = _pair()  # a connection that is no part of the ring (tracking, etcd, ...)
     try:
-        _failed_overdue_step(dog, marker)
+        _failed_overdue_step(dog, signals)
         dog._check()
         assert _works(client, peer), "a connection outside the (empty) ring was shut down"
     finally:
@@ -282,8 +282,8 @@ def test_a_descriptor_number_reused_after_the_listing_is_not_shut_down(tmp_path,
     process's sockets and the shutdown: the other connection must survive."""
     import psutil
 
-    marker = FailureMarker(tmp_path / "marker")
-    dog = CollectiveWatchdog(marker, host_removed=lambda: False, excluded_ports=lambda: (set(), set()))
+    signals = FileSignals.in_folder(tmp_path)
+    dog = CollectiveWatchdog(signals, host_removed=lambda: False, excluded_ports=lambda: (set(), set()))
     server_a, client_a, peer_a = _pair()
     dog.snapshot_ring()
     stale = [c for c in psutil.Process().net_connections(kind="tcp") if c.fd == client_a.fileno()]
@@ -297,7 +297,7 @@ def test_a_descriptor_number_reused_after_the_listing_is_not_shut_down(tmp_path,
     client_b = socket.socket(fileno=number)
     monkeypatch.setattr(psutil.Process, "net_connections", lambda self, kind="inet": stale)
     try:
-        _failed_overdue_step(dog, marker)
+        _failed_overdue_step(dog, signals)
         dog._check()
         assert _works(client_b, peer_b), "a connection that merely took a ring socket's number was shut down"
     finally:
@@ -308,8 +308,8 @@ def test_a_descriptor_number_reused_after_the_listing_is_not_shut_down(tmp_path,
 def test_connections_this_process_closed_itself_are_not_evidence_of_a_dead_peer(tmp_path):
     from elastictrain.engine.health.watchdog import closed_by_peer
 
-    marker = FailureMarker(tmp_path / "marker")
-    dog = CollectiveWatchdog(marker, host_removed=lambda: False, excluded_ports=lambda: (set(), set()))
+    signals = FileSignals.in_folder(tmp_path)
+    dog = CollectiveWatchdog(signals, host_removed=lambda: False, excluded_ports=lambda: (set(), set()))
     server, client, peer = _pair()
     dog.snapshot_ring()
     client.close()  # both ends are this process's: no peer process closed anything
@@ -363,7 +363,7 @@ def test_a_worker_whose_collective_failed_shuts_its_ring_so_peers_blocked_on_it_
     """Horovod keeps a failed worker's sockets open until the next rendezvous; a peer blocked in a receive from
     it would wait for the Gloo timeout. Connections of a newer ring (taken after it) are not touched."""
     dog = CollectiveWatchdog(
-        FailureMarker(tmp_path / "marker"), host_removed=lambda: False, excluded_ports=lambda: (set(), set())
+        FileSignals.in_folder(tmp_path), host_removed=lambda: False, excluded_ports=lambda: (set(), set())
     )
     server, ours, blocked_peer = _pair()
     dog.snapshot_ring()
@@ -430,7 +430,7 @@ def test_a_worker_whose_state_sync_fails_shuts_the_new_rings_connections_so_peer
         raise RuntimeError("Connection reset by peer")  # the sync's broadcast fails here
 
     state = _SyncingState(sync)
-    dog = arm_watchdog(state, FailureMarker(tmp_path / "marker"), host=lambda: "me")
+    dog = arm_watchdog(state, FileSignals.in_folder(tmp_path), host=lambda: "me")
     try:
         with pytest.raises(RuntimeError):
             state.sync()
@@ -450,16 +450,16 @@ def test_a_worker_blocked_in_the_state_sync_aborts_when_a_peer_records_a_failure
     from elastictrain.engine.watch import arm_watchdog
 
     server, ours, live_peer = _pair()
-    marker = FailureMarker(tmp_path / "marker")
+    signals = FileSignals.in_folder(tmp_path)
     got: list[bytes] = []
 
     def sync() -> None:
         ours.settimeout(10)
-        marker.record("peer")  # the peer's own broadcast failed
+        signals.record_failure("peer")  # the peer's own broadcast failed
         got.append(ours.recv(10))  # blocked on that peer, which sends nothing more
 
     state = _SyncingState(sync)
-    dog = arm_watchdog(state, marker, host=lambda: "me")
+    dog = arm_watchdog(state, signals, host=lambda: "me")
     try:
         t0 = time.monotonic()
         state.sync()
@@ -479,20 +479,21 @@ def test_a_ring_member_gone_from_this_machine_aborts_an_overdue_step_that_no_fai
     watchdog of either sees the dead member's pid gone and shuts the ring's connections down."""
     import psutil
 
-    from elastictrain.engine.health.hang import Beat, HangDetector, Heartbeats, HungVerdict, Member, boot_id
+    from elastictrain.engine.health.hang import HangDetector, boot_id
+    from elastictrain.engine.health.signals import Beat, Member
     from tests.fixtures.procs import dead_pid
 
-    heartbeats = Heartbeats(tmp_path / "heartbeats")
-    hang = HangDetector(heartbeats, HungVerdict(tmp_path / "verdict"), host=lambda: "a", slot=lambda: 0)
+    signals = FileSignals.in_folder(tmp_path)
+    heartbeats = signals.heartbeats
+    hang = HangDetector(signals, host=lambda: "a", slot=lambda: 0)
     gone = dead_pid()
     me = psutil.Process()
     hang.set_ring(0, [Member(0, "a", 0, me.pid), Member(1, "b", 0, gone)])
     heartbeats.write(Beat(gone, "b", 0, boot_id(), me.create_time(), time.time(), "waiting", time.time(), 3))
-    marker = FailureMarker(tmp_path / "marker")
     server, client, peer = _pair()
     mine = {client.getsockname()[1], peer.getsockname()[1]}
     others = lambda: ({p for p in range(65536) if p not in mine}, set())  # noqa: E731  only this test's pair
-    dog = CollectiveWatchdog(marker, host_removed=lambda: False, excluded_ports=others, hang=hang)
+    dog = CollectiveWatchdog(signals, host_removed=lambda: False, excluded_ports=others, hang=hang)
     try:
         dog.snapshot_ring()
         assert len(dog._ring) == 2, "both ends of the pair are this process's"
@@ -511,19 +512,19 @@ def test_a_ring_member_gone_from_this_machine_aborts_an_overdue_step_that_no_fai
 def test_an_overdue_step_whose_ring_members_all_run_is_not_aborted(tmp_path):
     import psutil
 
-    from elastictrain.engine.health.hang import Beat, HangDetector, Heartbeats, HungVerdict, Member, boot_id
+    from elastictrain.engine.health.hang import HangDetector, boot_id
+    from elastictrain.engine.health.signals import Beat, Member
 
-    heartbeats = Heartbeats(tmp_path / "heartbeats")
-    hang = HangDetector(heartbeats, HungVerdict(tmp_path / "verdict"), host=lambda: "a", slot=lambda: 0)
+    signals = FileSignals.in_folder(tmp_path)
+    heartbeats = signals.heartbeats
+    hang = HangDetector(signals, host=lambda: "a", slot=lambda: 0)
     me = psutil.Process()
     parent = me.parent()
     assert parent is not None
     hang.set_ring(0, [Member(0, "a", 0, me.pid), Member(1, "b", 0, parent.pid)])
     heartbeats.write(Beat(parent.pid, "b", 0, boot_id(), parent.create_time(), time.time(), "waiting", time.time(), 3))
     every_port = (set(range(65536)), set())  # an empty ring: no connection of this process can be the signal
-    dog = CollectiveWatchdog(
-        FailureMarker(tmp_path / "marker"), host_removed=lambda: False, excluded_ports=lambda: every_port, hang=hang
-    )
+    dog = CollectiveWatchdog(signals, host_removed=lambda: False, excluded_ports=lambda: every_port, hang=hang)
     dog.snapshot_ring()
     dog._step_started = time.time() - 10.0
     dog._check()

@@ -4,12 +4,12 @@ A worker that stops making progress while its process lives (SIGSTOP, a kernel h
 holds every other worker in the next collective, and nothing in Horovod or Gloo ends that before the Gloo timeout:
 the kernel keeps its TCP connections open and even acknowledges them while the process is stopped. So:
 
-* **Heartbeats.** Each worker's watchdog thread writes a tiny file about once a second,
-  ``run_dir/.elastic/heartbeats/<host>-<slot>.json``: its pid, machine (boot id and PID namespace), the time, and
-  where its step stands: ``local`` (taking its batch, computing: work only it can finish), ``waiting`` (its
-  gradients are ready; from here it waits on the others), or ``idle`` (between steps, validation, a reset). A
-  stopped process, or a machine that hangs, writes none; a live process stuck in its own work keeps writing
-  ``local`` with an old start.
+* **Heartbeats.** Each worker's watchdog thread writes a heartbeat about once a second through the job's
+  signals (:mod:`~elastictrain.engine.health.signals`; today ``run_dir/.elastic/heartbeats/<host>-<slot>.json``):
+  its pid, machine (boot id and PID namespace), the time, and where its step stands: ``local`` (taking its batch,
+  computing: work only it can finish), ``waiting`` (its gradients are ready; from here it waits on the others), or
+  ``idle`` (between steps, validation, a reset). A stopped process, or a machine that hangs, writes none; a live process
+  stuck in its own work keeps writing ``local`` with an old start.
   A (re)start has phases of its own, each written at once when it begins (not on the next beat), so that an
   operator or the chaos campaign (:mod:`chaos.campaign`, which aims faults by them) sees where a reset stands:
   ``startup`` (the process runs, ``hvd.init`` not called yet), ``rendezvous`` (a failure or host notice was caught,
@@ -41,7 +41,7 @@ the kernel keeps its TCP connections open and even acknowledges them while the p
   does not always notice (a survivor whose operation waits on a live peer that waits on it sees nothing until the
   Gloo timeout).
 * **The cure**, by every survivor that reaches the verdict (all idempotent): record it
-  (``run_dir/.elastic/hung-verdict``: the ``failure`` event's reason becomes ``worker_hung``), then SIGKILL the
+  (the signals' hung verdict: the ``failure`` event's reason becomes ``worker_hung``), then SIGKILL the
   hung process when it runs on this machine (checked by boot id, pid and start time, and that it is a worker of the
   job: :func:`job_worker_runs`) -- from there the job
   recovers exactly as after a SIGKILL -- or else evict its host through etcd, on a thread of its own (a drain:
@@ -53,31 +53,32 @@ Size: the heartbeat's format, its writers and its three verdicts share one set o
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from discovery.wire import check_name
 from elastictrain import envnames
-from elastictrain.fileio import write_atomic
+from elastictrain.engine.health.signals import (
+    IDLE,
+    LOCAL,
+    RENDEZVOUS,
+    RESET_PHASES,
+    WAITING,
+    Beat,
+    Member,
+    WorkerSignals,
+)
 from elastictrain.hotjoin.protocol import CHECKER_NAME
 from elastictrain.logconf import get_logger
 
 log = get_logger("elastictrain.engine.health.hang")
 
-LOCAL, WAITING, IDLE = "local", "waiting", "idle"
-STARTUP, RENDEZVOUS, SYNC, PROLOGUE = "startup", "rendezvous", "sync", "prologue"
-RESET_PHASES = (STARTUP, RENDEZVOUS, SYNC, PROLOGUE)
-"""The phases of a (re)start, in order (see the module)."""
-PHASES = (LOCAL, WAITING, IDLE, *RESET_PHASES)
 MIN_HANG_SECONDS = 10.0
 HANG_STEPS = 10.0
 FIRST_STEP_SECONDS = 60.0
@@ -88,11 +89,6 @@ BEAT_SECONDS = 1.0
 GONE_CHECK_SECONDS = 0.5
 QUIET_SECONDS = 2.0
 """How long a process silent in a rendezvous must also have used no CPU time before it is hung."""
-MAX_BEAT_BYTES = 4096
-MAX_BEAT_FILES = 4096
-"""Heartbeat files read at most when a rendezvous judges the whole folder (the run_dir is untrusted)."""
-HEARTBEATS = Path(".elastic") / "heartbeats"
-"""The heartbeat folder, relative to the run_dir."""
 
 
 def gloo_timeout_seconds(environ: Mapping[str, str] | None = None) -> float | None:
@@ -116,60 +112,6 @@ def first_step_bound(gloo_timeout: float | None) -> float:
 def hang_bound(configured: float | None, typical_step: float) -> float:
     """``elastic.hang_seconds``, or 10 x the typical step and at least 10 s."""
     return configured if configured is not None else max(MIN_HANG_SECONDS, HANG_STEPS * typical_step)
-
-
-@dataclass(frozen=True, slots=True)
-class Member:
-    """One rank of the current ring, as gathered after the rendezvous."""
-
-    rank: int
-    host: str
-    slot: int
-    pid: int
-
-
-@dataclass(frozen=True, slots=True)
-class Beat:
-    """One worker's heartbeat."""
-
-    pid: int
-    host: str
-    slot: int
-    boot_id: str
-    created: float
-    """The process's start time (with ``boot_id`` and ``pid``: the same process, not a reused pid)."""
-    ts: float
-    phase: str
-    since: float
-    """When the current phase began."""
-    steps: int
-    """Steps completed since its ring formed."""
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
-
-    @classmethod
-    def parse(cls, raw: bytes) -> Beat | None:
-        """A heartbeat read from the run_dir (untrusted), or None when it is not a valid one."""
-        if len(raw) > MAX_BEAT_BYTES:
-            return None
-        try:
-            d = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            return None
-        if not isinstance(d, dict):
-            return None
-        ints, floats = ("pid", "slot", "steps"), ("created", "ts", "since")
-        if any(isinstance(d.get(k), bool) or not isinstance(d.get(k), int) or d[k] < 0 for k in ints):
-            return None
-        if any(not isinstance(d.get(k), int | float) or not math.isfinite(d[k]) for k in floats):
-            return None
-        if d.get("phase") not in PHASES or not isinstance(d.get("boot_id"), str) or not isinstance(d.get("host"), str):
-            return None
-        try:
-            return cls(**{k: d[k] for k in cls.__slots__})
-        except (KeyError, TypeError):
-            return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -349,90 +291,12 @@ def boot_id() -> str:
     return f"{boot}/pidns:{namespace}" if boot and own_proc else ""
 
 
-class Heartbeats:
-    """The heartbeat folder of a run: this worker writes its own file, reads its ring's."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-
-    def path(self, host: str, slot: int) -> Path:
-        check_name("host", host)
-        return self.folder / f"{host}-{int(slot)}.json"
-
-    def write(self, beat: Beat) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            self.folder.mkdir(parents=True, exist_ok=True)
-            write_atomic(self.path(beat.host, beat.slot), beat.to_json(), durable=False)
-
-    def read(self, members: Sequence[Member]) -> dict[tuple[str, int], Beat]:
-        out = {}
-        for m in members:
-            try:
-                raw = self.path(m.host, m.slot).read_bytes()
-            except (OSError, ValueError):
-                continue
-            beat = Beat.parse(raw)
-            if beat is not None and beat.host == m.host and beat.slot == m.slot:
-                out[(m.host, m.slot)] = beat
-        return out
-
-    def remove(self, host: str, slot: int, pid: int) -> None:
-        """Delete ``host``/``slot``'s heartbeat when it is ``pid``'s (a newer process of the slot keeps its own)."""
-        with contextlib.suppress(OSError, ValueError):
-            path = self.path(host, slot)
-            beat = Beat.parse(path.read_bytes())
-            if beat is not None and beat.pid == pid:
-                path.unlink()
-
-    def read_all(self) -> list[Beat]:
-        """Every valid heartbeat in the folder (at most :data:`MAX_BEAT_FILES` files; one whose name is not its
-        own host and slot is refused)."""
-        out = []
-        try:
-            with os.scandir(self.folder) as entries:
-                names = [e.name for _, e in zip(range(MAX_BEAT_FILES), entries, strict=False)]
-        except OSError:
-            return []
-        for name in names:
-            if not name.endswith(".json"):
-                continue
-            try:
-                with open(self.folder / name, "rb") as f:
-                    raw = f.read(MAX_BEAT_BYTES + 1)
-            except OSError:
-                continue
-            beat = Beat.parse(raw)
-            if beat is not None and name == f"{beat.host}-{beat.slot}.json":
-                out.append(beat)
-        return out
-
-
-class HungVerdict:
-    """``run_dir/.elastic/hung-verdict``: the newest hung peer found (``ts`` then the reason, one line)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def record(self, why: str) -> None:
-        with contextlib.suppress(OSError):
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(self.path, f"{time.time()} {why.splitlines()[0][:300]}\n", durable=False)
-
-    def since(self, ts: float) -> str | None:
-        """The verdict's reason when it was recorded at or after ``ts``, else None."""
-        try:
-            when, _, why = self.path.read_text()[:400].partition(" ")
-            return why.strip() if float(when) >= ts else None
-        except (OSError, ValueError):
-            return None
-
-
 @dataclass(slots=True)
 class HangDetector:
     """What the collective watchdog's thread does about hangs: beat, and judge while its step is overdue."""
 
-    heartbeats: Heartbeats
-    verdict: HungVerdict
+    signals: WorkerSignals
+    """Where heartbeats are written and read and the verdict recorded."""
     host: Callable[[], str]
     slot: Callable[[], int]
     configured_seconds: float | None = None
@@ -489,7 +353,7 @@ class HangDetector:
         if self.last_beat == 0.0:
             stop_announcing()  # this detector beats from now on
         boot, created = self.identity()
-        self.heartbeats.write(
+        self.signals.write_beat(
             Beat(
                 pid=os.getpid(),
                 host=self.host(),
@@ -521,7 +385,7 @@ class HangDetector:
                 now=now,
                 me=self.me,
                 members=self.members,
-                beats=self.heartbeats.read(self.members),
+                beats=self.signals.read_beats(self.members),
                 hang_seconds=bound,
                 ring_steps=self.steps,
                 first_step_seconds=self.first_step_seconds,
@@ -544,7 +408,7 @@ class HangDetector:
         job, launch_id = os.environ.get(envnames.JOB, ""), os.environ.get(envnames.LAUNCH_ID, "")
         suspects = silent_in_rendezvous(
             now=now,
-            beats=self.heartbeats.read_all(),
+            beats=self.signals.all_beats(),
             bound=bound / 2,
             boot=self.identity()[0],
             me=os.getpid(),
@@ -570,7 +434,7 @@ class HangDetector:
         """This worker is closing (its watchdog stopped): its heartbeat goes, so that a process that only finishes
         its last checkpoint or its tracking, beating no more, is never taken for a hung one."""
         with contextlib.suppress(ValueError):
-            self.heartbeats.remove(self.host(), self.slot(), os.getpid())
+            self.signals.remove_beat(self.host(), self.slot(), os.getpid())
 
     def gone(self, now: float | None = None) -> str | None:
         """Why a member of this ring that ran on this machine is gone (see :func:`gone_peers`), or None; looked up at
@@ -581,7 +445,7 @@ class HangDetector:
             found = gone_peers(
                 me=self.me,
                 members=self.members,
-                beats=self.heartbeats.read(self.members),
+                beats=self.signals.read_beats(self.members),
                 boot=self.identity()[0],
                 alive=process_alive,
             )
@@ -604,7 +468,7 @@ class HangDetector:
             evict, done = self.evict, f"evicting host {h.member.host} through etcd"
         else:
             done = "no etcd to evict its host through: waiting for the Gloo timeout"
-        self.verdict.record(f"{h.why}; {done}")
+        self.signals.record_verdict(f"{h.why}; {done}")
         log.warning("hung peer", why=h.why, action=done)
         if evict is not None:
             threading.Thread(target=self.evict_host, args=(evict, h), name="hang-eviction", daemon=True).start()
@@ -616,11 +480,11 @@ class HangDetector:
         except Exception as e:  # the evictor reports its own failures; this is a safety net for the thread
             done = f"could not evict host {h.member.host}: {type(e).__name__}"
             log.exception("hung peer's eviction failed", host=h.member.host)
-        self.verdict.record(f"{h.why}; {done}")
+        self.signals.record_verdict(f"{h.why}; {done}")
         log.warning("hung peer's host", why=h.why, action=done)
 
 
-def announce(folder: Path, phase: str, environ: dict[str, str] | None = None) -> None:
+def announce(signals: WorkerSignals, phase: str, environ: dict[str, str] | None = None) -> None:
     """A heartbeat of a worker that has no :class:`HangDetector` yet (``startup``, and ``rendezvous`` when it calls
     ``hvd.init``), from horovodrun's ``HOROVOD_HOSTNAME`` and ``HOROVOD_LOCAL_RANK``; nothing outside horovodrun.
     It is written at once and then kept fresh once a second by a daemon thread (:class:`BeatKeeper`) until the
@@ -634,7 +498,7 @@ def announce(folder: Path, phase: str, environ: dict[str, str] | None = None) ->
         now = time.time()
         me = psutil.Process()
         beat = Beat(os.getpid(), host, int(slot), boot_id(), me.create_time(), now, phase, now, 0)
-        _KEEPER.keep(Heartbeats(folder), beat)
+        _KEEPER.keep(signals, beat)
 
 
 class BeatKeeper:
@@ -648,15 +512,15 @@ class BeatKeeper:
     def _reset(self) -> None:
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._current: tuple[Heartbeats, Beat] | None = None
+        self._current: tuple[WorkerSignals, Beat] | None = None
         self.thread: threading.Thread | None = None
 
-    def keep(self, heartbeats: Heartbeats, beat: Beat) -> None:
+    def keep(self, signals: WorkerSignals, beat: Beat) -> None:
         with self._lock:
             if self._stop.is_set():
                 return  # the detector beats already: an announcement would write an older phase
-            heartbeats.write(beat)
-            self._current = (heartbeats, beat)
+            signals.write_beat(beat)
+            self._current = (signals, beat)
             if self.thread is None:
                 self.thread = threading.Thread(target=self._run, name="heartbeat-keeper", daemon=True)
                 self.thread.start()
@@ -670,8 +534,8 @@ class BeatKeeper:
             with self._lock:
                 if self._stop.is_set() or self._current is None:
                     return
-                heartbeats, beat = self._current
-                heartbeats.write(replace(beat, ts=time.time()))
+                signals, beat = self._current
+                signals.write_beat(replace(beat, ts=time.time()))
 
 
 _KEEPER = BeatKeeper()

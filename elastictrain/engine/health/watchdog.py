@@ -9,7 +9,7 @@ one to start (import torch, init), so a short one breaks scale-up on a slow mach
 Instead each worker runs a watchdog thread. It aborts this process's Gloo connections, so the blocked
 receive fails now and Horovod's elastic loop rolls back and re-forms the ring, only when both hold:
 
-* a peer failure is known: another worker recorded one in the run dir's failure marker, a Gloo connection
+* a peer failure is known: another worker recorded one in the job's signals (the failure marker), a Gloo connection
   of this ring was closed by its peer (that worker's process is gone), or Horovod's driver notified this
   worker that a host was *removed* (a dead or partitioned host leaves discovery; its worker may still hold
   its sockets open); and
@@ -41,11 +41,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from elastictrain.engine.health.hang import IDLE, LOCAL, WAITING, HangDetector, Member
-from elastictrain.fileio import write_atomic
+from elastictrain.engine.health.hang import HangDetector
+from elastictrain.engine.health.signals import IDLE, LOCAL, WAITING, Member, WorkerSignals
 from elastictrain.logconf import get_logger
 
 log = get_logger("elastictrain.engine.health.watchdog")
@@ -135,24 +134,6 @@ def failure_counts(failure_ts: float | None, step_started: float, progress_since
     :func:`should_abort`)."""
     since = step_started if progress_since is None else min(progress_since, step_started)
     return failure_ts is not None and failure_ts >= since
-
-
-class FailureMarker:
-    """A tiny file in the run dir that says "a worker saw a collective fail at time T" (shared storage)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def record(self, host: str) -> None:
-        with contextlib.suppress(OSError):
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(self.path, f"{time.time()} {host}\n", durable=False)
-
-    def last(self) -> float | None:
-        try:
-            return float(self.path.read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            return None
 
 
 Pair = tuple[Any, Any]
@@ -277,13 +258,13 @@ class CollectiveWatchdog:
 
     def __init__(
         self,
-        marker: FailureMarker,
+        signals: WorkerSignals,
         host_removed: Callable[[], bool],
         excluded_ports: Callable[[], tuple],
         policy: WatchdogPolicy | None = None,
         hang: HangDetector | None = None,
     ) -> None:
-        self.marker = marker
+        self.signals = signals
         self.hang = hang
         self.host_removed = host_removed
         self.excluded_ports = excluded_ports
@@ -406,7 +387,7 @@ class CollectiveWatchdog:
         if started is None:
             return
         ring, now = self._ring, time.time()
-        failure_ts, removed, progress = self.marker.last(), self.host_removed(), self._progress
+        failure_ts, removed, progress = self.signals.last_failure(), self.host_removed(), self._progress
         reason = should_abort(
             now=now,
             step_started=started,
