@@ -47,7 +47,7 @@ the kernel keeps its TCP connections open and even acknowledges them while the p
   recovers exactly as after a SIGKILL -- or else evict its host through etcd, on a thread of its own (a drain:
   Horovod removes the host, stops its worker, and the watchdog's host-removed path ends the wait).
 
-Size: the heartbeat's format, its writers and its three verdicts share one set of rules (docs/decisions.md).
+Size: the heartbeat's writers and its three verdicts share one set of rules (docs/decisions.md).
 """
 
 from __future__ import annotations
