@@ -207,8 +207,9 @@ def evict(
 
     The job never falls below ``min_np`` through an eviction: the other hosts that discovery lists now (ready, not
     draining for any reason) must hold at least ``min_np`` slots, else :class:`BelowMinNp` is raised and nothing is
-    written. The write is conditional on those hosts' keys being unchanged since they were counted, so a host that
-    starts draining meanwhile (a spot notice, another eviction) makes it count again. ``min_np=0`` checks nothing.
+    written. The write is conditional on enough of those hosts' keys (:func:`floor_hosts`) being unchanged since they
+    were counted, so one of them that starts draining meanwhile (a spot notice, another eviction) makes it count
+    again. ``min_np=0`` checks nothing.
 
     Raises ``ValueError`` for a ``reason`` that is not a token of 1 to 32 of ``[a-z0-9_-]`` or a
     ``cooldown_seconds`` that is not finite and > 0, :class:`BelowMinNp` as above, and :class:`HostNotFound` or
@@ -231,9 +232,28 @@ def evict(
             plural = "" if slots == 1 else "s"
             raise BelowMinNp(f"evicting host {host!r} would leave {slots} ready slot{plural} < min_np {min_np}")
         evicted = entry.record.evicted_until(reason, now + cooldown_seconds)
-        if registry.compare_and_set(entry, evicted, unchanged=ready):
+        if registry.compare_and_set(entry, evicted, unchanged=floor_hosts(ready, min_np)):
             return evicted
     raise RegistryError(f"host {host!r} changed concurrently {attempts} times; try again")
+
+
+MAX_GUARDED_HOSTS = 100
+"""Most hosts an eviction's write is conditional on: etcd refuses a Txn of more than 128 operations by default
+(``--max-txn-ops``), compares included."""
+
+
+def floor_hosts(ready: Sequence[Entry], min_np: int) -> list[Entry]:
+    """The fewest of ``ready`` whose slots reach ``min_np`` (the largest first, then by name), at most
+    :data:`MAX_GUARDED_HOSTS`: while they stay as read, the floor holds whatever the other hosts do. A floor that
+    needs more hosts than that is guarded by the first of them and was checked for the rest when they were read."""
+    chosen: list[Entry] = []
+    slots = 0
+    for e in sorted(ready, key=lambda e: (-e.record.slots, e.record.host)):
+        if slots >= min_np or len(chosen) == MAX_GUARDED_HOSTS:
+            break
+        chosen.append(e)
+        slots += e.record.slots
+    return chosen
 
 
 # --------------------------------------------------------------------------------------------------

@@ -243,6 +243,18 @@ def test_an_eviction_that_would_leave_fewer_ready_slots_than_min_np_is_refused_b
         registry.revoke_lease(lease)
 
 
+def test_an_eviction_among_200_ready_hosts_fits_etcds_txn_limit(etcd_server: EtcdServer) -> None:
+    """etcd refuses a Txn of more than 128 operations: the eviction's write is conditional on the hosts the floor
+    needs, not on every ready host."""
+    with EtcdRegistry(etcd_server.endpoint, JOB, timeout_seconds=5.0) as registry:
+        lease = registry.grant_lease(60)
+        for i in range(200):
+            assert registry.register(HostRecord(host=f"node-{i:03d}", slots=1, addr="127.0.0.1"), lease)
+        evicted = evict(registry, "node-007", reason="hung", cooldown_seconds=30, now=time.time(), min_np=150)
+        assert evicted.state == "draining"
+        registry.revoke_lease(lease)
+
+
 def test_agent_gives_up_with_one_line_when_etcd_is_unreachable_at_startup(tmp_path: Path) -> None:
     from tests.fixtures.procs import free_port
 

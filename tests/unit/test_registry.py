@@ -410,3 +410,21 @@ def test_evict_reads_again_when_another_host_drains_between_its_read_and_its_wri
         evict(registry, "node-a", reason="hung", cooldown_seconds=5, now=NOW, min_np=2)
     entry = registry.get("node-a")
     assert len(calls) == 1 and entry is not None and entry.record.state == READY
+
+
+def test_evict_guards_only_as_many_ready_hosts_as_the_floor_needs(registry: InMemoryRegistry) -> None:
+    """etcd refuses a Txn of more than 128 operations (--max-txn-ops): at 300 ready hosts the write is conditional on
+    the fewest hosts whose slots reach min_np (the largest first), not on all of them."""
+    lease = registry.grant_lease(10)
+    for i in range(300):
+        registry.register(rec(f"node-{i:03d}", slots=1 if i else 4), lease)
+    real = registry.compare_and_set
+    guarded: list[list[str]] = []
+
+    def counting(entry: Entry, record: HostRecord, **kwargs: object) -> bool:
+        guarded.append([e.record.host for e in kwargs.get("unchanged", ())])  # type: ignore[attr-defined]
+        return real(entry, record, **kwargs)  # type: ignore[arg-type]
+
+    registry.compare_and_set = counting  # type: ignore[method-assign]
+    assert evict(registry, "node-299", reason="hung", cooldown_seconds=5, now=NOW, min_np=6).state == DRAINING
+    assert guarded == [["node-000", "node-001", "node-002"]], "4 + 1 + 1 slots reach min_np 6"
