@@ -298,3 +298,5 @@ def test_an_eviction_the_registry_refuses_below_min_np_is_a_keep_not_an_error() 
         t.join(5)
     (ev,) = [e for e in emitted if isinstance(e, Eviction)]
     assert (ev.action, ev.error) == ("keep", None) and "min_np 2" in ev.reason
+    feed(monitor, {"a": 1.0, "b": 1.0, "c": 1.0, "d": 2.0}, 200)  # the next commit takes the refusal in
+    assert monitor.decided["d"][0] == "keep" and not monitor.refused, "a refused drain is not a host leaving"

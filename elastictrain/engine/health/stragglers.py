@@ -284,6 +284,9 @@ class StragglerMonitor:
     """Hosts rank 0 decided about while they stay slow: (action, ratio then). A kept host is planned again once its
     ratio has grown by a tenth (a slowdown that worsens), a drained one never while it is in the world."""
     threads: list[threading.Thread] = field(default_factory=list)
+    refused: deque[tuple[str, float]] = field(default_factory=deque)
+    """Drains the registry refused (below min_np), posted by the drain threads: at the next commit their host counts
+    as kept, not leaving (only :meth:`observe`'s thread touches :attr:`decided`)."""
 
     def observe(
         self,
@@ -304,6 +307,10 @@ class StragglerMonitor:
             f = Figures.from_row(row)
             if f is not None:
                 by_host.setdefault(host, []).append(f)
+        while self.refused:
+            host, ratio = self.refused.popleft()
+            if self.decided.get(host, ("", 0.0))[0] == "drain":
+                self.decided[host] = ("keep", ratio)
         for gone in set(self.windows) - set(rank_hosts):
             del self.windows[gone]
             self.named.discard(gone)
@@ -390,7 +397,7 @@ class StragglerMonitor:
             try:
                 evictions, cooldown = evictor.evict(host, "straggler", self.policy.cooldown)
             except BelowMinNp as e:  # a host left that this monitor did not drain
-                self.decided[host] = ("keep", j.ratio)
+                self.refused.append((host, j.ratio))
                 self.emit(event(action="keep", reason=str(e)))
                 log.warning("straggler kept", host=host, reason=str(e))
                 return
