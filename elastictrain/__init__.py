@@ -2,7 +2,8 @@
 
 The public names (``Task``, and the drop-in for Horovod elastic scripts: ``ElasticState``,
 ``ElasticSampler``, ``elastic_run``) are imported on first use, so that ``import elastictrain`` stays
-light (no torch, no Horovod) for the agent and the CLI.
+light (no torch, no Horovod) for the agent and the CLI. The drop-in's first use checks, before Horovod loads, that
+the installed Horovod is the patched build (:mod:`elastictrain.horovod.build_check`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ def __getattr__(name: str) -> Any:
 
         return Task
     if name in _DROPIN:
+        from elastictrain.horovod.build_check import check_patched_horovod
+
+        check_patched_horovod()  # a stock wheel would run the user's script without the repairs
         from elastictrain.engine import dropin
 
         return getattr(dropin, name)

@@ -123,3 +123,17 @@ def test_the_digest_changes_with_any_edit_of_the_patch(monkeypatch: pytest.Monke
     rel, old, new = ph.EDITS[-1]
     monkeypatch.setattr(ph, "EDITS", (*ph.EDITS[:-1], (rel, old, new + " ")))
     assert ph.digest() != before
+
+
+def test_a_horovod_script_on_the_drop_in_over_a_stock_horovod_is_refused_before_horovod_loads(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A user's own script (``from elastictrain import ElasticState``) started by horovodrun by hand: no launch and no
+    ``elastictrain train`` checked its Horovod."""
+    import elastictrain
+
+    fake_horovod(monkeypatch, tmp_path / "site", marker=None)
+    for name in ("ElasticState", "ElasticSampler", "elastic_run"):
+        with pytest.raises(build_check.UnpatchedHorovod, match="make setup"):
+            getattr(elastictrain, name)
+    assert "horovod.torch" not in sys.modules
