@@ -151,7 +151,7 @@ class Action(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class Decision:
+class AgentDecision:
     """What a cycle decided, as an action and the sentence that is logged."""
 
     action: Action
@@ -215,7 +215,7 @@ class Observation:
     """Why the node is being emptied (the last answer read), or None when it is schedulable or not watched."""
 
 
-def decide(cfg: AgentConfig, st: AgentState, obs: Observation) -> Decision:
+def decide(cfg: AgentConfig, st: AgentState, obs: Observation) -> AgentDecision:
     """The agent's decision for one cycle: pure, no I/O, times taken from ``obs.now``."""
     if st.drain_requested_at is not None:
         elapsed = obs.now - st.drain_requested_at
@@ -226,22 +226,22 @@ def decide(cfg: AgentConfig, st: AgentState, obs: Observation) -> Decision:
                 else (f"drain grace of {cfg.drain_grace_seconds:g}s over")
             )
             if st.lease_id is not None and obs.reachable:
-                return Decision(Action.REVOKE_AND_EXIT, f"{why}; revoking lease {st.lease_id:x} and exiting", 0)
-            return Decision(Action.EXIT, f"{why}; etcd unreachable, exiting (the lease expires by itself)", 0)
+                return AgentDecision(Action.REVOKE_AND_EXIT, f"{why}; revoking lease {st.lease_id:x} and exiting", 0)
+            return AgentDecision(Action.EXIT, f"{why}; etcd unreachable, exiting (the lease expires by itself)", 0)
     if not obs.reachable:
         down = obs.now - (st.unreachable_since if st.unreachable_since is not None else obs.now)
         if down > cfg.retry_deadline_seconds:
-            return Decision(
+            return AgentDecision(
                 Action.EXIT,
                 f"etcd unreachable for {down:.0f}s, past the retry deadline of {cfg.retry_deadline_seconds:g}s "
                 f"({obs.error}); giving up",
                 1,
             )
-        return Decision(Action.WAIT, f"etcd unreachable for {down:.0f}s ({obs.error}); retrying")
+        return AgentDecision(Action.WAIT, f"etcd unreachable for {down:.0f}s ({obs.error}); retrying")
     ours = st.lease_id is not None and obs.key_lease == st.lease_id
     if obs.key_state is None:
         if obs.lease_alive and st.registered:
-            return Decision(
+            return AgentDecision(
                 Action.REVOKE_AND_EXIT, f"host key removed by an operator while lease {st.lease_id:x} lived; exiting", 0
             )
         how = "lease lost; " if obs.lease_lost else ""
@@ -250,34 +250,36 @@ def decide(cfg: AgentConfig, st: AgentState, obs: Observation) -> Decision:
             how, state = f"{how}{obs.cordon}; ", DRAINING
         if kept_eviction(st):
             state = f"{state} ({_eviction(st.drain_reason, st.drain_until)})"
-        return Decision(
+        return AgentDecision(
             Action.REGISTER,
             f"{how}registering {cfg.host} ({cfg.slots} slots) as {state} under a new {cfg.ttl_seconds}s lease",
         )
     if not ours:
         since = st.blocked_since if st.blocked_since is not None else obs.now
         if obs.now - since > cfg.retry_deadline_seconds:
-            return Decision(
+            return AgentDecision(
                 Action.EXIT,
                 f"host key still held by lease {obs.key_lease:x} of pid {obs.key_pid} after "
                 f"{obs.now - since:.0f}s; another agent runs as {cfg.host}? giving up",
                 1,
             )
-        return Decision(
+        return AgentDecision(
             Action.WAIT,
             f"host key held by lease {obs.key_lease:x} of pid {obs.key_pid} (a previous or duplicate "
             "agent); waiting for it to expire",
         )
     if not obs.lease_alive:
-        return Decision(Action.WAIT, f"lease {st.lease_id:x} lost but its key is still listed; waiting")
+        return AgentDecision(Action.WAIT, f"lease {st.lease_id:x} lost but its key is still listed; waiting")
     if st.drain_requested_at is not None and obs.key_state != DRAINING:
         left = cfg.drain_grace_seconds - (obs.now - st.drain_requested_at)
-        return Decision(Action.MARK_DRAINING, f"drain requested; marking host draining, lease revoked in {left:.0f}s")
+        return AgentDecision(
+            Action.MARK_DRAINING, f"drain requested; marking host draining, lease revoked in {left:.0f}s"
+        )
     if st.drain_requested_at is None:
         if obs.cordon is not None and not st.cordon_drained and obs.key_state == READY:
-            return Decision(Action.DRAIN_CORDONED, f"{obs.cordon}; marking host draining until it is uncordoned")
+            return AgentDecision(Action.DRAIN_CORDONED, f"{obs.cordon}; marking host draining until it is uncordoned")
         if obs.cordon is None and st.cordon_drained:
-            return Decision(Action.READY_UNCORDONED, "node is schedulable again; marking host ready")
+            return AgentDecision(Action.READY_UNCORDONED, "node is schedulable again; marking host ready")
         if (
             obs.cordon is None
             and obs.key_state == DRAINING
@@ -285,14 +287,14 @@ def decide(cfg: AgentConfig, st: AgentState, obs: Observation) -> Decision:
             and obs.wall_time >= obs.key_drain_until
         ):
             why = f"the {obs.key_drain_reason} eviction" if obs.key_drain_reason else "an eviction"
-            return Decision(
+            return AgentDecision(
                 Action.READMIT,
                 f"cool-down of {why} over; marking host ready (evictions: {obs.key_evictions})",
             )
     host = obs.key_state
     if obs.key_state == DRAINING and obs.key_drain_until > 0:
         host = f"{host} ({_eviction(obs.key_drain_reason, obs.key_drain_until)})"
-    return Decision(Action.HEARTBEAT, f"lease {st.lease_id:x} refreshed; host {host}")
+    return AgentDecision(Action.HEARTBEAT, f"lease {st.lease_id:x} refreshed; host {host}")
 
 
 def kept_eviction(st: AgentState) -> bool:
@@ -333,7 +335,7 @@ class Agent:
     """Reads the Kubernetes node each cycle (``--drain-when-cordoned``); None: not watched."""
     state: AgentState = field(default_factory=AgentState)
     exit_code: int | None = None
-    last_decision: Decision | None = None
+    last_decision: AgentDecision | None = None
 
     def observe(self) -> Observation:
         st = self.state
@@ -405,7 +407,7 @@ class Agent:
                 self._log().warning("cannot read the node; keeping the last answer", error=str(e), cordon=st.cordon)
             st.cordon_error = str(e)
 
-    def apply(self, decision: Decision) -> None:
+    def apply(self, decision: AgentDecision) -> None:
         st = self.state
         try:
             if decision.action is Action.REGISTER:
@@ -484,7 +486,7 @@ class Agent:
         else:  # someone else's key appeared in between: drop our lease, the next cycle waits
             self.registry.revoke_lease(lease_id)
 
-    def run_cycle(self) -> Decision:
+    def run_cycle(self) -> AgentDecision:
         decision = decide(self.cfg, self.state, self.observe())
         self.apply(decision)
         return decision

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastictrain import envnames
-from elastictrain.checkpoint.resume import META_KEY as RESUME_META_KEY
 from elastictrain.cliutil import EXIT_STOPPED
 from elastictrain.config import JobConfig
 from elastictrain.engine.build import TrainingParts, build_parts
@@ -47,6 +46,7 @@ from elastictrain.engine.metrics import MetricsWindow
 from elastictrain.engine.policy import batch_plan, schedule_factor, training_complete
 from elastictrain.engine.profile import StepProfile
 from elastictrain.engine.reset import PendingReset, pause_parts, plan_reset
+from elastictrain.engine.resume import META_KEY as RESUME_META_KEY
 from elastictrain.engine.resume import resume_inputs, resume_latest
 from elastictrain.engine.sampler import StepPlan, iter_plans
 from elastictrain.engine.services import Rank0Services

@@ -1,7 +1,7 @@
 """What the launcher does after a horovodrun ends: pure functions of what it observed, tested without processes.
 
 :func:`decide_after_exit` turns one horovodrun's exit code, the run log and what the registry showed
-(:class:`HostWatch`) into a :class:`Decision`: completed, relaunch, failed, relaunch limit or stopped,
+(:class:`HostWatch`) into a :class:`RelaunchDecision`: completed, relaunch, failed, relaunch limit or stopped,
 with the sentence the launcher prints and its exit code. The exit codes are ``launch``'s contract
 (README "Run a job").
 """
@@ -35,7 +35,7 @@ class Outcome(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class Decision:
+class RelaunchDecision:
     """What the launcher decided after horovodrun ended, as an outcome and the sentence it prints."""
 
     outcome: Outcome
@@ -57,15 +57,17 @@ def decide_after_exit(
     max_relaunches: int,
     stop_signal: int | None = None,
     stalled: str | None = None,
-) -> Decision:
+) -> RelaunchDecision:
     """Decide what follows one horovodrun: pure, from its exit code, events.jsonl and what the registry showed."""
     if stop_signal is not None:
         code = EXIT_INTERRUPTED if stop_signal == signal.SIGINT else EXIT_STOPPED
-        return Decision(Outcome.STOPPED, f"stopped by {signal.Signals(stop_signal).name}", code)
+        return RelaunchDecision(Outcome.STOPPED, f"stopped by {signal.Signals(stop_signal).name}", code)
     if returncode == 0 and completed:
-        return Decision(Outcome.COMPLETED, "training completed", EXIT_COMPLETED)
+        return RelaunchDecision(Outcome.COMPLETED, "training completed", EXIT_COMPLETED)
     if returncode == 0:
-        return Decision(Outcome.FAILED, "horovodrun exited 0 but events.jsonl does not end with 'done'", EXIT_FAILED)
+        return RelaunchDecision(
+            Outcome.FAILED, "horovodrun exited 0 but events.jsonl does not end with 'done'", EXIT_FAILED
+        )
     why = []
     if hosts_lost:
         why.append(f"hosts lost: {', '.join(hosts_lost)}")
@@ -74,19 +76,19 @@ def decide_after_exit(
     if stalled:
         why.append(stalled)
     if not why:
-        return Decision(
+        return RelaunchDecision(
             Outcome.FAILED,
             f"horovodrun exited {returncode} while every host stayed registered (a failure, not a preemption)",
             EXIT_FAILED,
         )
     if relaunches >= max_relaunches:
-        return Decision(
+        return RelaunchDecision(
             Outcome.RELAUNCH_LIMIT,
             f"horovodrun exited {returncode} ({'; '.join(why)}) after {relaunches} relaunches "
             f"(--max-relaunches {max_relaunches}); giving up",
             EXIT_RELAUNCH_LIMIT,
         )
-    return Decision(
+    return RelaunchDecision(
         Outcome.RELAUNCH,
         f"horovodrun exited {returncode} ({'; '.join(why)}); relaunch {relaunches + 1} when hosts return",
     )
