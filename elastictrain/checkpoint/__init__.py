@@ -7,25 +7,49 @@ No Horovod here: the worker calls this as plain code.
     ckpt = Checkpointer(storage, keep_last=3, on_event=events.emit)
     stall_s = ckpt.save(state, step=..., epoch=..., world_size=..., config_hash=...)
     ckpt.save(state, ..., if_busy="wait"); ckpt.close()  # at the end / on SIGTERM
+
+The names below are imported on first use, so that the torch-free modules (``storage``, ``manifest``) stay
+torch-free when imported through this package.
 """
 
-from elastictrain.checkpoint.checkpointer import Checkpointer, CheckpointStats, EventCallback, WriterKind
-from elastictrain.checkpoint.format import (
-    CheckpointDamaged,
-    LoadedCheckpoint,
-    WriteResult,
-    checkpoint_name,
-    latest_manifest,
-    list_checkpoints,
-    load_checkpoint,
-    load_latest,
-    prune,
-    read_latest,
-    rollback_latest,
-    verify_checkpoint,
-    write_checkpoint,
-)
-from elastictrain.checkpoint.storage import CheckpointStorage, LatestIsNewer, LocalStorage
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from elastictrain.checkpoint.checkpointer import Checkpointer, CheckpointStats, EventCallback, WriterKind
+    from elastictrain.checkpoint.format import (
+        LoadedCheckpoint,
+        WriteResult,
+        list_checkpoints,
+        load_checkpoint,
+        load_latest,
+        prune,
+        rollback_latest,
+        verify_checkpoint,
+        write_checkpoint,
+    )
+    from elastictrain.checkpoint.manifest import CheckpointDamaged, latest_manifest, read_latest
+    from elastictrain.checkpoint.storage import CheckpointStorage, LatestIsNewer, LocalStorage, checkpoint_name
+
+_HOMES = {
+    "checkpointer": ("Checkpointer", "CheckpointStats", "EventCallback", "WriterKind"),
+    "format": (
+        "LoadedCheckpoint",
+        "WriteResult",
+        "list_checkpoints",
+        "load_checkpoint",
+        "load_latest",
+        "prune",
+        "rollback_latest",
+        "verify_checkpoint",
+        "write_checkpoint",
+    ),
+    "manifest": ("CheckpointDamaged", "latest_manifest", "read_latest"),
+    "storage": ("CheckpointStorage", "LatestIsNewer", "LocalStorage", "checkpoint_name"),
+}
+_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
 __all__ = [
     "CheckpointDamaged",
@@ -49,3 +73,10 @@ __all__ = [
     "verify_checkpoint",
     "write_checkpoint",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _HOME_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

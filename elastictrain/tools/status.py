@@ -25,6 +25,8 @@ from typing import Any
 
 import psutil
 
+from elastictrain.checkpoint.manifest import CheckpointDamaged, read_latest, read_manifest
+from elastictrain.checkpoint.storage import LocalStorage
 from elastictrain.cliutil import OneLineParser
 from elastictrain.engine.health.stragglers import format_slowest, straggler_summary
 from elastictrain.errors import ToolError
@@ -41,7 +43,6 @@ from elastictrain.rundir.events import (
     read_events,
 )
 
-MANIFEST_FILE = "manifest.json"
 NO_LIVE_PROCESS = "stopped (no live process)"
 
 
@@ -50,26 +51,24 @@ class StatusError(ToolError):
 
 
 def latest_checkpoint(run_dir: Path, now: float) -> dict[str, Any] | None:
-    """What ``checkpoints/latest`` names, with its manifest fields and age; None when there is none."""
-    ckpt_dir = run_dir / layout.CHECKPOINTS
+    """What ``checkpoints/latest`` names, with its manifest fields and age; None when there is none. Read and
+    checked by :mod:`elastictrain.checkpoint.manifest` (what is wrong goes to ``error``); files are not hashed."""
+    storage = LocalStorage.for_run_dir(run_dir)
+    invalid: list[str] = []
+    name = read_latest(storage, on_invalid=invalid.append)
+    if name is None:
+        return {"name": None, "path": storage.describe(layout.LATEST), "error": invalid[0]} if invalid else None
+    info: dict[str, Any] = {"name": name, "path": storage.describe(name)}
     try:
-        name = (ckpt_dir / layout.LATEST).read_text().strip()
-    except OSError:
-        return None
-    if not name:
-        return None
-    info: dict[str, Any] = {"name": name, "path": str(ckpt_dir / name)}
-    try:
-        manifest = json.loads((ckpt_dir / name / MANIFEST_FILE).read_text())
-    except (OSError, ValueError) as e:
+        manifest = read_manifest(storage, name)
+    except CheckpointDamaged as e:
         info["error"] = f"manifest unreadable: {e}"
         return info
-    if isinstance(manifest, dict):
-        for key in ("step", "epoch", "world_size", "created_at"):
-            info[key] = manifest.get(key)
-        created = manifest.get("created_at")
-        if isinstance(created, int | float):
-            info["age_seconds"] = max(0.0, now - float(created))
+    for key in ("step", "epoch", "world_size", "created_at"):
+        info[key] = manifest.get(key)
+    created = manifest.get("created_at")
+    if isinstance(created, int | float):
+        info["age_seconds"] = max(0.0, now - float(created))
     return info
 
 

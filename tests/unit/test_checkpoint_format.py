@@ -11,14 +11,13 @@ import structlog
 import torch
 
 from elastictrain.checkpoint.format import (
-    MANIFEST,
-    CheckpointDamaged,
     list_checkpoints,
     load_latest,
     rollback_latest,
     verify_checkpoint,
     write_checkpoint,
 )
+from elastictrain.checkpoint.manifest import MANIFEST, CheckpointDamaged
 from elastictrain.checkpoint.storage import LatestIsNewer, LocalStorage
 
 

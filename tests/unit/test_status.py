@@ -46,12 +46,12 @@ def make_run_dir(tmp_path: Path, *, checkpoint: bool) -> Path:
     (run_dir / layout.EVENTS).write_text("".join(json.dumps(e) + "\n" for e in EVENTS) + '{"ts": 3, "ev')
     (run_dir / "mlflow_run_id").write_text("abc123\n")
     if checkpoint:
-        folder = run_dir / "checkpoints" / "step-00000020"
+        folder = run_dir / layout.CHECKPOINTS / "step-00000020"
         folder.mkdir(parents=True)
-        (folder / "manifest.json").write_text(
-            json.dumps({"step": 20, "epoch": 0, "world_size": 2, "created_at": T0 + 21, "files": {}})
-        )
-        (run_dir / "checkpoints" / "latest").write_text("step-00000020")
+        files = {"state.pt": {"sha256": "0" * 64, "bytes": 0}}  # status reads the manifest, hashes nothing
+        manifest = {"step": 20, "epoch": 0, "world_size": 2, "created_at": T0 + 21, "files": files}
+        (folder / "manifest.json").write_text(json.dumps({**manifest, "state_file": "state.pt"}))
+        (run_dir / layout.CHECKPOINTS / layout.LATEST).write_text("step-00000020")
     return run_dir
 
 
@@ -113,6 +113,22 @@ def test_status_of_a_fresh_run_dir_with_only_a_checkpoint(tmp_path: Path) -> Non
     (run_dir / layout.EVENTS).unlink()
     st = read_status(run_dir, now=time.time())
     assert st["state"] == "not_started" and st["checkpoint"]["step"] == 20
+
+
+def test_status_reads_the_checkpoint_as_the_loader_does_a_latest_outside_the_checkpoints_is_no_checkpoint(
+    tmp_path: Path,
+) -> None:
+    run_dir = make_run_dir(tmp_path, checkpoint=True)
+    (run_dir / layout.CHECKPOINTS / layout.LATEST).write_text("../../etc")
+    ck = read_status(run_dir, now=T0 + 81)["checkpoint"]
+    assert ck["name"] is None and "not a checkpoint folder" in ck["error"]
+
+
+def test_status_names_a_malformed_manifest_of_the_latest_checkpoint(tmp_path: Path) -> None:
+    run_dir = make_run_dir(tmp_path, checkpoint=True)
+    (run_dir / layout.CHECKPOINTS / "step-00000020" / "manifest.json").write_text('{"step": 21}')
+    ck = read_status(run_dir, now=T0 + 81)["checkpoint"]
+    assert ck["name"] == "step-00000020" and "is not the folder's step 20" in ck["error"]
 
 
 @pytest.mark.parametrize(
