@@ -46,18 +46,18 @@ format: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m elastictrain.tools.demo
 
-# Every performance goal measured side by side (elastictrain/bench/): results to bench/results/<date>-<host>.json/.md.
+# Every performance goal measured side by side (bench/, run from the checkout): results to bench/results/<date>-<host>.json/.md.
 bench: $(STAMP)
-	$(PY) -m elastictrain.cli bench
+	$(PY) -m bench
 
 # The same in under 5 minutes: fewer repeats, a 2-minute goodput run.
 bench-quick: $(STAMP)
-	$(PY) -m elastictrain.cli bench --quick
+	$(PY) -m bench --quick
 
-# The checks that need a CUDA GPU (elastictrain/bench/gpu_check.py), ~4 min on one GPU; table to runs/gpu-check/.
+# The checks that need a CUDA GPU (bench/gpu_check.py), ~4 min on one GPU; table to runs/gpu-check/.
 # Without a GPU: one line, exit 0.
 gpu-check: $(STAMP)
-	$(PY) -m elastictrain.bench.gpu_check
+	$(PY) -m bench.gpu_check
 
 # Chaos: every scenario (the long ones too), a short fault campaign (24 faults over every phase; its table in its
 # run dir), then the soak (a SIGKILL every 60 s for 20 min plus one of each other fault) with its invariant table,
@@ -79,7 +79,7 @@ CAMPAIGN_ARGS ?=
 chaos-campaign: $(STAMP)
 	$(PY) -m chaos campaign --faults $(CAMPAIGN_FAULTS) --seed $(CAMPAIGN_SEED) $(CAMPAIGN_ARGS)
 
-# The contenders of `elastictrain bench --only peers` (torchrun and TorchFT) in their own environment, never in
+# The contenders of `python -m bench --only peers` (torchrun and TorchFT) in their own environment, never in
 # the product's: torch from constraints/torch.txt (the local disk, as scripts/setup.sh installs it) and torchft 0.2.0.
 PEERS_VENV := .peers-venv
 peers-env:
@@ -90,7 +90,7 @@ peers-env:
 # elastictrain, stock Horovod, torchrun and TorchFT side by side (needs `make peers-env`); BENCH_ARGS=--quick
 BENCH_ARGS ?=
 bench-peers: $(STAMP)
-	$(PY) -m elastictrain.cli bench --only peers $(BENCH_ARGS)
+	$(PY) -m bench --only peers $(BENCH_ARGS)
 
 clean:
 	rm -rf .pytest_cache .mypy_cache .ruff_cache runs

@@ -47,11 +47,12 @@ import psutil
 
 from chaos import faults
 from chaos import invariants as inv
-from chaos.procs import JobNotFound, Worker, tree
-from chaos.run import LAUNCH_FLAGS, REPO, Run, ScenarioError
-from elastictrain.engine.health.hang import HEARTBEATS, IDLE, LOCAL, RENDEZVOUS, STARTUP, SYNC, WAITING, Beat
+from chaos.procs import REPO, JobNotFound, Worker, tree
+from chaos.run import LAUNCH_FLAGS, Run, ScenarioError
+from elastictrain.engine.health.signals import IDLE, LOCAL, RENDEZVOUS, STARTUP, SYNC, WAITING, Beat
 from elastictrain.errors import ToolError
-from elastictrain.rundir.events import EVENTS_FILE, Commit, Event, Metrics, Reset, Start
+from elastictrain.rundir import layout
+from elastictrain.rundir.events import Commit, Event, Metrics, Reset, Start
 from elastictrain.tools.live_view import EventTail
 
 PROG = "python -m chaos campaign"
@@ -249,8 +250,8 @@ class Campaign:
         self.planned = planned
         self.rng = random.Random(seed + 1)
         self.out = out
-        self.tail = RunLog(run.run_dir / EVENTS_FILE)
-        self.beats_dir = run.run_dir / HEARTBEATS
+        self.tail = RunLog(run.run_dir / layout.EVENTS)
+        self.beats_dir = layout.RunDir(run.run_dir).heartbeats
         self.down: set[str] = set()
         """Hosts whose agent the campaign stopped and has not started again."""
         self.records: list[dict[str, Any]] = []
@@ -584,7 +585,7 @@ class Campaign:
         return True
 
     def run_plan(self) -> list[dict[str, Any]]:
-        self.run.wait_for((self.run.run_dir / "mlflow_run_id").exists, 180, "the MLflow run (mlflow_run_id)")
+        self.run.wait_for((self.run.run_dir / layout.MLFLOW_RUN_ID).exists, 180, "the MLflow run (mlflow_run_id)")
         self.run.log.log("campaign", phase="start", job=self.run.job_name, faults=len(self.planned))
         for p in self.planned:
             if self.job_ended(p):
@@ -809,8 +810,8 @@ def run_campaign(
     *,
     with_reference: bool = True,
 ) -> int:
+    from bench.core import describe_machine, result_stem
     from chaos.scenarios import DEFAULT_RUNS, Scenario, check_run, reference_loss
-    from elastictrain.bench.core import describe_machine, result_stem
 
     started = time.time()
     planned = plan(n, seed)
@@ -898,12 +899,12 @@ def refigure(run_dir: Path, out_path: Path | None = None, out: Callable[[str], N
     """The figures of a campaign's run dir computed again by this code's :func:`figures` from the run's own logs
     (its ``campaign-fault`` records and its run log), written over ``campaign.json``/``.md`` there (and ``out_path``);
     the report says so (``refigured``). Returns the campaign's exit code for the new figures."""
-    from chaos.run import EVENTS_FILE
+
     from elastictrain.rundir.events import read_events
 
     report = json.loads((run_dir / "campaign.json").read_text())
     records = [e for e in faults.read_chaos(run_dir / "chaos.jsonl") if e.get("action") == "campaign-fault"]
-    events = read_events(run_dir / EVENTS_FILE, on_skip=lambda line, reason: None)
+    events = read_events(run_dir / layout.EVENTS, on_skip=lambda line, reason: None)
     figs = figures(records, events, {int(p["index"]): str(p["phase"]) for p in report.get("plan", [])})
     hang_check = f"no hang (no step for > {HANG_SECONDS:g} s)"
     checks = [c for c in report["checks"] if c["name"] != hang_check]

@@ -11,6 +11,10 @@ helper such as the checkpoint writer); with hot join, the process the host's zyg
 horovodrun's zygote client. ``HOROVOD_RANK`` in its environment is the rank it was
 *started* with; after resets the rank may differ, so the current rank 0 is found from what only rank 0
 does: it owns the newest ledger file (``run_dir/ledger/<ns>-<pid>.jsonl``) and the checkpoint writer.
+
+Also the process helpers that chaos, the benchmarks and the tests share: :func:`wait_until` (poll with a
+deadline), :func:`kill_tree` (a process tree by pid), :func:`checkout_env` (``chaos`` and ``bench`` importable
+from any working directory: they run from the checkout, not from the installed package).
 """
 
 from __future__ import annotations
@@ -18,28 +22,79 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterable
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
 
 from elastictrain import envnames
 from elastictrain.errors import ToolError
 from elastictrain.launcher.processes import forked_worker, is_alive, is_zygote_client, process_runs_train
-from elastictrain.rundir.launch import STATE_FILE
+from elastictrain.rundir import layout
+
+T = TypeVar("T")
+
+REPO = Path(__file__).resolve().parents[1]
+"""The checkout: ``chaos`` and ``bench`` run from it (neither is in the wheel)."""
+BIN_DIR = Path(sys.executable).parent
+"""Where ``horovodrun`` and ``elastictrain`` live: next to this Python (the virtual environment)."""
 
 
 class JobNotFound(ToolError):
     """The named job, or the process asked for, cannot be found (one line for the user)."""
 
 
+class HarnessError(ToolError, RuntimeError):
+    """The job harness could not do what it was asked (a wait timed out, a job ended early, no such worker).
+
+    The first line is the message; a job's log tail may follow it.
+    """
+
+
+def wait_until(predicate: Callable[[], T], timeout: float, interval: float = 0.05, what: str = "condition") -> T:
+    """Poll ``predicate`` until it returns a truthy value (returned) or ``timeout`` seconds pass (HarnessError)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise HarnessError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+
+
+def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to ``pid`` and all its descendants (found with psutil), ignoring ones already gone."""
+    try:
+        proc = psutil.Process(pid)
+        procs = [*proc.children(recursive=True), proc]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(sig)
+    psutil.wait_procs(procs, timeout=10)
+
+
+def checkout_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) with the checkout first on ``PYTHONPATH``, so that a child started in
+    another folder (a horovodrun worker in its job's workdir) can run ``python -m bench.<name>`` or ``chaos``."""
+    base = dict(os.environ if env is None else env)
+    rest = base.get("PYTHONPATH", "")
+    base["PYTHONPATH"] = f"{REPO}{os.pathsep}{rest}" if rest else str(REPO)
+    return base
+
+
 def read_launch_state(run_dir: Path | None) -> dict[str, Any] | None:
     if run_dir is None:
         return None
     try:
-        state = json.loads((run_dir / STATE_FILE).read_text())
+        state = json.loads((run_dir / layout.LAUNCH_STATE).read_text())
     except (OSError, ValueError):
         return None
     return state if isinstance(state, dict) else None
@@ -181,7 +236,7 @@ class JobRef:
     def rank0(self) -> Worker | None:
         """The worker holding rank 0 now: the owner of the newest ledger file, else the one started as rank 0."""
         if self.run_dir is not None:
-            ledgers = sorted((self.run_dir / "ledger").glob("*.jsonl"))
+            ledgers = sorted((self.run_dir / layout.LEDGER).glob("*.jsonl"))
             for path in reversed(ledgers):
                 pid = path.stem.rsplit("-", 1)[-1]
                 if pid.isdigit():

@@ -47,8 +47,8 @@ from typing import Any, TypeVar
 import psutil
 
 from chaos import faults
-from chaos.procs import Worker, read_launch_state, tree
-from chaos.run import LAUNCH_FLAGS, REPO, Run, ScenarioError
+from chaos.procs import REPO, Worker, read_launch_state, tree
+from chaos.run import LAUNCH_FLAGS, Run, ScenarioError
 from chaos.scenarios import DEFAULT_RUNS, FOUR_WORKERS, base_config
 from elastictrain.fileio import write_atomic
 from elastictrain.launcher.processes import is_alive

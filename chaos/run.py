@@ -14,7 +14,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -24,16 +23,13 @@ import psutil
 import yaml
 
 from chaos import faults
-from chaos.procs import JobNotFound, JobRef, environ, read_launch_state
+from chaos.procs import BIN_DIR, JobNotFound, JobRef, environ, read_launch_state
 from elastictrain import envnames
 from elastictrain.errors import ScenarioError as ScenarioError
 from elastictrain.launcher.commands import elastictrain_command
 from elastictrain.launcher.processes import is_alive
 from elastictrain.rundir import layout
 from elastictrain.rundir.events import Checkpoint, Event, Metrics, Reset, Start, of_kind, read_events
-
-REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
 
 # Launcher flags of every run: a short Gloo timeout that still covers a new worker's start-up on 2 cores,
 # quick blacklist cooldown, short drain grace. The seed's job: 3 logical hosts, min 2 workers.
@@ -81,7 +77,7 @@ class Run:
         self.config_path.write_text(yaml.safe_dump(self.cfg, sort_keys=False))
         env = {
             **os.environ,
-            "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
+            "PATH": f"{BIN_DIR}:{os.environ.get('PATH', '')}",
             envnames.LOG_LEVEL: "warning",
             envnames.JOB: self.job_name,  # inherited by etcd and the agents too: all found by environment
             "PYTHONUNBUFFERED": "1",

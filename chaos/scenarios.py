@@ -34,8 +34,8 @@ import psutil
 from chaos import faults, netns
 from chaos import invariants as inv
 from chaos.netns import ClusterRun
-from chaos.procs import JobNotFound, read_launch_state
-from chaos.run import GLOO_TIMEOUT_SECONDS, LAUNCH_FLAGS, REPO, Run, ScenarioError
+from chaos.procs import REPO, JobNotFound, read_launch_state
+from chaos.run import GLOO_TIMEOUT_SECONDS, LAUNCH_FLAGS, Run, ScenarioError
 from elastictrain.fileio import write_atomic
 from elastictrain.launcher.commands import elastictrain_command
 from elastictrain.rundir import layout

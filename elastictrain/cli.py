@@ -23,7 +23,6 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "report": ("elastictrain.tools.report", "timeline PNG and goodput summary of a run"),
     "audit": ("elastictrain.tools.audit", "check a run's sample ledger: every sample exactly once per epoch"),
     "export": ("elastictrain.tools.export", "write a run's trained model as a plain state_dict plus its config"),
-    "bench": ("elastictrain.bench", "measure the performance goals side by side"),
 }
 
 

@@ -1,6 +1,6 @@
 """Shared pytest set-up. tests/fixtures/ is the tests' one support package: a fixture module per real
 service (processes, MLflow, etcd, elastic jobs) and helpers (fake clock, certificates, a trainer without
-Horovod, gated storages). The job harness itself is ``elastictrain/_testing/`` (the benchmarks use it too)."""
+Horovod, gated storages). The job harness itself is ``chaos/jobs.py`` (the benchmarks use it too)."""
 
 pytest_plugins = [
     "tests.fixtures.procs",

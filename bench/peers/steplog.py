@@ -3,7 +3,7 @@
 Standard library only, and nothing from ``elastictrain``: the contenders' scripts import it from their own
 environments (``.peers-venv`` for torchrun and TorchFT, the product's for elastictrain and stock Horovod). The
 bench reads the logs and applies the one rule every contender is measured by
-(``elastictrain.bench.peers``: ``replay``, ``goodput``, ``first_step_after``, ``pause``, ``audit``).
+(``bench.peers``: ``replay``, ``goodput``, ``first_step_after``, ``pause``, ``audit``).
 
 Format: a folder of ``<writer>.jsonl`` files, one per training process (``writer``: logical host and pid), one
 JSON object a line, written when a step ends:

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain._testing.jobs import ElasticJob
-from elastictrain._testing.procs import wait_until
+from chaos.jobs import ElasticJob
+from chaos.procs import wait_until
 from elastictrain.launcher.hosts import local_logical_hosts
 from tests.fixtures.procs import REPO
 

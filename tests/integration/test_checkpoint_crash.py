@@ -155,7 +155,7 @@ def test_writer_sigkilled_at_random_instants_of_a_save_never_breaks_latest(tmp_p
 
 
 def test_bench_runs_small_and_reports_medians_and_ratios(tmp_path):
-    from elastictrain.checkpoint.bench import bench_checkpoint_stall
+    from bench.checkpoint_stall import bench_checkpoint_stall
 
     result = bench_checkpoint_stall(state_mb=8, repeats=1, tmp_root=str(tmp_path), steady_steps=5)
     assert result["failures"] == 0 and result["skipped"] == 0

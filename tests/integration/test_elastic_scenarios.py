@@ -12,7 +12,7 @@ import signal
 import pytest
 import torch
 
-from elastictrain._testing.jobs import ElasticJob
+from chaos.jobs import ElasticJob
 from elastictrain.checkpoint import LocalStorage, checkpoint_name, list_checkpoints, load_checkpoint
 from elastictrain.launcher.hosts import local_logical_hosts
 from elastictrain.rundir.events import Done, Metrics, Reset
@@ -171,7 +171,7 @@ def test_rank0_killed_together_with_another_worker_recovers_in_seconds_not_at_th
     survivors go on within 10 s (the Gloo timeout is 60 s; a survivor once waited in a receive until it)."""
     import random
 
-    from elastictrain.bench import kill_distribution as kd
+    from bench import kill_distribution as kd
 
     job = ElasticJob(
         tmp_path / "pair", kd.job_config(tmp_path / "pair" / "run"), HOSTS[:4], min_np=2, max_np=4, cooldown=(1, 2)

@@ -1,4 +1,4 @@
-"""The job checks of ``make gpu-check`` (:mod:`elastictrain.bench.gpu_check`) with their jobs on the CPU.
+"""The job checks of ``make gpu-check`` (:mod:`bench.gpu_check`) with their jobs on the CPU.
 
 ``make gpu-check`` runs in the repository with its scratch folders under the relative ``runs/gpu-check``. On the
 first GPU run every job check failed there: horovodrun runs in the job's folder, so the relative paths the job was
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.bench import gpu_check
+from bench import gpu_check
 
 pytestmark = pytest.mark.integration
 

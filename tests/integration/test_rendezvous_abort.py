@@ -21,13 +21,14 @@ from pathlib import Path
 import psutil
 import pytest
 
+from bench import kill_distribution as kd
 from chaos.campaign import read_beats
-from elastictrain._testing.jobs import ElasticJob
-from elastictrain._testing.procs import HarnessError, wait_until
-from elastictrain.bench import kill_distribution as kd
-from elastictrain.engine.health.hang import HEARTBEATS, RENDEZVOUS, SYNC, Beat, HungVerdict
+from chaos.jobs import ElasticJob
+from chaos.procs import HarnessError, wait_until
+from elastictrain.engine.health.signals import RENDEZVOUS, SYNC, Beat, HungVerdict
 from elastictrain.launcher.hosts import local_logical_hosts
 from elastictrain.rundir.events import Reset
+from elastictrain.rundir.layout import RunDir
 from tests.fixtures.elastic_job import job_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
@@ -80,7 +81,7 @@ def _first_in(phase: str, beats_dir: Path, since: float, spare: set[int]) -> Bea
 def _survivor_in(phase: str, job: ElasticJob, since: float, spare: set[int], interval: float) -> Beat:
     """The first survivor (not in ``spare``) whose heartbeat says it entered ``phase`` after ``since``."""
     beat = wait_until(
-        lambda: _first_in(phase, job.run_dir / HEARTBEATS, since, spare),
+        lambda: _first_in(phase, RunDir(job.run_dir).heartbeats, since, spare),
         60,
         interval=interval,
         what=f"a survivor in the reset's {phase}",
@@ -175,6 +176,6 @@ def test_a_survivor_stopped_while_its_ring_forms_is_judged_hung_and_the_others_g
     for p in [*victim.children(recursive=True), victim]:
         p.send_signal(signal.SIGSTOP)
     _assert_recovers(job, t_stop, "after a SIGSTOP in the rendezvous", timeout=6 * GLOO_TIMEOUT_SECONDS)
-    why = HungVerdict(job.run_dir / ".elastic" / "hung-verdict").since(t_stop) or ""
+    why = HungVerdict(RunDir(job.run_dir).hung_verdict).since(t_stop) or ""
     assert f"(pid {victim.pid})" in why and "while its ring forms" in why, why
     assert not victim.is_running() or victim.status() == psutil.STATUS_ZOMBIE, "the stopped worker was killed"

@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from elastictrain._testing.jobs import ElasticJob
+from chaos.jobs import ElasticJob
 from elastictrain.checkpoint import LocalStorage, load_latest
 from elastictrain.launcher.hosts import local_logical_hosts
 from elastictrain.rundir.events import Commit, Done, Start, Stopped, TrackingClosed, of_kind, read_events

@@ -26,10 +26,11 @@ import pytest
 import yaml
 
 from chaos.faults import duty_cycle, target_worker
+from chaos.jobs import ElasticJob
 from chaos.procs import JobRef
-from elastictrain._testing.jobs import ElasticJob
 from elastictrain.launcher.hosts import local_logical_hosts
-from elastictrain.rundir.events import EVENTS_FILE, Done, Eviction, Metrics, Reset, Straggler, of_kind, read_events
+from elastictrain.rundir import layout
+from elastictrain.rundir.events import Done, Eviction, Metrics, Reset, Straggler, of_kind, read_events
 from elastictrain.rundir.ledger import committed_samples
 from elastictrain.tools.status import read_status
 from tests.fixtures.elastic_job import assert_exactly_once, job_config
@@ -152,7 +153,7 @@ def test_evict_drains_a_slowed_worker_through_etcd_with_no_step_lost(procs: Proc
 
     def evs():
         try:
-            return read_events(run_dir / EVENTS_FILE)
+            return read_events(run_dir / layout.EVENTS)
         except FileNotFoundError:
             return []
 

@@ -9,8 +9,8 @@ import signal
 
 import pytest
 
-from elastictrain._testing.jobs import ElasticJob
-from elastictrain.bench.hotjoin import hot_command, warm_zygotes
+from bench.hotjoin import hot_command, warm_zygotes
+from chaos.jobs import ElasticJob
 from elastictrain.engine.reset import PAUSE_PARTS
 from elastictrain.launcher.hosts import is_loopback, local_logical_hosts, loopback_aliases_work
 from elastictrain.rundir.events import Done, Reset, Start

@@ -15,10 +15,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from elastictrain import bench, envnames
-from elastictrain._testing.procs import wait_until
-from elastictrain.bench import commit, goodput, hotjoin, runs, stragglers
-from elastictrain.bench.core import (
+import bench
+from bench import commit, goodput, hotjoin, runs, stragglers
+from bench.core import (
     SCHEMA,
     BenchContext,
     BenchError,
@@ -37,7 +36,9 @@ from elastictrain.bench.core import (
     threads_per_worker,
     write_results,
 )
-from elastictrain.bench.cpu import TreeCpuMonitor, read_steal
+from bench.cpu import TreeCpuMonitor, read_steal
+from chaos.procs import wait_until
+from elastictrain import envnames
 from elastictrain.rundir.events import Commit, Eviction, Metrics, Reset, Straggler
 
 
@@ -126,7 +127,7 @@ def sample_report(tmp_path: Path) -> dict:
         [ok, failed],
         machine=fake_machine(),
         quick=True,
-        argv=["elastictrain", "bench", "--quick"],
+        argv=["python", "-m", "bench", "--quick"],
         started=1_700_000_000.0,
         finished=1_700_000_100.0,
         load_before=[1.5, 1.0, 0.5],
@@ -163,7 +164,7 @@ def test_results_are_written_as_date_host_json_and_md(tmp_path: Path) -> None:
     assert result_stem(1_700_000_000.0, "h", quick=True).endswith("-h-quick")
     j, md = write_results(report, tmp_path / "out", stem)
     assert j.name == f"{stem}.json" and md.name == f"{stem}.md"
-    assert json.loads(j.read_text())["schema"] == SCHEMA and md.read_text().startswith("`elastictrain bench --quick`")
+    assert json.loads(j.read_text())["schema"] == SCHEMA and md.read_text().startswith("`python -m bench --quick`")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted([j.name, md.name])  # no temp files
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastictrain.bench.control_plane import (
+from bench.control_plane import (
     QUICK,
     Plan,
     Window,

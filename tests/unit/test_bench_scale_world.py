@@ -1,4 +1,4 @@
-"""The pure parts of ``elastictrain bench --only scale_world``: what each kill aims at, rank 0's host from the run's
+"""The pure parts of ``python -m bench --only scale_world``: what each kill aims at, rank 0's host from the run's
 output, the per-size figures and their growth."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.bench import scale_world
+from bench import scale_world
 
 
 def test_kills_aim_at_rank0_first_then_hot_and_cold_hosts_in_turn():
@@ -68,8 +68,8 @@ def test_growth_divides_the_largest_size_by_the_smallest_and_skips_missing_figur
 
 
 def test_a_size_that_fails_is_reported_and_the_others_keep_their_figures(monkeypatch, tmp_path: Path):
-    from elastictrain._testing.procs import HarnessError
-    from elastictrain.bench.core import BenchContext
+    from bench.core import BenchContext
+    from chaos.procs import HarnessError
 
     def one_size(workdir, size, kills, log):
         if size == 8:

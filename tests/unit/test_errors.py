@@ -24,7 +24,7 @@ PENDING: set[str] = set()
 
 def project_exceptions() -> dict[str, type[BaseException]]:
     found: dict[str, type[BaseException]] = {}
-    for package in ("elastictrain", "discovery", "chaos"):
+    for package in ("elastictrain", "discovery", "chaos", "bench"):
         pkg = importlib.import_module(package)
         for info in pkgutil.walk_packages(pkg.__path__, f"{package}."):
             if info.name.endswith("__main__"):

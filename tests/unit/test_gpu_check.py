@@ -1,4 +1,4 @@
-"""``python -m elastictrain.bench.gpu_check``: the no-GPU path, per-check isolation and the table."""
+"""``python -m bench.gpu_check``: the no-GPU path, per-check isolation and the table."""
 
 from __future__ import annotations
 
@@ -10,18 +10,18 @@ from pathlib import Path
 
 import torch
 
-from elastictrain.bench import gpu_check
+from bench import gpu_check
 
 
 def test_without_a_gpu_it_prints_one_line_and_exits_0(tmp_path):
     assert not torch.cuda.is_available()
     proc = subprocess.run(
-        [sys.executable, "-m", "elastictrain.bench.gpu_check"],
+        [sys.executable, "-m", "bench.gpu_check"],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(Path(gpu_check.__file__).parents[2])},
+        env={**os.environ, "PYTHONPATH": str(Path(gpu_check.__file__).parents[1])},
     )
     assert proc.returncode == 0, proc.stderr
     assert len(proc.stdout.strip().splitlines()) == 1, proc.stdout
@@ -71,7 +71,7 @@ def test_with_a_gpu_the_table_goes_to_json_and_a_failure_gives_exit_1(tmp_path, 
 
 
 def test_bench_run_overrides_update_sections_and_replace_values(tmp_path):
-    from elastictrain.bench.runs import merge_config, throughput_config
+    from bench.runs import merge_config, throughput_config
 
     base = throughput_config(tmp_path, max_steps=10, world_size=1)
     cfg = merge_config(base, {"device": "cuda", "data": {"batch_size": 64}, "precision": {"mode": "fp16"}})

@@ -15,23 +15,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from elastictrain._testing.procs import kill_tree, wait_until
+from chaos.procs import kill_tree, wait_until
 from elastictrain.engine.health import hang
 from elastictrain.engine.health.hang import (
-    IDLE,
-    LOCAL,
-    PROLOGUE,
-    RENDEZVOUS,
-    RESET_PHASES,
-    STARTUP,
-    SYNC,
-    WAITING,
-    Beat,
     BeatKeeper,
     HangDetector,
-    Heartbeats,
-    HungVerdict,
-    Member,
     announce,
     boot_id,
     cpu_ns,
@@ -46,11 +34,32 @@ from elastictrain.engine.health.hang import (
     process_alive,
     silent_in_rendezvous,
 )
+from elastictrain.engine.health.signals import (
+    IDLE,
+    LOCAL,
+    PROLOGUE,
+    RENDEZVOUS,
+    RESET_PHASES,
+    STARTUP,
+    SYNC,
+    WAITING,
+    Beat,
+    FailureMarker,
+    FileSignals,
+    Heartbeats,
+    HungVerdict,
+    Member,
+)
 from elastictrain.engine.reset import PAUSE_MARKS
 from elastictrain.engine.watch import mark_phases
 
 NOW = 1000.0
 MEMBERS = [Member(0, "a", 0, 10), Member(1, "b", 0, 11), Member(2, "c", 0, 12)]
+
+
+def _signals(hb: Heartbeats, verdict: HungVerdict) -> FileSignals:
+    """The run_dir's signals with the heartbeats and the verdict a test reads (its failure marker beside them)."""
+    return FileSignals(hb, FailureMarker(hb.folder / "collective-failure"), verdict)
 
 
 def beat(host: str, pid: int, *, ts: float = NOW, phase: str = WAITING, since: float = NOW, steps: int = 5) -> Beat:
@@ -141,7 +150,9 @@ def test_a_stopped_process_on_this_machine_is_sigkilled_by_the_detector(tmp_path
         wait_until(lambda: p.environ(), 10, what="the child's environment")
         p.send_signal(signal.SIGSTOP)
         hb = Heartbeats(tmp_path / "hb")
-        det = HangDetector(hb, HungVerdict(tmp_path / "v"), host=lambda: "a", slot=lambda: 0, configured_seconds=2)
+        det = HangDetector(
+            _signals(hb, HungVerdict(tmp_path / "v")), host=lambda: "a", slot=lambda: 0, configured_seconds=2
+        )
         boot, _ = det.identity()
         stale = Beat(child.pid, "b", 0, boot, p.create_time(), time.time() - 5, LOCAL, time.time() - 5, 3)
         hb.write(stale)
@@ -201,7 +212,7 @@ def test_a_reused_pid_is_not_killed() -> None:
 
 def _detector(tmp_path: Path) -> tuple[HangDetector, Heartbeats]:
     hb = Heartbeats(tmp_path / "hb")
-    return HangDetector(hb, HungVerdict(tmp_path / "v"), host=lambda: "a", slot=lambda: 0), hb
+    return HangDetector(_signals(hb, HungVerdict(tmp_path / "v")), host=lambda: "a", slot=lambda: 0), hb
 
 
 def _read(hb: Heartbeats) -> Beat | None:
@@ -252,11 +263,19 @@ def keeper(monkeypatch: pytest.MonkeyPatch):
 
 
 def test_announce_writes_a_workers_heartbeat_under_horovodrun_only(tmp_path: Path, keeper: BeatKeeper) -> None:
-    announce(tmp_path, STARTUP, {})
+    announce(_signals(Heartbeats(tmp_path), HungVerdict(tmp_path / "v")), STARTUP, {})
     assert not list(tmp_path.iterdir()), "outside horovodrun: no host or slot, no file"
-    announce(tmp_path, STARTUP, {"HOROVOD_HOSTNAME": "a", "HOROVOD_LOCAL_RANK": "x"})
+    announce(
+        _signals(Heartbeats(tmp_path), HungVerdict(tmp_path / "v")),
+        STARTUP,
+        {"HOROVOD_HOSTNAME": "a", "HOROVOD_LOCAL_RANK": "x"},
+    )
     assert not list(tmp_path.iterdir())
-    announce(tmp_path, STARTUP, {"HOROVOD_HOSTNAME": "a", "HOROVOD_LOCAL_RANK": "0"})
+    announce(
+        _signals(Heartbeats(tmp_path), HungVerdict(tmp_path / "v")),
+        STARTUP,
+        {"HOROVOD_HOSTNAME": "a", "HOROVOD_LOCAL_RANK": "0"},
+    )
     got = _read(Heartbeats(tmp_path))
     assert got is not None and (got.phase, got.pid, got.steps) == (STARTUP, psutil.Process().pid, 0)
 
@@ -395,7 +414,7 @@ def test_the_gone_lookup_is_made_at_most_twice_a_second(tmp_path: Path) -> None:
     from tests.fixtures.procs import dead_pid
 
     hb = Heartbeats(tmp_path / "hb")
-    detector = HangDetector(hb, HungVerdict(tmp_path / "verdict"), host=lambda: "a", slot=lambda: 0)
+    detector = HangDetector(_signals(hb, HungVerdict(tmp_path / "verdict")), host=lambda: "a", slot=lambda: 0)
     gone = dead_pid()
     me = psutil.Process()
     detector.set_ring(0, [Member(0, "a", 0, me.pid), Member(1, "b", 0, gone)])
@@ -410,17 +429,17 @@ def test_an_announced_beat_is_kept_fresh_until_the_detector_beats(tmp_path: Path
     """A starting worker (cold imports, its first ``hvd.init``) beats once a second although it has no detector yet:
     in a rendezvous, a silent process must mean one that does not run."""
     env = {"HOROVOD_HOSTNAME": "a", "HOROVOD_LOCAL_RANK": "0"}
-    announce(tmp_path, RENDEZVOUS, env)
+    announce(_signals(Heartbeats(tmp_path), HungVerdict(tmp_path / "v")), RENDEZVOUS, env)
     first = _read(Heartbeats(tmp_path))
     assert first is not None and first.phase == RENDEZVOUS
     fresher = wait_until(lambda: (b := _read(Heartbeats(tmp_path))) and b.ts > first.ts and b, 10, what="a new beat")
     assert (fresher.phase, fresher.since, fresher.pid) == (RENDEZVOUS, first.since, first.pid)
-    det = HangDetector(Heartbeats(tmp_path), HungVerdict(tmp_path / "v"), host=lambda: "a", slot=lambda: 0)
+    det = HangDetector(_signals(Heartbeats(tmp_path), HungVerdict(tmp_path / "v")), host=lambda: "a", slot=lambda: 0)
     det.mark(PROLOGUE)  # the detector's first beat
     assert keeper.thread is not None
     keeper.thread.join(5)
     assert not keeper.thread.is_alive(), "the keeper stops once the detector beats"
-    announce(tmp_path, STARTUP, env)
+    announce(_signals(Heartbeats(tmp_path), HungVerdict(tmp_path / "v")), STARTUP, env)
     assert _read(Heartbeats(tmp_path)).phase == PROLOGUE, "an announcement never overwrites the detector's beat"
 
 

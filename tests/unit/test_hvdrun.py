@@ -15,7 +15,7 @@ from typing import Any
 import psutil
 import pytest
 
-from elastictrain._testing.procs import wait_until
+from chaos.procs import wait_until
 from elastictrain.horovod.hvdrun import run_discovery_script
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.bench.peers import (
+from bench.peers import (
     PEERS_DIR,
     Line,
     StepLogReader,
@@ -206,7 +206,7 @@ def test_the_writer_of_bench_peers_writes_what_the_reader_parses(tmp_path: Path)
 
 
 def test_without_the_peers_environment_torchrun_and_torchft_are_blocked_with_the_fix(monkeypatch, tmp_path: Path):
-    from elastictrain.bench import peers
+    from bench import peers
 
     monkeypatch.setattr(peers, "PEERS_VENV", peers.REPO / "no-such-peers-venv")
     reason = peers.peers_blocked()

@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from elastictrain._testing.procs import wait_until
+from chaos.procs import wait_until
 from elastictrain.config import config_from_dict
 from elastictrain.engine.tracking import (
-    RUN_ID_FILE,
     MetricPoint,
     MlflowTracker,
     NullTracker,
@@ -22,6 +21,7 @@ from elastictrain.engine.tracking import (
     read_run_id,
     resolve_tracking_uri,
 )
+from elastictrain.rundir import layout
 
 
 class FakeStore:
@@ -131,7 +131,7 @@ def test_the_run_id_is_persisted_and_reused_by_the_next_tracker_of_the_job(store
     run_id = first.wait_started(10)
     first.close(status="KILLED")
     assert read_run_id(tmp_path) == run_id
-    assert (tmp_path / RUN_ID_FILE).read_text() == f"{run_id}\n"
+    assert (tmp_path / layout.MLFLOW_RUN_ID).read_text() == f"{run_id}\n"
     second = tracker(store, tmp_path)
     assert second.wait_started(10) == run_id
     second.close()
@@ -145,7 +145,7 @@ def test_a_lost_run_id_file_finds_the_run_by_its_tags_instead_of_creating_anothe
     first = tracker(store, tmp_path)
     run_id = first.wait_started(10)
     first.close()
-    (tmp_path / RUN_ID_FILE).unlink()
+    (tmp_path / layout.MLFLOW_RUN_ID).unlink()
     second = tracker(store, tmp_path)
     assert second.wait_started(10) == run_id
     second.close()
@@ -186,7 +186,6 @@ def test_a_new_rank0_backfills_the_run_log_points_a_killed_rank0_never_sent_once
     """Rank 0 sent loss up to step 10, then was SIGKILLed with steps 20 and 30 (and a checkpoint, a validation)
     still in its flush window. events.jsonl has them; the next rank 0 (which resumed from the commit at 25
     and re-ran step 30) must put each of them in the store exactly once."""
-    from elastictrain.rundir.events import EVENTS_FILE
 
     killed = tracker(store, tmp_path)
     for step in range(1, 11):
@@ -211,7 +210,7 @@ def test_a_new_rank0_backfills_the_run_log_points_a_killed_rank0_never_sent_once
         {"ts": 135.0, "event": "reset", "step": 25, "epoch": 0, "world_size": 1, "recovery_seconds": 3.0},
         metrics(140.0, 30, 0.045),
     ]  # fmt: skip
-    (tmp_path / EVENTS_FILE).write_text("".join(json.dumps(e) + "\n" for e in log) + '{"ts": 141, "ev')
+    (tmp_path / layout.EVENTS).write_text("".join(json.dumps(e) + "\n" for e in log) + '{"ts": 141, "ev')
 
     new = tracker(store, tmp_path)
     new.log_metrics({"recovery_seconds": 3.0}, step=25)  # what it logs live meanwhile
@@ -239,10 +238,9 @@ def test_a_new_rank0_backfills_the_run_log_points_a_killed_rank0_never_sent_once
 
 
 def test_a_fresh_run_is_not_backfilled_from_an_old_run_log(store: FakeStore, tmp_path: Path) -> None:
-    from elastictrain.rundir.events import EVENTS_FILE
 
     line = {"ts": 1.0, "event": "metrics", "step": 10, "epoch": 0, "world_size": 1, "loss": 1.0}
-    (tmp_path / EVENTS_FILE).write_text(json.dumps(line) + "\n")
+    (tmp_path / layout.EVENTS).write_text(json.dumps(line) + "\n")
     t = tracker(store, tmp_path)
     t.close()
     assert store.points(t.run_id, "loss") == [] and t.backfilled == 0

@@ -32,7 +32,7 @@ class BenchError(ToolError, RuntimeError):
     """A benchmark could not run as planned (too few hosts, a short run, a contender failed). One line for the user.
 
     Failures of the job harness itself (a wait timed out, a job ended early) are
-    :class:`~elastictrain._testing.procs.HarnessError`.
+    :class:`~chaos.procs.HarnessError`.
     """
 
 
@@ -317,7 +317,7 @@ def markdown_table(report: dict[str, Any]) -> str:
     gpus = ", ".join(m.get("gpus") or []) or "no GPU"
     load = report.get("load_average") or {}
     lines = [
-        f"`elastictrain bench{' --quick' if report['mode'] == 'quick' else ''}` on {report['date'][:10]}, "
+        f"`python -m bench{' --quick' if report['mode'] == 'quick' else ''}` on {report['date'][:10]}, "
         f"{m.get('cpu_model') or 'unknown CPU'}, {m.get('usable_cores')} cores, {m.get('memory_gib')} GiB, {gpus}; "
         f"torch {m.get('torch')}, Horovod {m.get('horovod')}, Python {m.get('python')}; "
         f"load average {_fmt((load.get('before') or [None])[0])} before, "

@@ -7,7 +7,7 @@ markdown table and writes it as JSON to ``runs/gpu-check/<time>.json``. Exit sta
 Checks: the NCCL build; async checkpoint stall vs a synchronous ``torch.save`` of GPU state; a 1-GPU fp16 +
 GradScaler job checkpointed, SIGKILLed and resumed on CUDA; ResNet-50 samples/s of ``elastictrain train`` vs the
 plain ``hvd.DistributedOptimizer`` loop; two workers sharing the GPU with a SIGKILL of one. Jobs run through the
-job harness (:mod:`elastictrain._testing.jobs`, :mod:`elastictrain.bench.runs`).
+job harness (:mod:`chaos.jobs`, :mod:`bench.runs`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from elastictrain._testing.procs import kill_tree, wait_until
-from elastictrain.bench.core import BenchError
+from bench.core import BenchError
+from chaos.procs import kill_tree, wait_until
 from elastictrain.rundir.events import Done, Reset, Start
 
 DEVICE = "cuda"
@@ -57,7 +57,7 @@ def check_nccl(_work: Path) -> str:
 
 
 def check_fp16_resume(work: Path) -> str:
-    from elastictrain._testing.jobs import ElasticJob
+    from chaos.jobs import ElasticJob
     from elastictrain.checkpoint.format import load_latest
     from elastictrain.checkpoint.storage import LocalStorage
     from elastictrain.launcher.hosts import local_logical_hosts
@@ -99,7 +99,7 @@ def check_shared_gpu_kill(work: Path) -> str:
     """
     import horovod.torch as hvd
 
-    from elastictrain._testing.jobs import ElasticJob
+    from chaos.jobs import ElasticJob
     from elastictrain.launcher.hosts import local_logical_hosts
 
     cfg = _job_config(work / "run", elastic={"base_world_size": 2}, data={"num_samples": 32 * 2 * 80})
@@ -140,7 +140,7 @@ def _two_ranks_on_one_gpu_stop(job: Any) -> str:
 
 
 def check_checkpoint_stall(work: Path) -> str:
-    from elastictrain.checkpoint.bench import bench_checkpoint_stall
+    from bench.checkpoint_stall import bench_checkpoint_stall
 
     r = bench_checkpoint_stall(state_mb=256, repeats=3, tmp_root=str(work), device="cuda")
     return (
@@ -150,7 +150,7 @@ def check_checkpoint_stall(work: Path) -> str:
 
 
 def check_resnet50(work: Path) -> str:
-    from elastictrain.bench.runs import run_elastictrain, run_plain_horovod
+    from bench.runs import run_elastictrain, run_plain_horovod
 
     steps, batch = 80, 64
     overrides = {
@@ -229,7 +229,7 @@ def main(
 
     import torch
 
-    parser = argparse.ArgumentParser(prog="python -m elastictrain.bench.gpu_check", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.splitlines()[0])
     parser.add_argument("--only", metavar="TEXT", help="run only the checks whose name contains TEXT")
     args = parser.parse_args(argv)
     chosen = CHECKS if checks is None else checks

@@ -44,7 +44,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -56,7 +55,7 @@ from typing import IO, Any
 
 import psutil
 
-from elastictrain.bench.core import (
+from bench.core import (
     BenchContext,
     BenchError,
     Goal,
@@ -66,9 +65,10 @@ from elastictrain.bench.core import (
     library_versions,
     summary,
 )
+from chaos.procs import REPO, kill_tree
+from elastictrain.launcher.processes import free_port
 
 NAME = "peers"
-REPO = Path(__file__).resolve().parents[2]
 PEERS_DIR = REPO / "bench" / "peers"
 PEERS_VENV = REPO / ".peers-venv"
 CONTENDERS = ("elastictrain", "horovod", "torchrun", "torchft")
@@ -378,18 +378,6 @@ def losses_after(rep: Replay, kills: list[float], t_end: float) -> list[dict[str
 
 
 # ============================================================================ processes
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _kill_tree(pid: int) -> None:
-    from elastictrain._testing.procs import kill_tree
-
-    kill_tree(pid)
-
-
 @contextlib.contextmanager
 def _environ(updates: dict[str, str]) -> Iterator[None]:
     """``os.environ`` with ``updates`` for the block (the hot-join zygotes take their environment from it)."""
@@ -482,7 +470,7 @@ class Job:
 
     def close(self) -> None:
         for p in self.procs:
-            _kill_tree(p.pid)
+            kill_tree(p.pid)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(p.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -532,8 +520,8 @@ class HorovodJob(Job):
         }
 
     def start(self, hosts: list[str]) -> None:
-        from elastictrain._testing.jobs import HOROVODRUN, STOCK_HOROVODRUN, ElasticJob
-        from elastictrain.bench.hotjoin import hot_command, warm_zygotes
+        from bench.hotjoin import hot_command, warm_zygotes
+        from chaos.jobs import HOROVODRUN, STOCK_HOROVODRUN, ElasticJob
 
         env = self.env()
         extra = {k: env[k] for k in ("PEERS_STEPLOG", "PYTHONPATH", "GLOO_SOCKET_IFNAME")}
@@ -608,7 +596,7 @@ class TorchrunJob(Job):
 
     def __init__(self, workdir: Path, max_hosts: int) -> None:
         super().__init__(workdir, max_hosts)
-        self.port = _free_port()
+        self.port = free_port()
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
         self.store_host = ""
 
@@ -665,7 +653,7 @@ class TorchftJob(Job):
 
     def __init__(self, workdir: Path, max_hosts: int) -> None:
         super().__init__(workdir, max_hosts)
-        self.port = _free_port()
+        self.port = free_port()
         self.groups: dict[str, subprocess.Popen[bytes]] = {}
 
     def lighthouse_command(self) -> list[str]:

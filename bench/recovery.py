@@ -2,7 +2,7 @@
 
 Each trial is one job on 3 logical hosts (min 1, max 3 workers), run by each contender side by side: the
 ``elastictrain train`` worker, and the stock Horovod elastic loop (``hvd.elastic.TorchState`` +
-``ElasticSampler``, same model and config, :mod:`elastictrain.bench.baseline_worker`). Both use
+``ElasticSampler``, same model and config, :mod:`bench.baseline_worker`). Both use
 horovodrun's Gloo timeout of 30 s (its default) and ``elastictrain launch``'s blacklist cooldown.
 
 1. SIGKILL: after step 15 and a seeded delay, the rank-2 worker is SIGKILLed and its host leaves the
@@ -28,8 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from elastictrain._testing.jobs import HOROVODRUN, STOCK_HOROVODRUN, ElasticJob
-from elastictrain.bench.core import BenchContext, Goal, Metric, Result, alternate, summary, threads_per_worker
+from bench.core import BenchContext, Goal, Metric, Result, alternate, summary, threads_per_worker
+from chaos.jobs import HOROVODRUN, STOCK_HOROVODRUN, ElasticJob
 from elastictrain.config import ElasticConfig
 from elastictrain.launcher.commands import train_command
 from elastictrain.launcher.hosts import local_logical_hosts
@@ -63,7 +63,7 @@ def job_config(run_dir: Path, rollback: str = DEFAULT_ROLLBACK) -> dict[str, Any
 def stock_command(cfg_path: Path) -> list[str]:
     import sys
 
-    return [sys.executable, "-m", "elastictrain.bench.baseline_worker", "stock-elastic", "--config", str(cfg_path)]
+    return [sys.executable, "-m", "bench.baseline_worker", "stock-elastic", "--config", str(cfg_path)]
 
 
 def _reset_after(job: ElasticJob, ts: float, new_size: int, timeout: float) -> Reset:

@@ -3,9 +3,9 @@
 horovodrun runs ``localhost``, ``127.0.0.1``, this machine's hostname and its primary address locally,
 but treats them as distinct hosts, so killing the workers of one host does not blacklist the rest
 (tests and benchmarks take them from ``launch``'s :func:`~elastictrain.launcher.hosts.local_logical_hosts`).
-Membership is controlled through a hosts file that a tiny discovery script prints. Private (see
-:mod:`elastictrain._testing`): the integration tests (with the small job config of
-``tests/fixtures/elastic_job.py``) and ``elastictrain bench`` run their jobs through it.
+Membership is controlled through a hosts file that a tiny discovery script prints. Not a user API: the
+integration tests (with the small job config of ``tests/fixtures/elastic_job.py``) and the benchmarks run their
+jobs through it; a timeout or an early end raises :class:`~chaos.procs.HarnessError`.
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ from typing import IO, Any, overload
 import psutil
 import yaml
 
+from chaos.procs import BIN_DIR, HarnessError, checkout_env, kill_tree, wait_until
 from elastictrain import envnames
-from elastictrain._testing.procs import BIN_DIR, HarnessError, kill_tree, wait_until
 from elastictrain.fileio import write_atomic
 from elastictrain.launcher.commands import runner_command, train_command
 from elastictrain.launcher.processes import runs_train
+from elastictrain.rundir import layout
 from elastictrain.rundir.events import E, Event, of_kind, read_events
 
 HOROVODRUN = runner_command()
@@ -74,7 +75,7 @@ class ElasticJob:
 
     @property
     def events_path(self) -> Path:
-        return self.run_dir / "events.jsonl"
+        return self.run_dir / layout.EVENTS
 
     def set_hosts(self, hosts: list[str]) -> None:
         """Replace the hosts that discovery lists (atomically); horovodrun notices within about a second."""
@@ -95,7 +96,7 @@ class ElasticJob:
         script.write_text(f"#!/bin/sh\ncat {self.workdir / 'hosts.txt'}\n")
         script.chmod(0o755)
         env = {
-            **os.environ,
+            **checkout_env(),  # the benchmarks' baseline workers are ``python -m bench.baseline_worker``
             "PATH": f"{BIN_DIR}:{os.environ.get('PATH', '')}",
             "OMP_NUM_THREADS": str(self.threads),
             envnames.LOG_FORMAT: "json",

@@ -27,8 +27,8 @@ from typing import IO, Any
 import psutil
 import yaml
 
+from chaos.procs import kill_tree
 from elastictrain import envnames
-from elastictrain._testing.procs import kill_tree
 from elastictrain.hotjoin.protocol import CHECKER_NAME, DIR_ENV, READY_LINE
 from elastictrain.launcher.commands import ZYGOTE_CLIENT, train_command, zygote_command
 

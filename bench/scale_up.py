@@ -18,10 +18,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench.core import BenchContext, Goal, Metric, Result, alternate, summary, threads_per_worker
+from bench.hotjoin import hot_command, warm_zygotes
+from chaos.jobs import ElasticJob
 from elastictrain import envnames
-from elastictrain._testing.jobs import ElasticJob
-from elastictrain.bench.core import BenchContext, Goal, Metric, Result, alternate, summary, threads_per_worker
-from elastictrain.bench.hotjoin import hot_command, warm_zygotes
 from elastictrain.launcher.commands import train_command
 from elastictrain.launcher.hosts import local_logical_hosts
 from elastictrain.rundir.events import Reset

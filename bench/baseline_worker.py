@@ -1,10 +1,10 @@
 """The baselines that elastictrain is measured against, as horovodrun workers on the same config.
 
-``python -m elastictrain.bench.baseline_worker plain --config X``: a plain, non-elastic Horovod loop
+``python -m bench.baseline_worker plain --config X``: a plain, non-elastic Horovod loop
 (``hvd.DistributedOptimizer``, ``broadcast_parameters``, a rank-strided shard of one seeded
 permutation), run with ``horovodrun -np N``.
 
-``python -m elastictrain.bench.baseline_worker stock-elastic --config X``: the stock Horovod elastic
+``python -m bench.baseline_worker stock-elastic --config X``: the stock Horovod elastic
 loop of Horovod's examples (``hvd.elastic.TorchState`` + ``hvd.elastic.ElasticSampler``, commit every
 ``elastic.commit_every_steps``), run with a host discovery script.
 
@@ -225,7 +225,7 @@ def run_stock_elastic(cfg: JobConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = OneLineParser(prog="python -m elastictrain.bench.baseline_worker", description=__doc__)
+    p = OneLineParser(prog="python -m bench.baseline_worker", description=__doc__)
     p.add_argument("mode", choices=["plain", "stock-elastic"])
     p.add_argument("--config", required=True)
     args = p.parse_args(argv)

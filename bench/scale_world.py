@@ -31,7 +31,7 @@ Then the growth ratio (largest size ÷ 4) of each figure. Goals (at the largest 
 p95 <= 3 s and max <= 10 s; hot scale-up median <= 3 s; growth of our share <= 2x; hot workers' PSS <= 0.7 x
 cold workers'.
 
-``python -m elastictrain.bench.scale_world [--sizes 4,8] [--kills K]`` runs it alone.
+``python -m bench.scale_world [--sizes 4,8] [--kills K]`` runs it alone.
 """
 
 from __future__ import annotations
@@ -49,10 +49,10 @@ from typing import Any
 
 import psutil
 
-from elastictrain._testing.jobs import ElasticJob
-from elastictrain._testing.procs import HarnessError
-from elastictrain.bench.core import BenchContext, BenchError, Goal, Metric, Result, summary, threads_per_worker
-from elastictrain.bench.hotjoin import WarmZygotes, hot_command, warm_zygotes
+from bench.core import BenchContext, BenchError, Goal, Metric, Result, summary, threads_per_worker
+from bench.hotjoin import WarmZygotes, hot_command, warm_zygotes
+from chaos.jobs import ElasticJob
+from chaos.procs import HarnessError
 from elastictrain.cliutil import OneLineParser
 from elastictrain.engine.reset import PAUSE_PARTS
 from elastictrain.launcher.hosts import local_logical_hosts
@@ -407,8 +407,8 @@ def run(ctx: BenchContext, sizes: Sequence[int] | None = None, kills: int | None
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run alone; writes ``<out>/<date>-<host>-scale-world.json`` / ``.md`` like ``elastictrain bench``."""
-    p = OneLineParser(prog="python -m elastictrain.bench.scale_world", description=__doc__.splitlines()[0])
+    """Run alone; writes ``<out>/<date>-<host>-scale-world.json`` / ``.md`` like ``python -m bench``."""
+    p = OneLineParser(prog="python -m bench.scale_world", description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="world sizes, comma-separated (4,8,16,32)")
     p.add_argument("--kills", type=int, default=KILLS, help=f"SIGKILLs per size, rank 0 first ({KILLS})")
     p.add_argument("--out", metavar="DIR", default="bench/results", help="where results go (bench/results)")
@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--sizes: not a list of integers: {args.sizes!r}")
     if not sizes or any(s < 2 for s in sizes) or args.kills < 1:
         p.error("--sizes must be integers >= 2 and --kills >= 1")
-    from elastictrain.bench.core import (
+    from bench.core import (
         Progress,
         build_report,
         describe_machine,
@@ -443,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         [result],
         machine=machine,
         quick=False,
-        argv=["python", "-m", "elastictrain.bench.scale_world", *(sys.argv[1:] if argv is None else argv)],
+        argv=["python", "-m", "bench.scale_world", *(sys.argv[1:] if argv is None else argv)],
         started=started,
         finished=time.time(),
         load_before=load_before,

@@ -1,4 +1,7 @@
-"""``elastictrain bench [--quick] [--only NAME[,NAME]] [--out DIR]``: every performance goal, measured side by side.
+"""``python -m bench [--quick] [--only NAME[,NAME]] [--out DIR]``: every performance goal, measured side by side.
+
+Runs from the checkout (``make bench``); neither this package nor ``chaos`` is part of the wheel, and the product
+never imports them.
 
 Each measurement is one module of this package with ``run(ctx) -> Result``; contenders run
 alternating (A B, B A, ...) in the same run, and the result holds medians and the ratio to each goal.
@@ -17,7 +20,7 @@ import time
 import traceback
 from pathlib import Path
 
-from elastictrain.bench.core import (
+from bench.core import (
     BenchContext,
     Progress,
     Result,
@@ -76,7 +79,7 @@ def run_measurement(name: str, ctx: BenchContext) -> Result:
     """Run one measurement module; an exception becomes an ``error`` result (the run goes on)."""
     t0 = time.monotonic()
     try:
-        module = importlib.import_module(f"elastictrain.bench.{name}")
+        module = importlib.import_module(f"bench.{name}")
         result: Result = module.run(ctx)
     except Exception as e:  # a failed measurement must not lose the others' results
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
@@ -90,7 +93,7 @@ def run_measurement(name: str, ctx: BenchContext) -> Result:
 
 def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(
-        prog="elastictrain bench",
+        prog="python -m bench",
         description="Measure the performance goals side by side; results to DIR/<date>-<host>.json and .md.",
         epilog="measurements: " + "; ".join(f"{k}: {v}" for k, v in MEASUREMENTS.items()),
     )
@@ -101,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         names = parse_only(args.only)
     except ValueError as e:
-        print(f"elastictrain bench: {e}", file=sys.stderr)
+        print(f"python -m bench: {e}", file=sys.stderr)
         return 2
     from elastictrain.logconf import configure_logging
 
@@ -131,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         results,
         machine=machine,
         quick=args.quick,
-        argv=["elastictrain", "bench", *(sys.argv[1:] if argv is None else argv)],
+        argv=["python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)],
         started=started,
         finished=time.time(),
         load_before=load_before,

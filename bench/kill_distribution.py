@@ -9,8 +9,8 @@ workers at the same instant. Timed from the kill to the ``reset`` event that ran
 completed step after it.
 
 Reported: n, median, p95, max seconds. Goals: p95 <= 2 s, max <= 5 s.
-``python -m elastictrain.bench.kill_distribution [--kills N] [--seed S]`` runs it alone and prints one line per
-kill and the summary; ``elastictrain bench --only kill_distribution`` runs it with the other measurements.
+``python -m bench.kill_distribution [--kills N] [--seed S]`` runs it alone and prints one line per
+kill and the summary; ``python -m bench --only kill_distribution`` runs it with the other measurements.
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ from typing import Any
 
 import psutil
 
-from elastictrain._testing.jobs import ElasticJob
-from elastictrain._testing.procs import wait_until
-from elastictrain.bench.core import BenchContext, BenchError, Goal, Metric, Result, summary
+from bench.core import BenchContext, BenchError, Goal, Metric, Result, summary
+from chaos.jobs import ElasticJob
+from chaos.procs import wait_until
 from elastictrain.cliutil import OneLineParser
 from elastictrain.launcher.hosts import local_logical_hosts
+from elastictrain.rundir import layout
 from elastictrain.rundir.events import Reset, Start
 
 NAME = "kill_distribution"
@@ -62,7 +63,7 @@ def current_rank0(job: ElasticJob) -> psutil.Process:
     """The worker that holds rank 0 now: the owner of the newest ledger file (rank 0 opens one when it first
     holds rank 0), else the one started as rank 0."""
     workers = {p.pid: p for p in job.workers()}
-    ledgers = sorted((job.run_dir / "ledger").glob("*.jsonl"), key=lambda p: p.stat().st_mtime)
+    ledgers = sorted((job.run_dir / layout.LEDGER).glob("*.jsonl"), key=lambda p: p.stat().st_mtime)
     if ledgers:
         pid = ledgers[-1].stem.rsplit("-", 1)[-1]
         if pid.isdigit() and int(pid) in workers:
@@ -157,7 +158,7 @@ def run(ctx: BenchContext) -> Result:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = OneLineParser(prog="python -m elastictrain.bench.kill_distribution", description=__doc__)
+    p = OneLineParser(prog="python -m bench.kill_distribution", description=__doc__)
     p.add_argument("--kills", type=int, default=32, help="number of faults (default 32)")
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--workdir", help="keep the job's files here (default: a temp dir, removed)")

@@ -4,7 +4,7 @@ Both run under real horovodrun with 2 workers on the logical hosts ``localhost``
 same small CNN, synthetic data, batch and world size. elastictrain runs as a user gets it by default
 (elastic mode with a discovery script, commit every 10 steps, async checkpoint every 100 steps,
 events, MLflow in run_dir); the baseline is ``hvd.DistributedOptimizer`` in a plain loop
-(:mod:`elastictrain.bench.baseline_worker`). Start-up is excluded (samples/s from the ``metrics`` events
+(:mod:`bench.baseline_worker`). Start-up is excluded (samples/s from the ``metrics`` events
 after step 20; rank 0 opens its MLflow run before the first step, as in every job).
 
 The two run back to back as a pair, in alternating order (A B, B A, ...), and the result is the median of
@@ -18,8 +18,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from elastictrain.bench.core import BenchContext, Goal, Metric, Result, alternate, summary
-from elastictrain.bench.runs import WARMUP_STEPS, run_elastictrain, run_plain_horovod
+from bench.core import BenchContext, Goal, Metric, Result, alternate, summary
+from bench.runs import WARMUP_STEPS, run_elastictrain, run_plain_horovod
 
 NAME = "elastic_overhead"
 GOAL = Goal(">=", 0.97)

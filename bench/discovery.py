@@ -1,4 +1,8 @@
-"""Benchmark of ``discover.sh``: wall time per call with a populated job (the bench CLI calls this)."""
+"""``discovery``: wall time per ``discover.sh`` call against a live etcd with 32 hosts registered.
+
+Starts a real etcd (free loopback ports, a temporary data dir, killed by pid at the end), registers the hosts
+under one lease and times ``discover.sh`` (:func:`bench_discover`). Goal: median <= 100 ms.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +13,34 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.core import BenchContext, Goal, Metric, Result
 from discovery.record import HostRecord
 from discovery.registry import EtcdRegistry
 from elastictrain import envnames
+from elastictrain.launcher.commands import DISCOVER_SCRIPT
+from elastictrain.launcher.etcd import EtcdServer
 
-DISCOVER_SH = Path(__file__).resolve().with_name("discover.sh")
+NAME = "discovery"
+GOAL = Goal("<=", 100.0)
+
+
+def run(ctx: BenchContext) -> Result:
+    root = ctx.scratch("etcd")
+    server = EtcdServer(root / "data", root / "etcd.log")
+    ctx.progress(f"starting etcd on {server.endpoint}")
+    try:
+        server.start()
+        calls = 30
+        r = bench_discover(server.endpoint, "bench", n_hosts=32, calls=calls)
+    finally:
+        server.kill()
+    ctx.progress(f"discover.sh: median {r['median_ms']:.1f} ms, p95 {r['p95_ms']:.1f} ms over {calls} calls")
+    return Result(
+        NAME,
+        metrics=[Metric("discover.sh median, 32 hosts", r["median_ms"], "ms", GOAL, note=f"p95 {r['p95_ms']:.0f} ms")],
+        contenders={"discover.sh": {"median": r["median_ms"], "p95": r["p95_ms"], "unit": "ms"}},
+        detail=dict(r),
+    )
 
 
 def bench_discover(endpoint: str, job: str, n_hosts: int = 32, calls: int = 30) -> dict[str, float | int]:
@@ -39,7 +66,7 @@ def bench_discover(endpoint: str, job: str, n_hosts: int = 32, calls: int = 30) 
             times_ms = []
             for _ in range(calls):
                 t0 = time.perf_counter()
-                proc = subprocess.run([str(DISCOVER_SH)], env=env, capture_output=True, text=True, check=False)
+                proc = subprocess.run([str(DISCOVER_SCRIPT)], env=env, capture_output=True, text=True, check=False)
                 times_ms.append((time.perf_counter() - t0) * 1000.0)
                 if proc.returncode != 0 or len(proc.stdout.splitlines()) < n_hosts:
                     raise RuntimeError(f"discover.sh failed (exit {proc.returncode}): {proc.stderr.strip()}")

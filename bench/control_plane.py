@@ -27,7 +27,7 @@ discovery through our executor, and ``ElasticDriver._update_host_assignments`` (
 and a profile of one ``discover.sh`` call by stage.
 
 Goals: ``discover.sh`` p99 <= 150 ms; an agent's death leaves discovery within TTL + 2 s. Alone:
-``python -m elastictrain.bench.control_plane [--hosts N] [--seconds S] [--quick]`` prints the result as JSON.
+``python -m bench.control_plane [--hosts N] [--seconds S] [--quick]`` prints the result as JSON.
 
 Size: one scenario end to end (the simulated agents' process, the rig of real processes, four measurements and
 a profile), kept in one module so that what is simulated reads in one place; its pure parts (Prometheus text,
@@ -57,11 +57,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from elastictrain.bench.core import BenchContext, BenchError, Goal, Metric, Result, percentile
+from bench.core import BenchContext, BenchError, Goal, Metric, Result, percentile
+from chaos.procs import checkout_env
 from elastictrain.launcher.commands import DISCOVER_SCRIPT
 
 NAME = "control_plane"
-MODULE = "elastictrain.bench.control_plane"
+MODULE = "bench.control_plane"
 DISCOVER_P99_GOAL = Goal("<=", 150.0)
 JOB = "cp"
 
@@ -492,6 +493,7 @@ class _Rig:
             stdin=subprocess.DEVNULL,
             text=True,
             start_new_session=True,
+            env=checkout_env(),
         )
         assert self.sim.stdout is not None
         line = self.sim.stdout.readline()  # the child prints "ready" or exits (its own deadline)
@@ -874,7 +876,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import shutil
     import tempfile
 
-    from elastictrain.bench.core import Progress
+    from bench.core import Progress
 
     root = Path(tempfile.mkdtemp(prefix="elastictrain-control-plane-"))
     try:

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from elastictrain.bench.core import BenchContext, Goal, Metric, Result, alternate, summary, threads_per_worker
-from elastictrain.bench.runs import run_elastictrain
+from bench.core import BenchContext, Goal, Metric, Result, alternate, summary, threads_per_worker
+from bench.runs import run_elastictrain
 
 NAME = "commit"
 GOAL_PCT = Goal("<=", 2.0)

@@ -6,8 +6,8 @@ reuses the runs of ``elastic_overhead`` when it ran. On a GPU machine the same r
 
 from __future__ import annotations
 
-from elastictrain.bench.core import BenchContext, Metric, Result, alternate, summary
-from elastictrain.bench.runs import run_elastictrain
+from bench.core import BenchContext, Metric, Result, alternate, summary
+from bench.runs import run_elastictrain
 
 NAME = "scaling"
 

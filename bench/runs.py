@@ -2,7 +2,7 @@
 
 :func:`run_elastictrain` runs ``elastictrain train`` as a user does (elastic: a host discovery script,
 commits every ``elastic.commit_every_steps``, async checkpoints, events, MLflow in ``run_dir``);
-:func:`run_plain_horovod` runs the plain non-elastic loop of :mod:`elastictrain.bench.baseline_worker`
+:func:`run_plain_horovod` runs the plain non-elastic loop of :mod:`bench.baseline_worker`
 with ``horovodrun -np N -H ...`` on the same config. Both report steady-state samples/s from the
 ``metrics`` events after a warm-up.
 """
@@ -20,12 +20,13 @@ from typing import Any
 
 import yaml
 
-from elastictrain._testing.jobs import ElasticJob
-from elastictrain._testing.procs import BIN_DIR, kill_tree
-from elastictrain.bench.core import BenchError, threads_per_worker
-from elastictrain.bench.cpu import TreeCpuMonitor
+from bench.core import BenchError, threads_per_worker
+from bench.cpu import TreeCpuMonitor
+from chaos.jobs import ElasticJob
+from chaos.procs import BIN_DIR, checkout_env, kill_tree
 from elastictrain.launcher.hosts import local_logical_hosts
-from elastictrain.rundir.events import EVENTS_FILE, Checkpoint, Commit, Event, Metrics, of_kind, read_events
+from elastictrain.rundir import layout
+from elastictrain.rundir.events import Checkpoint, Commit, Event, Metrics, of_kind, read_events
 
 WARMUP_STEPS = 20
 """Steps excluded from throughput: process start, first allocations, MLflow run creation."""
@@ -138,7 +139,7 @@ def run_plain_horovod(
     cfg = merge_config(throughput_config(workdir / "run", max_steps=max_steps, world_size=world_size), overrides)
     cfg_path.write_text(yaml.safe_dump(cfg))
     env = {
-        **os.environ,
+        **checkout_env(),  # the worker is ``python -m bench.baseline_worker``, started in workdir
         "PATH": f"{BIN_DIR}:{os.environ.get('PATH', '')}",
         "OMP_NUM_THREADS": str(threads_per_worker(world_size)),
         "PYTHONUNBUFFERED": "1",
@@ -150,7 +151,7 @@ def run_plain_horovod(
         "--network-interfaces", "lo",
         "--gloo",
         "--gloo-timeout-seconds", "30",
-        sys.executable, "-m", "elastictrain.bench.baseline_worker", "plain", "--config", str(cfg_path),
+        sys.executable, "-m", "bench.baseline_worker", "plain", "--config", str(cfg_path),
     ]  # fmt: skip
     t0 = time.monotonic()
     with open(workdir / "horovodrun.log", "w") as log:
@@ -168,7 +169,7 @@ def run_plain_horovod(
         tail = "\n".join((workdir / "horovodrun.log").read_text(errors="replace").splitlines()[-20:])
         raise BenchError(f"plain Horovod loop {'timed out' if rc is None else f'exited {rc}'}:\n{tail}")
     out = add_cpu_usage(
-        steady_throughput(read_events(workdir / "run" / EVENTS_FILE), batch=cfg["data"].get("batch_size", 32)),
+        steady_throughput(read_events(workdir / "run" / layout.EVENTS), batch=cfg["data"].get("batch_size", 32)),
         monitor,
     )
     out["wall_seconds"] = time.monotonic() - t0

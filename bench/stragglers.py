@@ -12,7 +12,7 @@ Contenders, one job each, run alternately in one run on 4 logical hosts (quick: 
   step at 3 workers, and samples/s before / during / after (from ``metrics`` events, by time windows).
 - ``fault_free_3`` and ``fault_free_4``: the same launch and config on 3 and 4 hosts, nothing injected: the
   reference rates, and the false positives (hosts named, max ``slowest_ratio`` seen).
-- ``hang``: an :class:`~elastictrain._testing.jobs.ElasticJob` on 4 hosts with the default ``hang_seconds``;
+- ``hang``: an :class:`~chaos.jobs.ElasticJob` on 4 hosts with the default ``hang_seconds``;
   a non-rank-0 worker that has trained a few steps in its ring is SIGSTOPped (never continued). Timed from the
   SIGSTOP to the ``reset`` (reason ``worker_hung``) that rank 0 writes at the next completed step. Full: two
   hangs in one job (4 -> 3 -> 2); quick: one.
@@ -44,10 +44,7 @@ from typing import Any
 import psutil
 import yaml
 
-from elastictrain import envnames
-from elastictrain._testing.jobs import ElasticJob
-from elastictrain._testing.procs import BIN_DIR, HarnessError, kill_tree, wait_until
-from elastictrain.bench.core import (
+from bench.core import (
     BenchContext,
     BenchError,
     Goal,
@@ -57,7 +54,11 @@ from elastictrain.bench.core import (
     summary,
     threads_per_worker,
 )
+from chaos.jobs import ElasticJob
+from chaos.procs import BIN_DIR, HarnessError, kill_tree, wait_until
+from elastictrain import envnames
 from elastictrain.launcher.hosts import local_logical_hosts
+from elastictrain.rundir import layout
 from elastictrain.rundir.events import Event, Eviction, Metrics, Reset, Straggler, of_kind, read_events
 
 NAME = "stragglers"
@@ -196,7 +197,7 @@ class LaunchJob:
 
     def events(self) -> list[Event]:
         try:
-            return read_events(self.run_dir / "events.jsonl", on_skip=lambda line, reason: None)
+            return read_events(self.run_dir / layout.EVENTS, on_skip=lambda line, reason: None)
         except FileNotFoundError:
             return []
 

@@ -3,7 +3,7 @@
 
 One ``elastictrain train`` job on 3 logical hosts (min 1, max 3 workers, Gloo timeout 30 s,
 ``elastictrain launch``'s blacklist cooldown 5-60 s), with ``elastic: {rollback: none}`` and a warm zygote
-per host (:mod:`elastictrain.bench.hotjoin`, as ``elastictrain agent --warm-config`` keeps one): horovodrun
+per host (:mod:`bench.hotjoin`, as ``elastictrain agent --warm-config`` keeps one): horovodrun
 starts the zygote's client, and the zygote forks the worker. A killed worker's host stays listed, as when
 only the process died: Horovod blacklists it, and takes it back after the cooldown (a scale-up, whose
 rendezvous waits for a worker forked from the still-warm zygote). The victim is drawn from a seeded RNG
@@ -37,10 +37,10 @@ from typing import Any
 
 import psutil
 
-from elastictrain._testing.jobs import ElasticJob
-from elastictrain._testing.procs import HarnessError
-from elastictrain.bench.core import BenchContext, BenchError, Goal, Metric, Result, threads_per_worker
-from elastictrain.bench.hotjoin import WarmZygotes, hot_command, warm_zygotes
+from bench.core import BenchContext, BenchError, Goal, Metric, Result, threads_per_worker
+from bench.hotjoin import WarmZygotes, hot_command, warm_zygotes
+from chaos.jobs import ElasticJob
+from chaos.procs import HarnessError
 from elastictrain.launcher.hosts import local_logical_hosts
 from elastictrain.rundir.events import Event, Metrics, Reset, Start, of_kind
 

@@ -1,0 +1,7 @@
+"""``python -m bench``: see :mod:`bench`."""
+
+import sys
+
+from bench import main
+
+sys.exit(main())
