@@ -178,7 +178,7 @@ class Trainer:
             return
         self.resumed_from = self.checkpointed_step = resumed.step
         self.resumed_world_size = resumed.world_size
-        if self.training_complete():
+        if training_complete(self.cfg.training, self.sampler.epoch, self.counters.step):
             log.info("run already complete; nothing to train", step=self.counters.step, epoch=self.sampler.epoch)
 
     # ------------------------------------------------------------------------------------ after a sync
@@ -315,7 +315,7 @@ class Trainer:
             if self.stop_requested:
                 raise StopRequested
             # Checked before anything runs: a reset or a resume may land exactly on the final commit.
-            if self.training_complete():
+            if training_complete(t, self.sampler.epoch, self.counters.step):
                 break
             plan_b = batch_plan(cfg.elastic, cfg.data.batch_size, t.grad_accumulation, self.ctx.size)
             if self.planner.epoch_done(self.sampler, plan_b.global_batch):
@@ -323,10 +323,6 @@ class Trainer:
                 continue
             self._run_epoch_part(state, plan_b.global_batch, plan_b.micro_batch)
         self._finish(state)
-
-    def training_complete(self) -> bool:
-        """Every epoch trained, or ``max_steps`` reached (by the committed position the loop stands at)."""
-        return training_complete(self.cfg.training, self.sampler.epoch, self.counters.step)
 
     def _run_epoch_part(self, state: ElasticTrainingState, global_batch: int, micro_batch: int) -> None:
         """Steps until the epoch ends, max_steps, or a stop; the plans are fixed for this world size."""

@@ -12,12 +12,10 @@ import enum
 import signal
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from discovery.record import READY
 from elastictrain.cliutil import EXIT_STOPPED
-from elastictrain.rundir import events as run_log
 
 EXIT_COMPLETED = 0
 EXIT_FAILED = 1
@@ -92,14 +90,6 @@ def decide_after_exit(
         Outcome.RELAUNCH,
         f"horovodrun exited {returncode} ({'; '.join(why)}); relaunch {relaunches + 1} when hosts return",
     )
-
-
-def training_completed(events_path: Path) -> bool:
-    """Whether ``events.jsonl`` says training completed (:func:`elastictrain.rundir.events.training_completed`)."""
-    try:
-        return run_log.training_completed(run_log.read_events(events_path, on_skip=lambda line, reason: None))
-    except OSError:
-        return False
 
 
 @dataclass(slots=True)

@@ -79,7 +79,6 @@ from elastictrain.launcher.decisions import (
     EXIT_STOPPED,
     HostWatch,
     decide_after_exit,
-    training_completed,
 )
 from elastictrain.launcher.errors import LaunchError
 from elastictrain.launcher.etcd import EtcdError, EtcdServer, etcd_data_dir_in_use, find_etcd
@@ -95,6 +94,7 @@ from elastictrain.launcher.processes import (
     terminate,
 )
 from elastictrain.rundir import layout
+from elastictrain.rundir.events import training_completed_in
 from elastictrain.rundir.worker_error import WorkerError, first_cause, read_worker_errors
 from elastictrain.tools.live_view import LiveView
 
@@ -196,7 +196,7 @@ class Launcher:
                 self._settle(watch)
             decision = decide_after_exit(
                 returncode=returncode,
-                completed=training_completed(self.run_dir / layout.EVENTS),
+                completed=training_completed_in(self.run_dir / layout.EVENTS),
                 hosts_lost=sorted(watch.lost),
                 min_ready_slots=watch.min_ready_slots if watch.min_ready_slots is not None else 0,
                 min_np=self.opts.min_np,

@@ -13,13 +13,12 @@ goes through it:
   background thread appends it with one ``write`` of the whole line, so the training thread never waits
   on the disk. ``close`` drains the queue and fsyncs.
 - **Reader**: :func:`read_events` validates each untrusted line (:func:`parse_event`) and returns typed
-  events; :func:`lifecycle` and :func:`training_completed` answer the questions the launcher, ``status``
-  and the chaos checks ask of a log.
+  events; :func:`lifecycle` and :func:`training_completed` (of a file: :func:`training_completed_in`) answer the
+  questions the launcher, ``status`` and the chaos checks ask of a log.
 
 Import-light on purpose (no torch): the launcher and ``status`` import it.
 
-Size: one dataclass per event kind, the writer and the reader: the whole run-log contract in one place, which
-is the point (``docs/events.md`` is generated from it).
+Size: the whole run-log contract (names, records, writer, reader) in one module (docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -672,6 +671,14 @@ def lifecycle(events: Sequence[Event]) -> Lifecycle:
 def training_completed(events: Sequence[Event]) -> bool:
     """Whether the log says training completed: its last lifecycle event is ``done``."""
     return lifecycle(events) is Lifecycle.DONE
+
+
+def training_completed_in(events_path: Path) -> bool:
+    """:func:`training_completed` of the run log at ``events_path``; False when it cannot be read."""
+    try:
+        return training_completed(read_events(events_path, on_skip=lambda line, reason: None))
+    except OSError:
+        return False
 
 
 # ------------------------------------------------------------------------------------------------ docs

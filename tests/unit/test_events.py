@@ -35,6 +35,7 @@ from elastictrain.rundir.events import (
     parse_event,
     read_events,
     training_completed,
+    training_completed_in,
 )
 
 HEAD = {"epoch": 0, "world_size": 2}
@@ -267,3 +268,14 @@ def test_ranks_other_than_zero_write_nothing(tmp_path: Path) -> None:
     rank0.close()
     assert len(read_events(tmp_path / "new" / layout.EVENTS)) == 1
     rank0.emit(Done(step=0, epoch=0, world_size=2))  # after close: ignored, never raises
+
+
+def test_training_completed_in_a_file_reads_its_last_lifecycle_event(tmp_path: Path) -> None:
+    p = tmp_path / "events.jsonl"
+    assert not training_completed_in(p)
+    head = '"step": 1, "epoch": 0, "world_size": 2'
+    start, done = (f'{{"ts": 1, "event": "{kind}", {head}}}\n' for kind in ("start", "done"))
+    p.write_text(start + done + f'{{"ts": 2, "event": "tracking_closed", {head}}}\n')
+    assert training_completed_in(p)
+    p.write_text(done + start + '{"torn')
+    assert not training_completed_in(p)

@@ -27,7 +27,6 @@ from elastictrain.launcher.decisions import (
     HostWatch,
     Outcome,
     decide_after_exit,
-    training_completed,
 )
 from elastictrain.launcher.errors import LaunchError
 from elastictrain.launcher.options import LaunchOptions
@@ -256,17 +255,6 @@ def test_host_watch_counts_vanished_and_reregistered_hosts_as_lost_but_not_drain
     assert w.lost == {"b"}
     w.observe([])
     assert w.lost == {"a", "b"} and w.min_ready_slots == 0 and w.ready_slots == 0
-
-
-def test_training_completed_reads_the_last_lifecycle_event(tmp_path: Path) -> None:
-    p = tmp_path / "events.jsonl"
-    assert not training_completed(p)
-    head = '"step": 1, "epoch": 0, "world_size": 2'
-    start, done = (f'{{"ts": 1, "event": "{kind}", {head}}}\n' for kind in ("start", "done"))
-    p.write_text(start + done + f'{{"ts": 2, "event": "tracking_closed", {head}}}\n')
-    assert training_completed(p)
-    p.write_text(done + start + '{"torn')
-    assert not training_completed(p)
 
 
 # ------------------------------------------------------------------------------------------ deploy/k8s
