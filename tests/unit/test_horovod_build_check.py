@@ -100,8 +100,8 @@ def test_no_horovod_at_all_is_refused_with_one_line(monkeypatch: pytest.MonkeyPa
 def test_the_expected_digest_is_the_one_the_patch_script_prints() -> None:
     ph = patcher()
     assert ph.digest() == build_check.PATCH_DIGEST, (
-        f"elastictrain/horovod/patch.py changed: set PATCH_DIGEST in elastictrain/build_check.py to {ph.digest()!r} "
-        "and run `make setup`"
+        "elastictrain/horovod/patch.py changed: set PATCH_DIGEST in elastictrain/horovod/build_check.py to "
+        f"{ph.digest()!r} and run `make setup`"
     )
     assert f"horovod/{build_check.MARKER_MODULE}.py" == ph.MARKER_FILE
 
