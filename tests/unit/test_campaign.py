@@ -31,7 +31,7 @@ from chaos.campaign import (
     read_beats,
     refigure,
 )
-from elastictrain.engine.health.hang import STARTUP, Beat, Heartbeats
+from elastictrain.engine.health.signals import STARTUP, Beat, Heartbeats
 from elastictrain.rundir.events import Commit, Metrics, Reset, Start, encode
 from tests.fixtures.procs import REPO
 
