@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import random
-import signal
 import statistics
 import time
 from collections.abc import Sequence
@@ -39,6 +38,7 @@ import psutil
 
 from bench.core import BenchContext, BenchError, Goal, Metric, Result, threads_per_worker
 from bench.hotjoin import WarmZygotes, hot_command, warm_zygotes
+from bench.sigkill import next_step, sigkill, training_processes
 from chaos.jobs import ElasticJob
 from chaos.procs import HarnessError
 from elastictrain.launcher.hosts import local_logical_hosts
@@ -77,7 +77,7 @@ def own_goodput(events: Sequence[Event], kills: list[float], t0: float, t_end: f
     used: set[int] = set()
     per_kill: list[dict[str, Any]] = []
     for k in kills:
-        nxt = next((i for i, e in enumerate(resets) if e.ts >= k and i not in used), None)
+        nxt = next_step(resets, k, taken=used)
         if nxt is None:
             down += t_end - k  # not recovered within the window
             per_kill.append({"t": k - t0, "down_seconds": None, "lost_steps": None})
@@ -118,12 +118,9 @@ def kill_rank(job: ElasticJob, zygotes: WarmZygotes, rank: int) -> dict[str, Any
     started it cold (no answer from the zygote), the process horovodrun started. Never a zygote."""
     started = job.worker(rank=rank)  # a zygote's client (or a cold worker): the process horovodrun started
     host = started.environ()["HOROVOD_HOSTNAME"]
-    forked = zygotes.forked(host)
-    t = time.time()
-    for p in forked or [started]:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.send_signal(signal.SIGKILL)
-    return {"ts": t, "rank": rank, "host": host, "killed": "forked worker" if forked else "cold worker"}
+    procs = training_processes(started, zygotes)
+    t = sigkill(procs)
+    return {"ts": t, "rank": rank, "host": host, "killed": "cold worker" if procs == [started] else "forked worker"}
 
 
 def kill_one(job: ElasticJob, zygotes: WarmZygotes, rng: random.Random) -> dict[str, Any] | None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import random
-import signal
 import sys
 import tempfile
 import time
@@ -28,6 +27,7 @@ from typing import Any
 import psutil
 
 from bench.core import BenchContext, BenchError, Goal, Metric, Result, summary
+from bench.sigkill import outcome, sigkill, wait_next_step
 from chaos.jobs import ElasticJob
 from chaos.procs import wait_until
 from elastictrain.cliutil import OneLineParser
@@ -89,7 +89,7 @@ def wait_full(job: ElasticJob, timeout: float = 180) -> int:
 
 
 def kill_once(job: ElasticJob, kind: str, rng: random.Random) -> dict[str, Any]:
-    """SIGKILL the workers of ``kind`` back to back; seconds to the next ``reset`` event."""
+    """SIGKILL the workers of ``kind`` back to back; the pause to the next step (:mod:`bench.sigkill`)."""
     rank0 = current_rank0(job)
     others = [p for p in job.workers() if p.pid != rank0.pid]
     rng.shuffle(others)
@@ -99,18 +99,9 @@ def kill_once(job: ElasticJob, kind: str, rng: random.Random) -> dict[str, Any]:
         "rank 0 + other": [rank0, *others[:1]],
         "two others": others[:2],
     }[kind]
-    t_kill = time.time()
-    for p in victims:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.send_signal(signal.SIGKILL)
-    reset = job.wait_event(Reset, lambda e: e.ts >= t_kill, timeout=4 * GLOO_TIMEOUT_SECONDS, what="a reset")
-    return {
-        "kind": kind,
-        "seconds": reset.ts - t_kill,
-        "new_size": reset.new_size,
-        "lost_steps": reset.lost_steps,
-        "worker_recovery_seconds": reset.recovery_seconds,
-    }
+    t_kill = sigkill(victims)
+    reset = wait_next_step(job, t_kill, 4 * GLOO_TIMEOUT_SECONDS, below=WORKERS, what="a reset")
+    return {"kind": kind, **outcome(reset, t_kill)}
 
 
 def measure(workdir: Path, kills: int, seed: int, log: Callable[[str], None]) -> list[dict[str, Any]]:

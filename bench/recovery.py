@@ -22,18 +22,17 @@ rolled back per SIGKILL.
 from __future__ import annotations
 
 import random
-import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from bench.core import BenchContext, Goal, Metric, Result, alternate, summary, threads_per_worker
+from bench.sigkill import outcome, sigkill, wait_next_step
 from chaos.jobs import HOROVODRUN, STOCK_HOROVODRUN, ElasticJob
 from elastictrain.config import ElasticConfig
 from elastictrain.launcher.commands import train_command
 from elastictrain.launcher.hosts import local_logical_hosts
-from elastictrain.rundir.events import Reset
 
 NAME = "recovery"
 GOAL_KILL = Goal("<=", 5.0)
@@ -66,26 +65,6 @@ def stock_command(cfg_path: Path) -> list[str]:
     return [sys.executable, "-m", "bench.baseline_worker", "stock-elastic", "--config", str(cfg_path)]
 
 
-def _reset_after(job: ElasticJob, ts: float, new_size: int, timeout: float) -> Reset:
-    return job.wait_event(
-        Reset,
-        lambda e: e.ts >= ts and e.new_size == new_size,
-        timeout,
-        what=f"the first step at {new_size} workers",
-    )
-
-
-def _outcome(reset: Reset, t_fault: float) -> dict[str, Any]:
-    """Seconds from the fault to the first step at the new size, steps rolled back, and (elastictrain only)
-    the worker's own ``recovery_seconds`` (from the failure or host notice it saw)."""
-    return {
-        "seconds": reset.ts - t_fault,
-        "lost_steps": reset.lost_steps,
-        "step": reset.step,
-        "worker_recovery_seconds": reset.recovery_seconds,
-    }
-
-
 def trial(
     workdir: Path,
     command: Callable[[Path], list[str]],
@@ -111,17 +90,19 @@ def trial(
         job.start()
         job.wait_step(KILL_AFTER_STEP, timeout=240)
         time.sleep(rng.uniform(0.0, 1.0))  # land anywhere between two commits
-        host, t_kill = job.kill_worker(rank=2, sig=signal.SIGKILL)
+        victim = job.worker(rank=2)
+        host = victim.environ()["HOROVOD_HOSTNAME"]
+        t_kill = sigkill([victim])
         job.set_hosts([h for h in job.hosts if h != host])
-        reset = _reset_after(job, t_kill, 2, timeout=4 * GLOO_TIMEOUT_SECONDS)
-        kill = _outcome(reset, t_kill)
+        reset = wait_next_step(job, t_kill, 4 * GLOO_TIMEOUT_SECONDS, below=3, what="the first step at 2 workers")
+        kill = outcome(reset, t_kill)
         log(f"SIGKILL: {kill['seconds']:.2f} s to the first step at 2 workers, {kill['lost_steps']} steps rolled back")
         job.wait_step(reset.step + 10, timeout=120)
         drained = job.worker(rank=1).environ()["HOROVOD_HOSTNAME"]
         t_drain = time.time()
         job.set_hosts([h for h in job.hosts if h != drained])
-        reset = _reset_after(job, t_drain, 1, timeout=4 * GLOO_TIMEOUT_SECONDS)
-        drain = _outcome(reset, t_drain)
+        reset = wait_next_step(job, t_drain, 4 * GLOO_TIMEOUT_SECONDS, below=2, what="the first step at 1 worker")
+        drain = outcome(reset, t_drain)
         log(f"drain: {drain['seconds']:.2f} s to the first step at 1 worker, {drain['lost_steps']} steps rolled back")
         return {"sigkill": kill, "drain": drain}
     finally:

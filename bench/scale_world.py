@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import signal
 import statistics
 import sys
 import tempfile
@@ -51,6 +50,7 @@ import psutil
 
 from bench.core import BenchContext, BenchError, Goal, Metric, Result, summary, threads_per_worker
 from bench.hotjoin import WarmZygotes, hot_command, warm_zygotes
+from bench.sigkill import sigkill, training_processes, wait_next_step
 from chaos.jobs import ElasticJob
 from chaos.procs import HarnessError
 from elastictrain.cliutil import OneLineParser
@@ -164,17 +164,6 @@ def parts_of(reset: Reset) -> dict[str, float | None]:
     return {p: getattr(reset, f"{p}_seconds") for p in PAUSE_PARTS}
 
 
-def kill_host(job: ElasticJob, zygotes: WarmZygotes, host: str) -> float:
-    """SIGKILL the training process of ``host`` (the forked worker on a hot host); returns the kill's time."""
-    forked = zygotes.forked(host)
-    targets = forked or [job.worker(host=host)]
-    t = time.time()
-    for p in targets:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.send_signal(signal.SIGKILL)
-    return t
-
-
 def pick(job: ElasticJob, aim: str, hot_hosts: set[str], used: set[str]) -> str:
     """The host to kill for ``aim`` (rank0 | hot | cold), preferring one not killed yet in this job."""
     if aim == "rank0":
@@ -236,13 +225,8 @@ def one_size(workdir: Path, size: int, kills: int, log: Callable[[str], None]) -
         for aim in victims(kills):
             host = pick(job, aim, hot_hosts, used)
             used.add(host)
-            t_kill = kill_host(job, zygotes, host)
-            down = job.wait_event(
-                Reset,
-                lambda e: e.ts >= t_kill and (e.new_size or size) < size,  # noqa: B023 - used at once
-                wait,
-                what=f"the first step after the SIGKILL of {host}",
-            )
+            t_kill = sigkill(training_processes(job.worker(host=host), zygotes))
+            down = wait_next_step(job, t_kill, wait, below=size, what=f"the first step after the SIGKILL of {host}")
             try:
                 back: Reset | None = job.wait_event(
                     Reset,

@@ -8,15 +8,17 @@ import io
 import json
 import math
 import random
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
 import pytest
 
 import bench
-from bench import commit, goodput, hotjoin, runs, stragglers
+from bench import commit, goodput, hotjoin, runs, sigkill, stragglers
 from bench.core import (
     SCHEMA,
     BenchContext,
@@ -248,6 +250,45 @@ def test_own_goodput_subtracts_kill_downtime_scale_up_pauses_and_rolled_back_ste
         {"t": 90.0, "down_seconds": None, "lost_steps": None},
     ]
     assert own["other_resets"] == [{"t": 50.0, "down_seconds": 6.0, "sizes": [2, 3]}]
+
+
+def test_the_next_step_after_a_sigkill_is_the_first_reset_at_or_after_it_below_the_broken_size() -> None:
+    def reset(ts: float, new_size: int | None, lost: int = 0) -> Reset:
+        return Reset(
+            ts=ts, lost_steps=lost, recovery_seconds=0.5, step=int(ts), epoch=0, world_size=4, new_size=new_size
+        )
+
+    resets = [reset(9.0, 3), reset(12.0, 4), reset(15.0, 3, lost=2), reset(20.0, 2)]
+    assert sigkill.next_step(resets, 11.0) == 1  # any reset: a scale-up counts
+    assert sigkill.next_step(resets, 11.0, below=4) == 2  # the kill broke 4 workers: the scale-up to 4 does not
+    assert sigkill.next_step(resets, 11.0, below=4, taken={2}) == 3  # an earlier kill's step is not this one's
+    assert sigkill.next_step(resets, 21.0) is None  # not recovered
+    assert not sigkill.is_next_step(reset(15.0, None), 11.0, below=4)  # no size: not known to be smaller
+    assert sigkill.outcome(resets[2], 11.0) == {
+        "seconds": 4.0,
+        "lost_steps": 2,
+        "step": 15,
+        "new_size": 3,
+        "worker_recovery_seconds": 0.5,
+    }
+
+
+def test_sigkill_signals_every_process_back_to_back_and_skips_one_already_gone() -> None:
+    sent: list[tuple[int, int]] = []
+
+    class Proc:
+        def __init__(self, pid: int, gone: bool = False) -> None:
+            self.pid, self.gone = pid, gone
+
+        def send_signal(self, sig: int) -> None:
+            if self.gone:
+                raise psutil.NoSuchProcess(self.pid)
+            sent.append((self.pid, sig))
+
+    before = time.time()
+    t = sigkill.sigkill([Proc(1), Proc(2, gone=True), Proc(3)])
+    assert before <= t <= time.time()
+    assert sent == [(1, signal.SIGKILL), (3, signal.SIGKILL)]
 
 
 def test_goodput_job_runs_both_features_and_the_victim_is_a_seeded_draw_in_rank_order() -> None:

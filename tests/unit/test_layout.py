@@ -5,6 +5,7 @@ that large."""
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,3 +67,12 @@ def test_a_long_module_says_why_at_its_top():
             if "Size:" not in doc:
                 unexplained.append(f"{path.relative_to(REPO)} ({text.count(chr(10))} lines)")
     assert not unexplained, "no 'Size:' reason in the module docstring: " + ", ".join(unexplained)
+
+
+def test_a_child_in_another_folder_finds_bench_and_chaos_through_checkout_env():
+    from chaos.procs import REPO as CHECKOUT
+    from chaos.procs import checkout_env
+
+    assert CHECKOUT == REPO and (CHECKOUT / "bench" / "__init__.py").is_file()
+    assert checkout_env({"PYTHONPATH": "/x"})["PYTHONPATH"] == f"{REPO}{os.pathsep}/x"
+    assert checkout_env({})["PYTHONPATH"] == str(REPO)
