@@ -199,9 +199,12 @@ class ElasticConfig:
     hang_seconds: float | None = None
     """A peer that makes no progress this long while the others wait for it is a failure: it is killed (same
     machine) or its host evicted, and the job continues without it. None: 10 x the typical step, at least 10 s. In the
-    first step after a rendezvous only a silent peer (no heartbeat: stopped, or its machine hangs) is hung, silent for
-    at least this and ``min(60 s, half the Gloo timeout)``; one that still beats is never hung there, however long its
-    start takes (loader start-up, cudnn autotune, a cold cache). In a rendezvous the bound is at most that minimum."""
+    first step after a rendezvous a silent peer (no heartbeat: stopped, or its machine hangs) is hung when silent for
+    at least this and ``min(60 s, half the Gloo timeout)``, and one that still beats only after
+    ``first_step_hang_seconds``. In a rendezvous the bound is at most that minimum."""
+    first_step_hang_seconds: float = 1800.0
+    """How long a peer that still beats may stay in its own work of the first step after a rendezvous (loader
+    start-up, cudnn autotune, a cold cache: a slow start cannot be told from a stuck one) before it is hung."""
 
     def __post_init__(self) -> None:
         _check(self.base_world_size >= 1, "elastic.base_world_size", f"must be >= 1, got {self.base_world_size}")
@@ -228,6 +231,11 @@ class ElasticConfig:
             0 < self.straggler_cooldown_seconds < math.inf,
             "elastic.straggler_cooldown_seconds",
             f"must be > 0 and finite, got {self.straggler_cooldown_seconds:g}",
+        )
+        _check(
+            60 <= self.first_step_hang_seconds < math.inf,
+            "elastic.first_step_hang_seconds",
+            f"must be >= 60 and finite, got {self.first_step_hang_seconds:g}",
         )
         if self.hang_seconds is not None:
             _check(self.hang_seconds >= 1, "elastic.hang_seconds", f"must be >= 1 or null, got {self.hang_seconds}")

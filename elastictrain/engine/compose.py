@@ -55,6 +55,7 @@ def compose(cfg: JobConfig, collective: Collective) -> Trainer:
             configured_seconds=cfg.elastic.hang_seconds,
             evict=evict if evictor is not None else None,
             first_step_seconds=first_step_bound(gloo_timeout_seconds()),
+            first_step_hang_seconds=cfg.elastic.first_step_hang_seconds,
         ),
     )
     signal.signal(signal.SIGTERM, trainer.on_sigterm)

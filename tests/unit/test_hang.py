@@ -18,6 +18,7 @@ import pytest
 from chaos.procs import kill_tree, wait_until
 from elastictrain.engine.health import hang
 from elastictrain.engine.health.hang import (
+    FIRST_STEP_HANG_SECONDS,
     BeatKeeper,
     HangDetector,
     announce,
@@ -324,10 +325,10 @@ def test_a_peer_stopped_in_a_rings_first_step_is_hung_before_a_15s_gloo_timeout(
 
 
 @pytest.mark.parametrize("took", [35.0, 600.0])
-def test_a_joiner_that_still_beats_is_never_hung_in_its_rings_first_step_however_long_its_own_work_takes(
+def test_a_joiner_that_still_beats_is_not_hung_in_its_rings_first_step_however_long_a_healthy_start_takes(
     took: float,
 ) -> None:
-    """A joiner's first step (loader start-up, cudnn autotune, a cold cache) may take any time: its watchdog thread
+    """A joiner's first step (loader start-up, cudnn autotune, a cold cache) may take minutes: its watchdog thread
     beats meanwhile, and nothing in the ring times out (Horovod keeps negotiating). With launch's Gloo timeout (60 s)
     the first step's bound was 30 s, and a joiner 30 s in its own work was killed or its host evicted."""
     bound = first_step_bound(60.0)
@@ -340,10 +341,28 @@ def test_a_joiner_that_still_beats_is_never_hung_in_its_rings_first_step_however
         return [h.why for h in found]
 
     assert judged(beat("b", 11, phase=LOCAL, since=NOW - took, ts=NOW - 0.5, steps=0)) == []
-    (why,) = judged(beat("b", 11, phase=LOCAL, since=NOW - took, ts=NOW - bound, steps=0))
+    (why,) = judged(beat("b", 11, phase=LOCAL, since=NOW - min(took, 60), ts=NOW - bound, steps=0))
     assert "no heartbeat" in why, "a stopped joiner is silent: found at the bound"
     assert judged(beat("b", 11, phase=LOCAL, since=NOW - 11, ts=NOW - 0.5, steps=1)) == [], "the judge's count"
     assert verdict({("b", 0): beat("b", 11, phase=LOCAL, since=NOW - 11)}, ring_steps=1), "from the second step on"
+
+
+def test_a_joiner_stuck_in_its_own_work_of_the_first_step_is_hung_at_the_first_step_bound_not_never() -> None:
+    """A deadlocked loader in a ring's first step beats from its watchdog thread while every other worker waits in
+    the step; nothing times out. ``elastic.first_step_hang_seconds`` (30 min by default) ends that wait."""
+
+    def judged(since: float, bound: float = FIRST_STEP_HANG_SECONDS) -> list[str]:
+        beats = {("b", 0): beat("b", 11, phase=LOCAL, since=NOW - since, ts=NOW - 0.5, steps=0)}
+        found = hung_peers(
+            now=NOW, me=0, members=MEMBERS, beats=beats, hang_seconds=10.0, ring_steps=0, first_step_hang_seconds=bound
+        )
+        return [h.why for h in found]
+
+    assert FIRST_STEP_HANG_SECONDS == 1800.0
+    assert judged(FIRST_STEP_HANG_SECONDS - 1) == [], "a slow start, half an hour long, lives"
+    (why,) = judged(FIRST_STEP_HANG_SECONDS)
+    assert "stuck in its own part of the ring's first step" in why
+    assert judged(120.0, bound=300.0) == [] and judged(300.0, bound=300.0), "the configured bound"
 
 
 def test_in_a_rings_first_step_a_slow_joiner_lives_and_a_stopped_one_is_sigkilled(tmp_path: Path) -> None:

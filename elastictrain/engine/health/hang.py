@@ -22,11 +22,11 @@ the kernel keeps its TCP connections open and even acknowledges them while the p
 * **The verdict** (:func:`hung_peers`, pure): while this worker has waited ``hang_seconds`` in a step whose own work
   it has finished, a member of its ring (ranks, hosts and pids gathered after each rendezvous) is hung when its
   heartbeat is ``hang_seconds`` old, or says ``local`` since ``hang_seconds`` ago. In the ring's first step (until
-  the judge has completed a step in its ring, and so has every member: a step is synchronous) only silence counts,
-  for at least ``first_step_seconds`` (:func:`first_step_bound`): a member that still beats is not hung there however
-  long its own work takes (a joiner's loader start-up, cudnn autotune, a cold cache; nothing tells that from a stuck
-  one, and nothing in the ring times out meanwhile). A member with no heartbeat here (the run_dir is not shared with
-  its machine) is never judged.
+  the judge has completed a step in its ring, and so has every member: a step is synchronous) silence counts after
+  at least ``first_step_seconds`` (:func:`first_step_bound`), and its own work only after ``first_step_hang_seconds``
+  (``elastic.first_step_hang_seconds``, 30 min by default): a joiner's loader start-up, cudnn autotune or cold cache
+  cannot be told from a stuck one, and nothing in the ring times out meanwhile. A member with no heartbeat here (the
+  run_dir is not shared with its machine) is never judged.
 * **In a rendezvous** (:func:`silent_in_rendezvous`, pure): a survivor whose reset has waited ``min(hang_seconds,
   first_step_seconds)`` in its rendezvous judges every heartbeat of the run written on this machine: the process
   that wrote it (same pid and start time, a worker of the job: :func:`job_worker_runs`) still exists but has not beaten
@@ -83,7 +83,10 @@ MIN_HANG_SECONDS = 10.0
 HANG_STEPS = 10.0
 FIRST_STEP_SECONDS = 60.0
 """How long a peer may be silent (no heartbeat) in a ring's first step before it is hung, unless the Gloo timeout is
-shorter: :func:`first_step_bound`. Its own work is not bounded there (:func:`hung_peers`)."""
+shorter: :func:`first_step_bound`. Its own work there is bounded by :data:`FIRST_STEP_HANG_SECONDS`."""
+FIRST_STEP_HANG_SECONDS = 1800.0
+"""How long a peer that still beats may stay in its own work of a ring's first step (the default of
+``elastic.first_step_hang_seconds``)."""
 GLOO_SHARE = 0.5
 BEAT_SECONDS = 1.0
 GONE_CHECK_SECONDS = 0.5
@@ -130,13 +133,16 @@ def hung_peers(
     hang_seconds: float,
     ring_steps: int,
     first_step_seconds: float = FIRST_STEP_SECONDS,
+    first_step_hang_seconds: float = FIRST_STEP_HANG_SECONDS,
 ) -> list[Hung]:
     """The members of this ring (other than rank ``me``) that are hung by their heartbeats (see the module);
-    ``ring_steps``: steps the judge completed since its ring formed. In the ring's first step only a silent member
-    is hung, silent for ``max(hang_seconds, first_step_seconds)``."""
+    ``ring_steps``: steps the judge completed since its ring formed. In the ring's first step a member is hung when
+    silent for ``max(hang_seconds, first_step_seconds)``, or in its own work for ``max(hang_seconds,
+    first_step_hang_seconds)``."""
     out = []
     first = ring_steps == 0
     bound = max(hang_seconds, first_step_seconds) if first else hang_seconds
+    work_bound = max(hang_seconds, first_step_hang_seconds) if first else hang_seconds
     for m in members:
         b = beats.get((m.host, m.slot))
         if m.rank == me or b is None or b.pid != m.pid:
@@ -144,8 +150,9 @@ def hung_peers(
         who = f"host {m.host} rank {m.rank} (pid {m.pid})"
         if now - b.ts >= bound:
             out.append(Hung(m, b, f"{who}: no heartbeat for {now - b.ts:.1f}s (stopped, or its machine hangs)"))
-        elif not first and b.phase == LOCAL and now - b.since >= bound:
-            why = f"{who}: stuck in its own part of a step (data loading or compute) for {now - b.since:.1f}s"
+        elif b.phase == LOCAL and now - b.since >= work_bound:
+            part = "the ring's first step" if first else "a step"
+            why = f"{who}: stuck in its own part of {part} (data loading or compute) for {now - b.since:.1f}s"
             out.append(Hung(m, b, why))
     return out
 
@@ -304,6 +311,9 @@ class HangDetector:
     """Evicts a host of another machine (returns what it did, one line); None: no etcd to do it through."""
     first_step_seconds: float = FIRST_STEP_SECONDS
     """A peer's silence (no heartbeat) that makes it hung in a ring's first step (:func:`first_step_bound`)."""
+    first_step_hang_seconds: float = FIRST_STEP_HANG_SECONDS
+    """How long a peer that beats may stay in its own work of a ring's first step
+    (``elastic.first_step_hang_seconds``)."""
     members: tuple[Member, ...] = ()
     me: int = 0
     phase: str = IDLE
@@ -389,6 +399,7 @@ class HangDetector:
                 hang_seconds=bound,
                 ring_steps=self.steps,
                 first_step_seconds=self.first_step_seconds,
+                first_step_hang_seconds=self.first_step_hang_seconds,
             )
             if h.member.pid not in self.cured
         ]
