@@ -198,12 +198,15 @@ def test_a_slow_eviction_holds_neither_the_watchdog_threads_beats_nor_its_verdic
         assert not tick.is_alive(), "the watchdog's thread waits for etcd"
         assert [h.member.host for h in found] == ["b"]
         assert "evicting host b" in (verdict.since(0) or ""), "the verdict is recorded before etcd answers"
+        first_recorded = [float((tmp_path / "v").read_text().split()[0])]
         det.tick(now + 1.5, waited=4.5, typical_step=0.1)
         assert (b := _read(hb)) is not None and b.ts == now + 1.5, "it beats while etcd is slow"
     finally:
         release.set()
         tick.join(30)
     wait_until(lambda: "evicted host b for 300s" in (verdict.since(0) or ""), 10, what="the eviction's outcome")
+    recorded = float((tmp_path / "v").read_text().split()[0])
+    assert recorded == first_recorded[0], "etcd's late answer keeps the verdict's time: a failure meanwhile is no hang"
 
 
 def test_a_reused_pid_is_not_killed() -> None:

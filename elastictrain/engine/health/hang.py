@@ -479,19 +479,22 @@ class HangDetector:
             evict, done = self.evict, f"evicting host {h.member.host} through etcd"
         else:
             done = "no etcd to evict its host through: waiting for the Gloo timeout"
-        self.signals.record_verdict(f"{h.why}; {done}")
+        found_at = time.time()
+        self.signals.record_verdict(f"{h.why}; {done}", found_at)
         log.warning("hung peer", why=h.why, action=done)
         if evict is not None:
-            threading.Thread(target=self.evict_host, args=(evict, h), name="hang-eviction", daemon=True).start()
+            args = (evict, h, found_at)
+            threading.Thread(target=self.evict_host, args=args, name="hang-eviction", daemon=True).start()
 
-    def evict_host(self, evict: Callable[[str], str], h: Hung) -> None:
-        """Evict the hung member's host (``evict``: :attr:`evict`) and record what it did as the verdict."""
+    def evict_host(self, evict: Callable[[str], str], h: Hung, found_at: float) -> None:
+        """Evict the hung member's host (``evict``: :attr:`evict`) and record what it did as the verdict found at
+        ``found_at`` (etcd may answer seconds later: a failure that begins meanwhile is not this hang)."""
         try:
             done = evict(h.member.host)
         except Exception as e:  # the evictor reports its own failures; this is a safety net for the thread
             done = f"could not evict host {h.member.host}: {type(e).__name__}"
             log.exception("hung peer's eviction failed", host=h.member.host)
-        self.signals.record_verdict(f"{h.why}; {done}")
+        self.signals.record_verdict(f"{h.why}; {done}", found_at)
         log.warning("hung peer's host", why=h.why, action=done)
 
 

@@ -107,8 +107,8 @@ class WorkerSignals(Protocol):
     def last_failure(self) -> float | None:
         """When the newest collective failure was recorded by any worker, or None."""
 
-    def record_verdict(self, why: str) -> None:
-        """A hung peer was found (``why``: one line, who and what was done)."""
+    def record_verdict(self, why: str, at: float | None = None) -> None:
+        """A hung peer was found (``why``: one line, who and what was done) at ``at`` (Unix time; default now)."""
 
     def verdict_since(self, ts: float) -> str | None:
         """The newest verdict's reason when it was recorded at or after ``ts``, else None."""
@@ -196,10 +196,11 @@ class HungVerdict:
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    def record(self, why: str) -> None:
+    def record(self, why: str, at: float | None = None) -> None:
+        when = time.time() if at is None else at
         with contextlib.suppress(OSError):
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(self.path, f"{time.time()} {why.splitlines()[0][:300]}\n", durable=False)
+            write_atomic(self.path, f"{when} {why.splitlines()[0][:300]}\n", durable=False)
 
     def since(self, ts: float) -> str | None:
         """The verdict's reason when it was recorded at or after ``ts``, else None."""
@@ -249,8 +250,8 @@ class FileSignals:
     def last_failure(self) -> float | None:
         return self.failures.last()
 
-    def record_verdict(self, why: str) -> None:
-        self.verdict.record(why)
+    def record_verdict(self, why: str, at: float | None = None) -> None:
+        self.verdict.record(why, at)
 
     def verdict_since(self, ts: float) -> str | None:
         return self.verdict.since(ts)
