@@ -284,7 +284,12 @@ class Outbox:
             if self._sending:
                 return
             self._sending = True
-        threading.Thread(target=self._run, name="host-change-notices", daemon=True).start()
+        try:
+            threading.Thread(target=self._run, name="host-change-notices", daemon=True).start()
+        except BaseException:  # no sender runs: the next post must start one
+            with self._lock:
+                self._sending = False
+            raise
 
     def _run(self) -> None:
         while True:

@@ -572,3 +572,28 @@ def test_a_notice_waiting_on_a_stopped_rank0_holds_neither_the_round_lock_nor_th
         workers.end(index[(other, 0)], 137)
         wait_until(lambda: (other, 0) in driver._elastictrain_slots.dead(), 10, what="a worker's exit recorded")
         assert rank0.told == []
+
+
+def test_an_outbox_whose_thread_could_not_start_sends_the_next_notice(monkeypatch: Any) -> None:
+    """``Thread.start`` can fail ("can't start new thread"); the outbox must not believe a sender runs from then on."""
+    import threading
+
+    from elastictrain.horovod.hvdrun import Notice, Outbox
+
+    sent: list[Notice] = []
+    done = threading.Event()
+    outbox = Outbox(lambda n: (sent.append(n), done.set()))
+    real_start = threading.Thread.start
+
+    def fail_once(self: threading.Thread) -> None:
+        monkeypatch.setattr(threading.Thread, "start", real_start)
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", fail_once)
+    first = Notice(round=1, slot=("a", 0), client=None, update=1)
+    second = Notice(round=2, slot=("a", 0), client=None, update=1)
+    with contextlib.suppress(RuntimeError):
+        outbox.post(first)
+    outbox.post(second)
+    assert done.wait(10), "the outbox never sent again"
+    assert sent[-1] == second
