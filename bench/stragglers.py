@@ -31,10 +31,8 @@ pure figures they are read by (throughput in a time window, steps until named, s
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import statistics
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -42,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-import yaml
 
 from bench.core import (
     BenchContext,
@@ -55,11 +52,9 @@ from bench.core import (
     threads_per_worker,
 )
 from chaos.jobs import ElasticJob
-from chaos.procs import BIN_DIR, HarnessError, kill_tree, wait_until
-from elastictrain import envnames
+from chaos.run import Run, ScenarioError
 from elastictrain.launcher.hosts import local_logical_hosts
-from elastictrain.rundir import layout
-from elastictrain.rundir.events import Event, Eviction, Metrics, Reset, Straggler, of_kind, read_events
+from elastictrain.rundir.events import Event, Eviction, Metrics, Reset, Straggler, of_kind
 
 NAME = "stragglers"
 GOAL_NAMED_STEPS = Goal("<=", 100.0)
@@ -182,74 +177,22 @@ def false_positives(events: Sequence[Event]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- jobs
-class LaunchJob:
-    """``elastictrain launch`` with its embedded etcd and agents; :meth:`close` kills every process it started by
-    pid (its tree, and any process of the job or launch found by environment)."""
+def launch_run(workdir: Path, config: dict[str, Any], hosts: list[str]) -> Run:
+    """``elastictrain launch`` of ``config`` on ``hosts`` with its embedded etcd and agents, through chaos's harness
+    (:class:`chaos.run.Run`: its :meth:`~chaos.run.Run.close` kills every process of the job by pid)."""
+    flags = (
+        "--hosts", ",".join(hosts),
+        "--gloo-timeout-seconds", str(GLOO_TIMEOUT_SECONDS),
+        "--drain-grace", "2",
+        "--status-every", "0",
+    )  # fmt: skip
+    return Run(workdir / "run", config, flags=flags)
 
-    def __init__(self, workdir: Path, config: dict[str, Any], hosts: list[str]) -> None:
-        self.workdir, self.config, self.hosts = workdir, config, hosts
-        self.proc: subprocess.Popen | None = None
-        self.log_path = workdir / "launch.log"
 
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.config["run_dir"])
-
-    def events(self) -> list[Event]:
-        try:
-            return read_events(self.run_dir / layout.EVENTS, on_skip=lambda line, reason: None)
-        except FileNotFoundError:
-            return []
-
-    def start(self) -> LaunchJob:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        cfg = self.workdir / "job.yaml"
-        cfg.write_text(yaml.safe_dump(self.config))
-        env = {**os.environ, "PATH": f"{BIN_DIR}:{os.environ.get('PATH', '')}", "ELASTICTRAIN_LOG_LEVEL": "warning"}
-        env.pop(envnames.ETCD, None)
-        cmd = [
-            str(BIN_DIR / "elastictrain"), "launch", "--config", str(cfg), "--hosts", ",".join(self.hosts),
-            "--gloo-timeout-seconds", str(GLOO_TIMEOUT_SECONDS), "--drain-grace", "2", "--status-every", "0",
-        ]  # fmt: skip
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir, start_new_session=True
-            )
-        return self
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def wait_for(self, find: Callable[[list[Event]], Any], timeout: float, what: str) -> Any:
-        found = wait_until(lambda: find(self.events()) or not self.alive(), timeout, interval=0.2, what=what)
-        if found is True and not self.alive():
-            raise HarnessError(
-                f"launch ended before {what} (exit {self.proc and self.proc.returncode}):\n{self.tail()}"
-            )
-        return found
-
-    def tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def close(self) -> None:
-        from chaos.procs import JobRef
-
-        if self.proc is None:
-            return
-        others: list[psutil.Process] = []
-        with contextlib.suppress(Exception):  # the job's processes found by environment, before the tree goes
-            others = JobRef.resolve(self.config["job"], self.run_dir).processes()
-        kill_tree(self.proc.pid)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        for p in others:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
+def wait_events(run: Run, find: Callable[[list[Event]], Any], timeout: float, what: str) -> Any:
+    """What ``find`` returns from the run log once it is truthy; :class:`ScenarioError` after ``timeout`` seconds
+    or when the launcher ends first."""
+    return run.wait_for(lambda: find(run.events()), timeout, what, interval=0.2)
 
 
 def _first_metrics(size: int, after_step: int) -> Callable[[list[Event]], Metrics | None]:
@@ -266,16 +209,16 @@ def fault_free(workdir: Path, hosts: list[str], warmup_steps: int, measure: floa
     """One launch on ``hosts`` with nothing injected: samples/s over ``measure`` seconds after the warm-up."""
     n = len(hosts)
     config = job_config(workdir / "run", f"bench-stragglers-ff{n}")
-    job = LaunchJob(workdir, config, hosts)
+    job = launch_run(workdir, config, hosts)
     try:
         job.start()
-        warm = job.wait_for(_first_metrics(n, warmup_steps), 300, f"{warmup_steps} steps at {n} workers")
+        warm = wait_events(job, _first_metrics(n, warmup_steps), 300, f"{warmup_steps} steps at {n} workers")
         t0 = warm.ts
         time.sleep(measure)
         evs = job.events()
         tp = window_throughput(evs, t0, t0 + measure + 1)
         if tp is None:
-            raise BenchError(f"fault-free {n}-worker job: no throughput window:\n{job.tail()}")
+            raise BenchError(f"fault-free {n}-worker job: no throughput window (see {job.run_dir / 'launch.log'})")
         if any(r.ts >= t0 for r in of_kind(evs, Reset)):
             log(f"fault-free {n}: a reset inside the window: {[r.reason for r in of_kind(evs, Reset)]}")
         out = {"throughput": tp, "false_positives": false_positives(evs), "resets": _resets(evs)}
@@ -323,12 +266,14 @@ def evict_trial(
     from chaos.procs import JobRef
 
     config = job_config(workdir / "run", "bench-stragglers-evict")
-    job = LaunchJob(workdir, config, hosts)
+    job = launch_run(workdir, config, hosts)
     stop = threading.Event()
     levels: list[dict[str, Any]] = []
     try:
         job.start()
-        warm = job.wait_for(_first_metrics(WORKERS, warmup_steps), 300, f"{warmup_steps} steps at {WORKERS} workers")
+        warm = wait_events(
+            job, _first_metrics(WORKERS, warmup_steps), 300, f"{warmup_steps} steps at {WORKERS} workers"
+        )
         t_warm = warm.ts
         time.sleep(before)
         ref = JobRef.resolve(config["job"], job.run_dir)
@@ -353,8 +298,8 @@ def evict_trial(
             log(f"slowing {host} (pid {worker.pid}) by {slowdown:.0%} at step {step_at(job.events(), level['t'])}")
             try:
                 from_step = step_at(job.events(), level["t"]) + WINDOW_STEPS
-                found = job.wait_for(_drain_or_kept(level["t"], host, from_step), level_timeout, "a drain")
-            except HarnessError as e:
+                found = wait_events(job, _drain_or_kept(level["t"], host, from_step), level_timeout, "a drain")
+            except ScenarioError as e:
                 found = None
                 level["no_drain"] = str(e).splitlines()[0]
             if isinstance(found, Eviction):
@@ -367,7 +312,8 @@ def evict_trial(
         reset = None
         if drain is not None:
             out["eviction"] = drain.to_record()
-            reset = job.wait_for(
+            reset = wait_events(
+                job,
                 lambda evs: next(
                     (r for r in of_kind(evs, Reset) if r.ts >= drain.ts and r.new_size == WORKERS - 1), None
                 ),
