@@ -13,7 +13,6 @@ Contract:
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from typing import IO, Any
 import psutil
 import yaml
 
-from chaos.procs import kill_tree
+from chaos.procs import checkout_env, kill_tree
 from elastictrain import envnames
 from elastictrain.hotjoin.protocol import CHECKER_NAME, DIR_ENV, READY_LINE
 from elastictrain.launcher.commands import ZYGOTE_CLIENT, train_command, zygote_command
@@ -88,7 +87,7 @@ def warm_zygotes(cfg_path: Path, config: dict[str, Any], hosts: list[str]) -> It
     job = str(config["job"])
     sockets = Path(tempfile.mkdtemp(prefix="et-zy-", dir="/tmp"))  # AF_UNIX paths are short
     zygotes = WarmZygotes(job, sockets, {})
-    env = {**os.environ, **zygotes.env}
+    env = {**checkout_env(), **zygotes.env}  # the workers' sys.path (chaos.jobs): else a client would start cold
     try:
         for host in hosts:
             cmd = zygote_command(str(cfg_path), (), job=job, host=host)
