@@ -23,7 +23,7 @@ import psutil
 import yaml
 
 from chaos import faults
-from chaos.procs import BIN_DIR, JobNotFound, JobRef, environ, read_launch_state
+from chaos.procs import BIN_DIR, HarnessError, JobNotFound, JobRef, environ, read_launch_state, wait_until
 from elastictrain import envnames
 from elastictrain.errors import ScenarioError as ScenarioError
 from elastictrain.launcher.commands import elastictrain_command
@@ -117,16 +117,19 @@ class Run:
         return self.launcher is not None and self.launcher.poll() is None
 
     def wait_for(self, predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.1) -> Any:
-        deadline = time.monotonic() + timeout
-        while True:
+        """What ``predicate`` returns once it is truthy; ScenarioError when ``timeout`` seconds pass or the launcher
+        exits first."""
+
+        def check() -> object:
             value = predicate()
-            if value:
-                return value
-            if self.launcher is not None and self.launcher.poll() is not None:
+            if not value and self.launcher is not None and self.launcher.poll() is not None:
                 raise ScenarioError(f"the launcher exited ({self.launcher.returncode}) while waiting for {what}")
-            if time.monotonic() > deadline:
-                raise ScenarioError(f"timed out after {timeout:g}s waiting for {what}")
-            time.sleep(interval)
+            return value
+
+        try:
+            return wait_until(check, timeout, interval, what)
+        except HarnessError as e:
+            raise ScenarioError(str(e)) from None
 
     def wait_exit(self, timeout: float) -> int:
         assert self.launcher is not None
