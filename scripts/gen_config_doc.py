@@ -19,6 +19,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's elastictrain, whatever is installed
 
+import doctable  # noqa: E402 (scripts/, the script's own folder)
+
 from elastictrain import config  # noqa: E402
 
 DOC = ROOT / "docs" / "configuration.md"
@@ -89,25 +91,8 @@ def markdown_table() -> str:
     return "| key | type | default | meaning |\n|---|---|---|---|\n" + "".join(rows(config.JobConfig))
 
 
-def render(text: str) -> str:
-    """``text`` with the part between the markers replaced by the current table."""
-    head, sep, rest = text.partition(BEGIN)
-    _, sep2, tail = rest.partition(END)
-    if not sep or not sep2:
-        raise SystemExit(f"{DOC}: the table markers are missing")
-    return head + BEGIN + markdown_table() + END + tail
-
-
 def main(argv: list[str]) -> int:
-    text = DOC.read_text()
-    new = render(text)
-    if "--check" in argv:
-        if new != text:
-            sys.stderr.write(f"{DOC} is out of date: run python scripts/gen_config_doc.py\n")
-            return 1
-        return 0
-    DOC.write_text(new)
-    return 0
+    return doctable.main(argv, doc=DOC, begin=BEGIN, end=END, table=markdown_table, script="scripts/gen_config_doc.py")
 
 
 if __name__ == "__main__":
