@@ -14,7 +14,7 @@ What runs (one machine):
 - churn: ``churn_per_second`` times a second one simulated host leaves, alternately by LeaseRevoke (an
   agent's exit) or by going silent (a dead agent: its key expires with its lease), and a new one joins;
 - ``real_agents`` real ``elastictrain agent`` processes started as ``launch`` starts them
-  (:func:`~elastictrain.launcher.commands.agent_command`, same TTL and heartbeat), ``kills`` of which are
+  (:func:`~elastictrain.commands.agent_command`, same TTL and heartbeat), ``kills`` of which are
   SIGKILLed one after the other.
 
 Measured, with every host registered: ``discover.sh`` run once a second through the driver's executor
@@ -59,7 +59,7 @@ from typing import Any
 
 from bench.core import BenchContext, BenchError, Goal, Metric, Result, percentile
 from chaos.procs import checkout_env
-from elastictrain.launcher.commands import DISCOVER_SCRIPT
+from elastictrain.commands import DISCOVER_SCRIPT
 
 NAME = "control_plane"
 MODULE = "bench.control_plane"
@@ -500,8 +500,8 @@ class _Rig:
         if line.strip() != "ready":
             raise BenchError(f"simulator exited before its hosts registered: {self._sim_log_tail()}")
         self.progress(f"{p.simulated} simulated hosts registered; starting {p.real_agents} real agents")
+        from elastictrain.commands import agent_command
         from elastictrain.config import DiscoveryConfig
-        from elastictrain.launcher.commands import agent_command
 
         cfg = DiscoveryConfig(ttl_seconds=float(p.ttl_seconds), heartbeat_seconds=p.heartbeat_seconds)
         for k in range(p.real_agents):

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TextIO, TypeVar
 
+from elastictrain.commands import usable_cores
 from elastictrain.errors import ToolError
 from elastictrain.fileio import write_atomic
-from elastictrain.launcher.commands import usable_cores
 
 T = TypeVar("T")
 

@@ -17,7 +17,7 @@ from bench.core import BenchContext, Goal, Metric, Result
 from discovery.record import HostRecord
 from discovery.registry import EtcdRegistry
 from elastictrain import envnames
-from elastictrain.launcher.commands import DISCOVER_SCRIPT
+from elastictrain.commands import DISCOVER_SCRIPT
 from elastictrain.launcher.etcd import EtcdServer
 
 NAME = "discovery"

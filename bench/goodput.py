@@ -13,7 +13,7 @@ never a zygote.
 
 Two computations over the window from the first ``start`` event:
 
-* ``elastictrain.tools.report.summarize`` of ``events.jsonl``: kept step time (docs/events.md) ÷ the window.
+* ``elastictrain.rundir.report.summarize`` of ``events.jsonl``: kept step time (docs/events.md) ÷ the window.
   (``summarize`` alone divides by the time to the last event, which leaves out a final stretch in
   which the job had not recovered yet; its own ratio is kept in the detail.)
 * this benchmark's own bookkeeping: window - the time from each kill to the next ``reset`` - the
@@ -134,7 +134,7 @@ def kill_one(job: ElasticJob, zygotes: WarmZygotes, rng: random.Random) -> dict[
 
 
 def run(ctx: BenchContext) -> Result:
-    from elastictrain.tools.report import summarize
+    from elastictrain.rundir.report import summarize
 
     window, every = plan(ctx.quick)
     hosts = local_logical_hosts()

@@ -28,8 +28,8 @@ import yaml
 
 from chaos.procs import checkout_env, kill_tree
 from elastictrain import envnames
+from elastictrain.commands import ZYGOTE_CLIENT, train_command, zygote_command
 from elastictrain.hotjoin.protocol import CHECKER_NAME, DIR_ENV, READY_LINE
-from elastictrain.launcher.commands import ZYGOTE_CLIENT, train_command, zygote_command
 
 
 def hot_command(cfg_path: Path) -> list[str]:

@@ -30,8 +30,8 @@ from typing import Any
 from bench.core import BenchContext, Goal, Metric, Result, alternate, summary, threads_per_worker
 from bench.sigkill import outcome, sigkill, wait_next_step
 from chaos.jobs import HOROVODRUN, STOCK_HOROVODRUN, ElasticJob
+from elastictrain.commands import train_command
 from elastictrain.config import ElasticConfig
-from elastictrain.launcher.commands import train_command
 from elastictrain.launcher.hosts import local_logical_hosts
 
 NAME = "recovery"

@@ -22,7 +22,7 @@ from bench.core import BenchContext, Goal, Metric, Result, alternate, summary, t
 from bench.hotjoin import hot_command, warm_zygotes
 from chaos.jobs import ElasticJob
 from elastictrain import envnames
-from elastictrain.launcher.commands import train_command
+from elastictrain.commands import train_command
 from elastictrain.launcher.hosts import local_logical_hosts
 from elastictrain.rundir.events import Reset
 

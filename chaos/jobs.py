@@ -25,8 +25,8 @@ import yaml
 
 from chaos.procs import BIN_DIR, HarnessError, checkout_env, kill_tree, wait_until
 from elastictrain import envnames
+from elastictrain.commands import runner_command, train_command
 from elastictrain.fileio import write_atomic
-from elastictrain.launcher.commands import runner_command, train_command
 from elastictrain.launcher.processes import runs_train
 from elastictrain.rundir import layout
 from elastictrain.rundir.events import E, Event, of_kind, read_events

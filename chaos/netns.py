@@ -57,8 +57,8 @@ from chaos import faults
 from chaos.procs import JobRef
 from chaos.run import LAUNCH_FLAGS, Run, ScenarioError
 from elastictrain import envnames
+from elastictrain.commands import agent_command
 from elastictrain.fileio import write_atomic
-from elastictrain.launcher.commands import agent_command
 from elastictrain.launcher.etcd import EtcdServer
 from elastictrain.rundir.events import Reset, of_kind
 

@@ -25,8 +25,8 @@ import yaml
 from chaos import faults
 from chaos.procs import BIN_DIR, HarnessError, JobNotFound, JobRef, environ, read_launch_state, wait_until
 from elastictrain import envnames
+from elastictrain.commands import elastictrain_command
 from elastictrain.errors import ScenarioError as ScenarioError
-from elastictrain.launcher.commands import elastictrain_command
 from elastictrain.launcher.processes import is_alive
 from elastictrain.rundir import layout
 from elastictrain.rundir.events import Checkpoint, Event, Metrics, Reset, Start, of_kind, read_events

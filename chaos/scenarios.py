@@ -36,8 +36,8 @@ from chaos import invariants as inv
 from chaos.netns import ClusterRun
 from chaos.procs import REPO, JobNotFound, read_launch_state
 from chaos.run import GLOO_TIMEOUT_SECONDS, LAUNCH_FLAGS, Run, ScenarioError
+from elastictrain.commands import elastictrain_command
 from elastictrain.fileio import write_atomic
-from elastictrain.launcher.commands import elastictrain_command
 from elastictrain.rundir import layout
 from elastictrain.rundir.events import Checkpoint, Commit, Event, Reset, of_kind
 from elastictrain.tools.audit import SampleAudit
@@ -538,8 +538,8 @@ def check_run(
 ) -> Result:
     """The invariant table of a finished run; ``tier_leftovers``: what the multi-node tier's teardown left."""
     from elastictrain.rundir.ledger import committed_samples
+    from elastictrain.rundir.report import summarize
     from elastictrain.tools.audit import audit_samples
-    from elastictrain.tools.report import summarize
 
     events = run.events()
     chaos_events = faults.read_chaos(run.run_dir / "chaos.jsonl")

@@ -65,7 +65,7 @@ from discovery.registry import (
 )
 from elastictrain import envnames
 from elastictrain.cliutil import OneLineParser, number
-from elastictrain.launcher.commands import zygote_command
+from elastictrain.commands import zygote_command
 from elastictrain.logconf import configure_logging, get_logger
 
 PROG = "elastictrain agent"

@@ -20,7 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "zygote": ("elastictrain.hotjoin.server", "hot join: a host's warm worker factory (serve) and its thin client"),
     "launch": ("elastictrain.launcher.main", "run a job: embedded etcd and agents, horovodrun, supervision"),
     "status": ("elastictrain.tools.status", "show the state of a run from its run_dir"),
-    "report": ("elastictrain.tools.report", "timeline PNG and goodput summary of a run"),
+    "report": ("elastictrain.rundir.report", "timeline PNG and goodput summary of a run"),
     "audit": ("elastictrain.tools.audit", "check a run's sample ledger: every sample exactly once per epoch"),
     "export": ("elastictrain.tools.export", "write a run's trained model as a plain state_dict plus its config"),
 }

@@ -11,6 +11,7 @@ and the classes that more than one part raises, are defined here. ::
     │   └── RegistryUnavailable       no etcd endpoint answered; the next call may reconnect
     ├── InputError (ValueError)       damaged or hostile data read back: an etcd value, a ledger line
     ├── CheckpointError               a checkpoint cannot be written, read or moved as asked
+    ├── LaunchError                   launch refused before it started anything: one line, exit code 2
     ├── ToolError                     a command (status, audit, demo, bench) cannot do what was asked
     └── ScenarioError                 a chaos scenario could not be carried out
 
@@ -46,6 +47,10 @@ class InputError(ElastictrainError, ValueError):
 
 class CheckpointError(ElastictrainError):
     """A checkpoint could not be written, read, verified or pointed to as asked."""
+
+
+class LaunchError(ElastictrainError):
+    """A user error found by ``elastictrain launch`` before anything was started (exit 2); the message is one line."""
 
 
 class ToolError(ElastictrainError):

@@ -573,7 +573,7 @@ class Trainer:
         if not self.ctx.is_rank0:
             return
         try:
-            from elastictrain.tools.report import report
+            from elastictrain.rundir.report import report
 
             self.services.events.flush(timeout=10)
             summary = report(self.cfg.run_path)

@@ -922,9 +922,9 @@ def serve_main(argv: list[str]) -> int:
     import argparse
 
     from elastictrain.cliutil import OneLineParser
+    from elastictrain.commands import usable_cores
     from elastictrain.config import ConfigError
     from elastictrain.config_cli import add_config_args, report_config_error
-    from elastictrain.launcher.commands import usable_cores
 
     p = OneLineParser(prog="elastictrain zygote serve", description="a warm worker factory for one job and host")
     add_config_args(p)

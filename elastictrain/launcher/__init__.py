@@ -1,7 +1,7 @@
 """``elastictrain launch`` and what it is made of, one concern per module.
 
 - :mod:`~elastictrain.launcher.options`: :class:`LaunchOptions` and the flags (defaults from the dataclass)
-- :mod:`~elastictrain.launcher.commands`: every command line (``elastictrain``, worker, agent, horovodrun) and
+- :mod:`~elastictrain.commands`: every command line (``elastictrain``, worker, agent, horovodrun) and
   horovodrun's environment
 - :mod:`~elastictrain.launcher.hosts`: logical hosts of this machine
 - :mod:`~elastictrain.launcher.decisions`: what follows a horovodrun (pure), exit codes

@@ -19,11 +19,11 @@ import time
 from discovery.endpoints import EtcdAccess
 from discovery.registry import EtcdRegistry, RegistryError, RegistryUnavailable
 from elastictrain.cliutil import EXIT_USAGE
+from elastictrain.commands import REPO, config_validate_command, find_horovodrun, runner_command
 from elastictrain.config import ConfigError, JobConfig
 from elastictrain.config_cli import report_config_error
+from elastictrain.errors import LaunchError
 from elastictrain.horovod.build_check import UnpatchedHorovod, check_patched_horovod
-from elastictrain.launcher.commands import REPO, config_validate_command, find_horovodrun, runner_command
-from elastictrain.launcher.errors import LaunchError
 from elastictrain.launcher.options import PROG, LaunchOptions, parse
 from elastictrain.launcher.supervisor import Launcher
 from elastictrain.rundir.launch import RunDirLock

@@ -21,7 +21,7 @@ from discovery import endpoints as etcd_endpoints
 from discovery.endpoints import EtcdAccess
 from elastictrain.cliutil import OneLineParser
 from elastictrain.config import JobConfig, load_config
-from elastictrain.launcher.errors import LaunchError
+from elastictrain.errors import LaunchError
 from elastictrain.launcher.hosts import is_local, local_logical_hosts
 
 PROG = "elastictrain launch"

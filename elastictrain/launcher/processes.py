@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from elastictrain.launcher.commands import ZYGOTE_CLIENT
+from elastictrain.commands import ZYGOTE_CLIENT
 from elastictrain.lifeline import set_parent_death_signal
 
 

@@ -65,14 +65,15 @@ from discovery.record import READY
 from discovery.registry import EtcdRegistry, RegistryError
 from elastictrain import envnames
 from elastictrain.cliutil import EXIT_USAGE
-from elastictrain.config import JobConfig
-from elastictrain.fileio import write_atomic
-from elastictrain.launcher.commands import (
+from elastictrain.commands import (
     agent_command,
     format_command,
     horovodrun_command,
     launch_env,
 )
+from elastictrain.config import JobConfig
+from elastictrain.errors import LaunchError
+from elastictrain.fileio import write_atomic
 from elastictrain.launcher.decisions import (
     EXIT_HOSTS_TIMEOUT,
     EXIT_INTERRUPTED,
@@ -80,7 +81,6 @@ from elastictrain.launcher.decisions import (
     HostWatch,
     decide_after_exit,
 )
-from elastictrain.launcher.errors import LaunchError
 from elastictrain.launcher.etcd import EtcdError, EtcdServer, etcd_data_dir_in_use, find_etcd
 from elastictrain.launcher.options import PROG, LaunchOptions
 from elastictrain.launcher.processes import (

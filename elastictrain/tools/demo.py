@@ -33,9 +33,9 @@ import psutil
 
 from elastictrain import envnames
 from elastictrain.cliutil import OneLineParser
+from elastictrain.commands import agent_command, elastictrain_command
 from elastictrain.config import ConfigError, JobConfig, load_config
 from elastictrain.errors import ToolError
-from elastictrain.launcher.commands import agent_command, elastictrain_command
 from elastictrain.launcher.hosts import local_logical_hosts
 from elastictrain.launcher.processes import is_worker
 from elastictrain.rundir import layout
@@ -221,7 +221,7 @@ class Demo:
                 self.launcher.wait()
 
     def summary(self) -> None:
-        from elastictrain.tools.report import report, summarize
+        from elastictrain.rundir.report import report, summarize
 
         evs = self.events()
         s = summarize(evs)

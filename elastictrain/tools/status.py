@@ -16,19 +16,15 @@ It never imports torch, horovod or mlflow, so it answers in well under a second.
 from __future__ import annotations
 
 import json
-import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from elastictrain.checkpoint.manifest import CheckpointDamaged, read_latest, read_manifest
 from elastictrain.checkpoint.storage import LocalStorage
 from elastictrain.cliutil import OneLineParser
-from elastictrain.engine.health.stragglers import format_slowest, straggler_summary
 from elastictrain.errors import ToolError
 from elastictrain.rundir import layout
 from elastictrain.rundir.events import (
@@ -42,8 +38,8 @@ from elastictrain.rundir.events import (
     lifecycle,
     read_events,
 )
-
-NO_LIVE_PROCESS = "stopped (no live process)"
+from elastictrain.rundir.launch import checked_state
+from elastictrain.rundir.report import format_slowest, straggler_summary
 
 
 class StatusError(ToolError):
@@ -70,57 +66,6 @@ def latest_checkpoint(run_dir: Path, now: float) -> dict[str, Any] | None:
     if isinstance(created, int | float):
         info["age_seconds"] = max(0.0, now - float(created))
     return info
-
-
-def _launch_pids(state: dict[str, Any]) -> list[int]:
-    raw: list[Any] = [state.get("pid"), state.get("etcd_pid"), state.get("horovodrun_pid")]
-    agents = state.get("agents")
-    if isinstance(agents, dict):
-        raw += list(agents.values())
-    return [p for p in raw if isinstance(p, int) and not isinstance(p, bool) and p > 0]
-
-
-def _alive_as_recorded(pid: int, created: Any) -> bool:
-    """``pid`` runs and was created when launch.json says (so it is not a reused pid); zombies are dead."""
-    if not isinstance(created, int | float) or isinstance(created, bool):
-        return False
-    try:
-        proc = psutil.Process(pid)
-        return abs(proc.create_time() - float(created)) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def launch_liveness(run_dir: Path) -> tuple[bool | None, str]:
-    """(live, why) from ``run_dir/launch.json``: live None when it cannot be told from this host."""
-    path = run_dir / layout.LAUNCH_STATE
-    try:
-        state = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None, f"unknown: no {layout.LAUNCH_STATE}"
-    except (OSError, ValueError) as e:
-        return None, f"unknown: {layout.LAUNCH_STATE} unreadable ({type(e).__name__})"
-    if not isinstance(state, dict):
-        return None, f"unknown: {layout.LAUNCH_STATE} is not an object"
-    host, created = state.get("host"), state.get("create_times")
-    if not isinstance(host, str) or not isinstance(created, dict):
-        return None, f"unknown: {layout.LAUNCH_STATE} has no host/create_times"
-    if host != socket.gethostname():
-        return None, f"unknown: {layout.LAUNCH_STATE} was written on host {host}; its pids are not checked here"
-    pids = _launch_pids(state)
-    live = [p for p in pids if _alive_as_recorded(p, created.get(str(p)))]
-    if live:
-        return True, f"live: pid {', '.join(map(str, live))} on {host}"
-    return False, f"no live process: pids {', '.join(map(str, pids)) or '-'} in {layout.LAUNCH_STATE} are gone"
-
-
-def checked_state(state: str, run_dir: Path) -> tuple[str, bool | None, str | None]:
-    """(state, live, liveness): a ``running`` state checked against ``launch.json`` (:func:`launch_liveness`);
-    ``stopped (no live process)`` when none of its processes is alive. Other states are returned as they are."""
-    if state != Lifecycle.RUNNING:
-        return state, None, None
-    live, why = launch_liveness(run_dir)
-    return (NO_LIVE_PROCESS if live is False else state), live, why
 
 
 def summarize_status(events: Sequence[Event], checkpoint: dict[str, Any] | None, now: float) -> dict[str, Any]:

@@ -19,8 +19,8 @@ import pytest
 from discovery.endpoints import EtcdAccess
 from discovery.record import HostRecord
 from discovery.registry import EtcdRegistry, RegistryError, RegistryUnavailable
+from elastictrain.errors import LaunchError
 from elastictrain.launcher import main as launch_main
-from elastictrain.launcher.errors import LaunchError
 from elastictrain.launcher.etcd import ETCD_BIN, EtcdServer
 from tests.fixtures.procs import REPO, VENV_BIN, ProcessGroup, wait_until
 from tests.fixtures.tls import Pki, make_pki

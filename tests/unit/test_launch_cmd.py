@@ -15,9 +15,10 @@ from types import SimpleNamespace
 import pytest
 
 from discovery.record import DRAINING, READY
+from elastictrain.commands import format_command, horovodrun_command, launch_env, runner_command
+from elastictrain.errors import LaunchError
 from elastictrain.launcher import decisions, etcd, hosts, options
 from elastictrain.launcher import main as launch_main
-from elastictrain.launcher.commands import format_command, horovodrun_command, launch_env, runner_command
 from elastictrain.launcher.decisions import (
     EXIT_COMPLETED,
     EXIT_FAILED,
@@ -28,7 +29,6 @@ from elastictrain.launcher.decisions import (
     Outcome,
     decide_after_exit,
 )
-from elastictrain.launcher.errors import LaunchError
 from elastictrain.launcher.options import LaunchOptions
 from elastictrain.rundir import launch, layout
 
@@ -405,7 +405,7 @@ def test_every_launch_flag_defaults_to_the_options_dataclass_field() -> None:
 def test_hot_join_and_the_task_trial_are_on_without_flags_and_each_has_an_off_switch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from elastictrain.launcher.commands import ZYGOTE_CLIENT, config_validate_command, worker_command
+    from elastictrain.commands import ZYGOTE_CLIENT, config_validate_command, worker_command
 
     monkeypatch.setattr(options, "local_logical_hosts", lambda count=None: ["localhost", "127.0.0.1"][:count])
     opts, _ = options.parse(["--config", str(DEMO)])

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from elastictrain.commands import format_command, horovodrun_command, launch_env
+from elastictrain.errors import LaunchError
 from elastictrain.launcher import main as launch_main
 from elastictrain.launcher import options
-from elastictrain.launcher.commands import format_command, horovodrun_command, launch_env
-from elastictrain.launcher.errors import LaunchError
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "configs" / "demo.yaml"

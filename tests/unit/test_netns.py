@@ -10,8 +10,8 @@ from chaos import invariants as inv
 from chaos import netns, scenarios
 from chaos.run import Run, ScenarioError
 from chaos.scenarios import SCENARIOS, base_config
+from elastictrain.commands import agent_command
 from elastictrain.config import DiscoveryConfig
-from elastictrain.launcher.commands import agent_command
 from elastictrain.launcher.processes import ssh_runs_train
 from elastictrain.rundir.events import Event, parse_event
 

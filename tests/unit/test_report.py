@@ -10,7 +10,7 @@ import pytest
 
 from elastictrain.rundir import layout
 from elastictrain.rundir.events import Event, encode, parse_event
-from elastictrain.tools.report import build_figure, kept_step_seconds, main, summarize
+from elastictrain.rundir.report import build_figure, kept_step_seconds, main, summarize
 from tests.fixtures.procs import dead_pid
 
 T0 = 1_000_000.0

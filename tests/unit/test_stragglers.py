@@ -14,13 +14,12 @@ from elastictrain.engine.health.stragglers import (
     HostWindow,
     StragglerMonitor,
     StragglerPolicy,
-    format_slowest,
     judge,
     plan_eviction,
-    straggler_summary,
     weighted_median,
 )
 from elastictrain.rundir.events import Eviction, Metrics, Straggler
+from elastictrain.rundir.report import format_slowest, straggler_summary
 
 POLICY = StragglerPolicy(mode="evict", slow_ratio=1.3, window_steps=100, cooldown_seconds=300, min_np=2)
 HOSTS = ["a", "b", "c", "d"]

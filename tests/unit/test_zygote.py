@@ -19,9 +19,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from elastictrain.commands import worker_command
 from elastictrain.hotjoin import client, protocol
 from elastictrain.hotjoin import server as zygote
-from elastictrain.launcher.commands import worker_command
 from elastictrain.launcher.options import LaunchOptions
 from elastictrain.launcher.processes import runs_train
 from tests.fixtures.procs import REPO, ProcessGroup, wait_until
@@ -201,7 +201,7 @@ def test_socket_path_is_short_and_per_job_host_and_etcd(sockdir):
 
 def test_the_agents_zygote_listens_where_the_launchs_workers_look(tmp_path):
     """The agent names its etcd and prefix to its zygote; launch names them to horovodrun, so to every client."""
-    from elastictrain.launcher.commands import launch_env, zygote_command
+    from elastictrain.commands import launch_env, zygote_command
 
     opts = LaunchOptions(config=tmp_path / "job.yaml")
     for prefix in ("/elastictrain", "/team-a"):

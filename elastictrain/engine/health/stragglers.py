@@ -411,39 +411,3 @@ class StragglerMonitor:
         t = threading.Thread(target=drain, name="straggler-drain", daemon=True)
         t.start()
         self.threads.append(t)
-
-
-def straggler_summary(events: Sequence[Event]) -> dict[str, object]:
-    """What the run log says about slow hosts, for ``status`` and ``report``: the slowest host by the last
-    ``metrics`` that judged one, the hosts named slow and not cleared since, and every ``straggler`` and
-    ``eviction`` decision with its numbers."""
-    from elastictrain.rundir.events import Metrics
-
-    slowest: dict[str, object] | None = None
-    named: list[str] = []
-    decisions: list[dict[str, object]] = []
-    for e in events:
-        if isinstance(e, Metrics) and e.slowest_host and e.slowest_ratio is not None:
-            slowest = {"host": e.slowest_host, "ratio": e.slowest_ratio, "step": e.step}
-        elif isinstance(e, Straggler) and e.host:
-            named = [h for h in named if h != e.host] + ([e.host] if e.slow else [])
-            decisions.append({"event": e.name, "step": e.step, **e.fields()})
-        elif isinstance(e, Eviction):
-            decisions.append({"event": e.name, "step": e.step, **e.fields()})
-    return {"slowest": slowest, "named": named, "decisions": decisions}
-
-
-def format_slowest(summary: dict[str, object]) -> str:
-    """``h3 1.52x (named slow; drain at step 140)`` or ``-``: one line for ``status`` and ``report``."""
-    slowest = summary.get("slowest")
-    if not isinstance(slowest, dict):
-        return "-"
-    host = slowest["host"]
-    text = f"{host} {float(slowest['ratio']):.2f}x"
-    notes = []
-    if host in summary.get("named", []):  # type: ignore[operator]
-        notes.append("named slow")
-    for d in summary.get("decisions", []):  # type: ignore[attr-defined]
-        if d.get("event") == "eviction" and d.get("host") == host:
-            notes.append(f"{d.get('action')} at step {d.get('step')}")
-    return text + (f" ({'; '.join(notes[-2:])})" if notes else "")

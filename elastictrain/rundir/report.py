@@ -1,10 +1,11 @@
-"""``elastictrain report --run-dir D``: a timeline PNG and a goodput summary of a run, from events.jsonl.
+"""``elastictrain report --run-dir D``: a timeline PNG and a goodput summary of a run, from events.jsonl; the
+run_dir's read-side summaries (``status`` uses :func:`straggler_summary` too; rank 0 writes the report at the end).
 
 :func:`summarize` is a pure function of the event list (goodput as defined in docs/events.md);
 :func:`build_figure` draws world size, throughput and loss over time with failures, resets,
 checkpoints and (re)starts marked as vertical lines; :func:`main` writes ``report.png`` and
 ``report.json`` into the run dir and prints a summary table. The run's state is the last lifecycle event,
-checked against ``launch.json`` by :func:`elastictrain.tools.status.checked_state` (the same rule as ``status``:
+checked against ``launch.json`` by :func:`elastictrain.rundir.launch.checked_state` (the same rule as ``status``:
 ``stopped (no live process)`` when every process of a ``running`` job is gone).
 """
 
@@ -19,7 +20,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from elastictrain.cliutil import OneLineParser
-from elastictrain.engine.health.stragglers import format_slowest, straggler_summary
 from elastictrain.fileio import atomic_file, write_atomic
 from elastictrain.rundir import layout
 from elastictrain.rundir.events import (
@@ -28,15 +28,17 @@ from elastictrain.rundir.events import (
     Done,
     Event,
     EventKind,
+    Eviction,
     Failure,
     Metrics,
     Reset,
     Start,
+    Straggler,
     lifecycle,
     of_kind,
     read_events,
 )
-from elastictrain.tools.status import checked_state
+from elastictrain.rundir.launch import checked_state
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -50,6 +52,40 @@ MARK_STYLES: dict[str, tuple[str, str, str]] = {
     EventKind.RESET: ("tab:orange", "-.", "reset"),
     EventKind.CHECKPOINT: ("tab:green", ":", "checkpoint"),
 }
+
+
+def straggler_summary(events: Sequence[Event]) -> dict[str, object]:
+    """What the run log says about slow hosts, for ``status`` and ``report``: the slowest host by the last
+    ``metrics`` that judged one, the hosts named slow and not cleared since, and every ``straggler`` and
+    ``eviction`` decision with its numbers."""
+    slowest: dict[str, object] | None = None
+    named: list[str] = []
+    decisions: list[dict[str, object]] = []
+    for e in events:
+        if isinstance(e, Metrics) and e.slowest_host and e.slowest_ratio is not None:
+            slowest = {"host": e.slowest_host, "ratio": e.slowest_ratio, "step": e.step}
+        elif isinstance(e, Straggler) and e.host:
+            named = [h for h in named if h != e.host] + ([e.host] if e.slow else [])
+            decisions.append({"event": e.name, "step": e.step, **e.fields()})
+        elif isinstance(e, Eviction):
+            decisions.append({"event": e.name, "step": e.step, **e.fields()})
+    return {"slowest": slowest, "named": named, "decisions": decisions}
+
+
+def format_slowest(summary: dict[str, object]) -> str:
+    """``h3 1.52x (named slow; drain at step 140)`` or ``-``: one line for ``status`` and ``report``."""
+    slowest = summary.get("slowest")
+    if not isinstance(slowest, dict):
+        return "-"
+    host = slowest["host"]
+    text = f"{host} {float(slowest['ratio']):.2f}x"
+    notes = []
+    if host in summary.get("named", []):  # type: ignore[operator]
+        notes.append("named slow")
+    for d in summary.get("decisions", []):  # type: ignore[attr-defined]
+        if d.get("event") == "eviction" and d.get("host") == host:
+            notes.append(f"{d.get('action')} at step {d.get('step')}")
+    return text + (f" ({'; '.join(notes[-2:])})" if notes else "")
 
 
 def _stats(values: list[float]) -> dict[str, float | None]:

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from elastictrain.config import DiscoveryConfig
     from elastictrain.launcher.options import LaunchOptions
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 DISCOVER_SCRIPT = REPO / "discovery" / "discover.sh"
 ZYGOTE_CLIENT = ("-m", "elastictrain.hotjoin.client", "--")
 """After the Python: how horovodrun starts a worker through the host's warm zygote (hot join)."""
