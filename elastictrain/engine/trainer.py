@@ -54,6 +54,7 @@ from elastictrain.engine.step import train_step
 from elastictrain.engine.tracking import make_tracker
 from elastictrain.engine.validation import validate
 from elastictrain.logconf import bind, get_logger
+from elastictrain.rundir import layout
 from elastictrain.rundir.events import (
     Checkpoint,
     Commit,
@@ -578,7 +579,7 @@ class Trainer:
             self.services.events.flush(timeout=10)
             summary = report(self.cfg.run_path)
             self.services.tracker.log_artifact(summary["png"])
-            self.services.tracker.log_artifact(self.cfg.run_path / "report.json")
+            self.services.tracker.log_artifact(self.cfg.run_path / layout.REPORT_JSON)
         except Exception as e:  # a report is a convenience; the trained model is what counts
             log.warning("could not write the run report", error=str(e).splitlines()[0] if str(e) else repr(e))
 

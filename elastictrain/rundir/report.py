@@ -43,8 +43,6 @@ from elastictrain.rundir.launch import checked_state
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-REPORT_JSON = "report.json"
-REPORT_PNG = "report.png"
 # Vertical marks on the timeline: event -> (colour, line style, legend label).
 MARK_STYLES: dict[str, tuple[str, str, str]] = {
     EventKind.START: ("tab:blue", "-", "start / relaunch"),
@@ -351,17 +349,17 @@ def report(
     events = read_events(run_dir / layout.EVENTS) if events is None else events
     summary = summarize(events)
     summary["state"], summary["live"], summary["liveness"] = checked_state(summary["state"], run_dir)
-    png = Path(out) if out is not None else run_dir / REPORT_PNG
+    png = Path(out) if out is not None else run_dir / layout.REPORT_PNG
     write_png(build_figure(events, summary), png)
     summary["png"] = str(png)
-    write_atomic(run_dir / REPORT_JSON, json.dumps(summary, indent=2) + "\n", durable=False)
+    write_atomic(run_dir / layout.REPORT_JSON, json.dumps(summary, indent=2) + "\n", durable=False)
     return summary
 
 
 def main(argv: list[str]) -> int:
     p = OneLineParser(prog="elastictrain report", description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--run-dir", required=True, help="the job's run_dir (holds events.jsonl)")
-    p.add_argument("--out", help=f"where to write the PNG (default: RUN_DIR/{REPORT_PNG})")
+    p.add_argument("--out", help=f"where to write the PNG (default: RUN_DIR/{layout.REPORT_PNG})")
     p.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
     args = p.parse_args(argv)
     run_dir = Path(args.run_dir)
@@ -388,5 +386,6 @@ def main(argv: list[str]) -> int:
     if args.json:
         sys.stdout.write(json.dumps(summary, indent=2) + "\n")
     else:
-        sys.stdout.write(format_table(summary) + f"timeline: {summary['png']}\nsummary:  {run_dir / REPORT_JSON}\n")
+        where = f"timeline: {summary['png']}\nsummary:  {run_dir / layout.REPORT_JSON}\n"
+        sys.stdout.write(format_table(summary) + where)
     return 0
