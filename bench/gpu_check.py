@@ -79,7 +79,7 @@ def check_fp16_resume(work: Path) -> str:
         raise BenchError("no checkpoint after the kill")
     second = ElasticJob(work / "b", cfg, hosts, min_np=1, max_np=1)
     try:
-        rc = second.start().wait(300)
+        rc = second.start().wait_exit(300)
         if rc != 0:
             raise BenchError(f"the resumed job exited {rc}: {second.tail(1)}")
         starts = second.events(Start)
@@ -110,7 +110,7 @@ def check_shared_gpu_kill(work: Path) -> str:
         job.start()
         job.wait_step(10, timeout=120)
         _host, _t = job.kill_worker(rank=1)
-        rc = job.wait(180)
+        rc = job.wait_exit(180)
         if rc != 0:
             raise BenchError(f"job exited {rc} after the SIGKILL: {job.tail(1)}")
         done, resets = job.events(Done), job.events(Reset)

@@ -113,7 +113,7 @@ def run_elastictrain(
         job.start()
         assert job.proc is not None
         monitor = TreeCpuMonitor(job.proc.pid).start()
-        rc = job.wait(timeout)
+        rc = job.wait_exit(timeout)
         if rc != 0:
             raise BenchError(f"elastictrain train exited {rc}:\n{job.tail(20)}")
         events = job.events()

@@ -51,8 +51,8 @@ from bench.core import (
     summary,
     threads_per_worker,
 )
-from chaos.jobs import ElasticJob
-from chaos.run import Run, ScenarioError
+from chaos.jobs import ElasticJob, LaunchedJob
+from elastictrain.errors import ScenarioError
 from elastictrain.launcher.hosts import local_logical_hosts
 from elastictrain.rundir.events import Event, Eviction, Metrics, Reset, Straggler, of_kind
 
@@ -177,19 +177,20 @@ def false_positives(events: Sequence[Event]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- jobs
-def launch_run(workdir: Path, config: dict[str, Any], hosts: list[str]) -> Run:
+def launch_run(workdir: Path, config: dict[str, Any], hosts: list[str]) -> LaunchedJob:
     """``elastictrain launch`` of ``config`` on ``hosts`` with its embedded etcd and agents, through chaos's harness
-    (:class:`chaos.run.Run`: its :meth:`~chaos.run.Run.close` kills every process of the job by pid)."""
+    (:class:`chaos.jobs.LaunchedJob`: its :meth:`~chaos.jobs.LaunchedJob.close` kills every process of the job by
+    pid)."""
     flags = (
         "--hosts", ",".join(hosts),
         "--gloo-timeout-seconds", str(GLOO_TIMEOUT_SECONDS),
         "--drain-grace", "2",
         "--status-every", "0",
     )  # fmt: skip
-    return Run(workdir / "run", config, flags=flags)
+    return LaunchedJob(workdir / "run", config, flags=flags)
 
 
-def wait_events(run: Run, find: Callable[[list[Event]], Any], timeout: float, what: str) -> Any:
+def wait_events(run: LaunchedJob, find: Callable[[list[Event]], Any], timeout: float, what: str) -> Any:
     """What ``find`` returns from the run log once it is truthy; :class:`ScenarioError` after ``timeout`` seconds
     or when the launcher ends first."""
     return run.wait_for(lambda: find(run.events()), timeout, what, interval=0.2)

@@ -47,10 +47,10 @@ import psutil
 
 from chaos import faults
 from chaos import invariants as inv
+from chaos.jobs import LAUNCH_FLAGS, LaunchedJob
 from chaos.procs import REPO, JobNotFound, Worker, tree
-from chaos.run import LAUNCH_FLAGS, Run, ScenarioError
 from elastictrain.engine.health.signals import IDLE, LOCAL, RENDEZVOUS, STARTUP, SYNC, WAITING, Beat
-from elastictrain.errors import ToolError
+from elastictrain.errors import ScenarioError, ToolError
 from elastictrain.rundir import layout
 from elastictrain.rundir.events import Commit, Event, Metrics, Reset, Start
 from elastictrain.tools.live_view import EventTail
@@ -245,7 +245,7 @@ class NotAimed(ToolError):
 class Campaign:
     """One campaign run: the job, the plan, and what each fault hit."""
 
-    def __init__(self, run: Run, planned: Sequence[Planned], seed: int, out: Callable[[str], None]) -> None:
+    def __init__(self, run: LaunchedJob, planned: Sequence[Planned], seed: int, out: Callable[[str], None]) -> None:
         self.run = run
         self.planned = planned
         self.rng = random.Random(seed + 1)
@@ -824,7 +824,7 @@ def run_campaign(
         out(f"campaign: {n} faults, seed {seed}; reference run (cached under {run_dir.parent / '.chaos-reference'})")
         reference = reference_loss(cfg, run_dir.parent, timeout=14400)
     job = f"chaos-campaign-{os.urandom(3).hex()}"
-    run = Run(run_dir, {"job": job, **cfg}, flags=(*LAUNCH_FLAGS, "--reset-limit", str(reset_limit(n))))
+    run = LaunchedJob(run_dir, {"job": job, **cfg}, flags=(*LAUNCH_FLAGS, "--reset-limit", str(reset_limit(n))))
     campaign = Campaign(run, planned, seed, out)
     error = None
     try:

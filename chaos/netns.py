@@ -54,10 +54,11 @@ from typing import Any
 import psutil
 
 from chaos import faults
+from chaos.jobs import LAUNCH_FLAGS, LaunchedJob
 from chaos.procs import JobRef
-from chaos.run import LAUNCH_FLAGS, Run, ScenarioError
 from elastictrain import envnames
 from elastictrain.commands import agent_command
+from elastictrain.errors import ScenarioError
 from elastictrain.fileio import write_atomic
 from elastictrain.launcher.etcd import EtcdServer
 from elastictrain.rundir.events import Reset, of_kind
@@ -752,7 +753,7 @@ class Cluster:
 
 
 # ---------------------------------------------------------------------------------------------- the job on the tier
-class ClusterRun(Run):
+class ClusterRun(LaunchedJob):
     """A scenario job launched against the tier: the tier's etcd, workers started over ssh on the nodes."""
 
     def __init__(self, run_dir: Path, cfg: dict[str, Any], cluster: Cluster) -> None:

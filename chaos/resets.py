@@ -47,9 +47,10 @@ from typing import Any, TypeVar
 import psutil
 
 from chaos import faults
+from chaos.jobs import LAUNCH_FLAGS, LaunchedJob
 from chaos.procs import REPO, Worker, read_launch_state, tree
-from chaos.run import LAUNCH_FLAGS, Run, ScenarioError
 from chaos.scenarios import DEFAULT_RUNS, FOUR_WORKERS, base_config
+from elastictrain.errors import ScenarioError
 from elastictrain.fileio import write_atomic
 from elastictrain.launcher.processes import is_alive
 from elastictrain.rundir import layout
@@ -320,9 +321,9 @@ class Survivor:
 
 
 class ResetDriver:
-    """Drives one :class:`Run` through resets and records the survivors after each."""
+    """Drives one :class:`LaunchedJob` through resets and records the survivors after each."""
 
-    def __init__(self, run: Run, *, fault: str, rng: random.Random, out: Any = print) -> None:
+    def __init__(self, run: LaunchedJob, *, fault: str, rng: random.Random, out: Any = print) -> None:
         self.run = run
         self.fault = fault
         self.rng = rng
@@ -519,7 +520,7 @@ def job_config(epochs: int) -> dict[str, Any]:
     return cfg
 
 
-def stop(run: Run, timeout: float = 120.0) -> int | None:
+def stop(run: LaunchedJob, timeout: float = 120.0) -> int | None:
     """SIGINT to the launcher (it stops the workers, rank 0 checkpoints), then its exit code."""
     if run.launcher is None or run.launcher.poll() is not None:
         return run.launcher.returncode if run.launcher is not None else None
@@ -588,7 +589,7 @@ def run(args: argparse.Namespace) -> int:
     flags: tuple[str, ...] = (*LAUNCH_FLAGS, "--reset-limit", str(3 * args.resets + 100))
     if args.gloo_timeout_seconds is not None:
         flags = (*flags, "--gloo-timeout-seconds", str(args.gloo_timeout_seconds))  # the last one counts
-    r = Run(run_dir, {"job": job, **job_config(epochs)}, flags=flags)
+    r = LaunchedJob(run_dir, {"job": job, **job_config(epochs)}, flags=flags)
     driver = ResetDriver(r, fault=args.fault, rng=random.Random(args.seed))
     print(f"resets: job {job} ({epochs} epochs) in {run_dir}")
     error = None

@@ -1,7 +1,7 @@
 """Scenario runner: ``python -m chaos run SCENARIO [--run-dir D] [--quick]``.
 
 A scenario is a function registered with :func:`scenario` into :data:`SCENARIOS`; it injects faults
-through :mod:`chaos.faults` into a job started by :class:`chaos.run.Run`. The local tier runs the job
+through :mod:`chaos.faults` into a job started by :class:`chaos.jobs.LaunchedJob`. The local tier runs the job
 with ``elastictrain launch`` (embedded etcd, one agent per logical host of this machine); a scenario
 with ``nodes`` > 0 runs on the namespaces of :mod:`chaos.netns` instead (their etcd, an agent per node,
 every worker started over ssh). Afterwards the runner checks the invariants (:mod:`chaos.invariants`)
@@ -33,10 +33,11 @@ import psutil
 
 from chaos import faults, netns
 from chaos import invariants as inv
+from chaos.jobs import GLOO_TIMEOUT_SECONDS, LAUNCH_FLAGS, LaunchedJob
 from chaos.netns import ClusterRun
 from chaos.procs import REPO, JobNotFound, read_launch_state
-from chaos.run import GLOO_TIMEOUT_SECONDS, LAUNCH_FLAGS, Run, ScenarioError
 from elastictrain.commands import elastictrain_command
+from elastictrain.errors import ScenarioError
 from elastictrain.fileio import write_atomic
 from elastictrain.rundir import layout
 from elastictrain.rundir.events import Checkpoint, Commit, Event, Reset, of_kind
@@ -111,7 +112,7 @@ class Scenario:
     (a freeze longer than the Gloo timeout, a slowdown under ``elastic.stragglers: evict``)."""
 
 
-Inject = Callable[[Run, bool], None]
+Inject = Callable[[LaunchedJob, bool], None]
 
 SCENARIOS: dict[str, Scenario] = {}
 """Every scenario by name, in the order registered; filled by :func:`scenario`."""
@@ -130,7 +131,7 @@ def scenario(name: str, description: str, *, ci: bool, **options: Any) -> Callab
 
 
 @scenario("kill-worker", "SIGKILL of a worker mid-epoch", ci=True)
-def _kill_worker_mid_epoch(r: Run, quick: bool) -> None:
+def _kill_worker_mid_epoch(r: LaunchedJob, quick: bool) -> None:
     r.wait_step(25)
     faults.kill_worker(r.job(), r.log, rank=None, rng=_NotRank0(r))
 
@@ -138,7 +139,7 @@ def _kill_worker_mid_epoch(r: Run, quick: bool) -> None:
 class _NotRank0:
     """A ``choice`` that avoids the current rank 0 (the interesting rank-0 cases have their own scenarios)."""
 
-    def __init__(self, r: Run) -> None:
+    def __init__(self, r: LaunchedJob) -> None:
         self.r = r
 
     def choice(self, seq: Sequence[Any]) -> Any:
@@ -147,21 +148,21 @@ class _NotRank0:
         return sorted(others or seq, key=lambda w: w.pid)[-1]
 
 
-def _wait_mlflow_run(r: Run) -> None:
+def _wait_mlflow_run(r: LaunchedJob) -> None:
     """Rank-0 kills wait until rank 0 has created the MLflow run: a rank 0 SIGKILLed while MLflow creates its
     sqlite schema leaves a store no later rank 0 can open (a known tracking bug, reported separately)."""
     r.wait_for((r.run_dir / layout.MLFLOW_RUN_ID).exists, 120, "the MLflow run (mlflow_run_id)")
 
 
 @scenario("kill-during-commit", "SIGKILL of rank 0 while it commits", ci=False)
-def _kill_during_commit(r: Run, quick: bool) -> None:
+def _kill_during_commit(r: LaunchedJob, quick: bool) -> None:
     r.wait_step(10)
     _wait_mlflow_run(r)
     faults.kill_during_commit(r.job(), r.log, rank=0, timeout=60)
 
 
 @scenario("kill-during-checkpoint", "SIGKILL of rank 0 and its writer mid-save", ci=False)
-def _kill_during_checkpoint(r: Run, quick: bool) -> None:
+def _kill_during_checkpoint(r: LaunchedJob, quick: bool) -> None:
     r.wait_step(10)
     _wait_mlflow_run(r)
     faults.kill_during_checkpoint(r.job(), r.log, timeout=60)
@@ -172,7 +173,7 @@ def _kill_during_checkpoint(r: Run, quick: bool) -> None:
     "SIGKILL of rank 0 but not its writer, mid-save: the writer dies with it, latest only moves forward",
     ci=False,
 )
-def _kill_rank0_spare_writer(r: Run, quick: bool) -> None:
+def _kill_rank0_spare_writer(r: LaunchedJob, quick: bool) -> None:
     """Rank 0 SIGKILLed while its writer, stopped, is mid-save. A writer that survives is resumed once the new
     rank 0 has checkpointed, so it finishes late, as in the race; ``latest`` is read once it is gone."""
     r.wait_step(10)
@@ -213,7 +214,7 @@ def _kill_rank0_spare_writer(r: Run, quick: bool) -> None:
 
 
 @scenario("preempt-host", "SIGTERM to a host's agent: drain, no step lost", ci=False, graceful=True)
-def _preempt_host(r: Run, quick: bool) -> None:
+def _preempt_host(r: LaunchedJob, quick: bool) -> None:
     r.wait_step(20)
     faults.preempt_host(r.job(), r.log, r.victim_host())
 
@@ -224,7 +225,7 @@ def _preempt_host(r: Run, quick: bool) -> None:
     ci=False,
     must_reset=frozenset({"freeze-worker"}),
 )
-def _frozen_worker(r: Run, quick: bool) -> None:
+def _frozen_worker(r: LaunchedJob, quick: bool) -> None:
     r.wait_step(20)
     faults.freeze_worker(r.job(), r.log, rank=None, seconds=GLOO_TIMEOUT_SECONDS + 5, rng=_NotRank0(r))
 
@@ -241,7 +242,7 @@ def _four_workers(epochs: int) -> dict[str, Any]:
     return cfg
 
 
-def _wait_four_workers(r: Run) -> None:
+def _wait_four_workers(r: LaunchedJob) -> None:
     """Until all 4 workers train and at least step 20, 5 steps past the last resize (the first step after a
     rendezvous has a longer hang bound, and a host's window of step times starts there)."""
     r.wait_world(FOUR_WORKERS)
@@ -280,7 +281,7 @@ def _slow_worker_config(quick: bool) -> dict[str, Any]:
     cfg=_slow_worker_config,
     must_reset=frozenset({"slow-worker"}),
 )
-def _slow_worker(r: Run, quick: bool) -> None:
+def _slow_worker(r: LaunchedJob, quick: bool) -> None:
     """Slow one worker (not rank 0's) once all 4 train, until it exits (drained, or the job ends)."""
     _wait_four_workers(r)
     faults.slow_worker(r.job(), r.log, host=r.victim_host(), slowdown=SLOWDOWN, seconds=SLOW_WORKER_MAX_SECONDS)
@@ -300,14 +301,14 @@ def _hang_worker_config(quick: bool) -> dict[str, Any]:
     ci=False,
     cfg=_hang_worker_config,
 )
-def _hang_worker(r: Run, quick: bool) -> None:
+def _hang_worker(r: LaunchedJob, quick: bool) -> None:
     """SIGSTOP one worker (not rank 0) and its helpers once all 4 train; nothing continues them."""
     _wait_four_workers(r)
     faults.hang_worker(r.job(), r.log, rng=_NotRank0(r))
 
 
 @scenario("etcd-outage", "etcd suspended 20 s while training continues", ci=False, expect_reset=False)
-def _etcd_outage(r: Run, quick: bool) -> None:
+def _etcd_outage(r: LaunchedJob, quick: bool) -> None:
     r.wait_step(20)
     faults.etcd_outage(r.job(), r.log, seconds=20)
 
@@ -318,7 +319,7 @@ def _etcd_outage(r: Run, quick: bool) -> None:
     ci=False,
     graceful=True,
 )
-def _agent_killed(r: Run, quick: bool) -> None:
+def _agent_killed(r: LaunchedJob, quick: bool) -> None:
     r.wait_step(20)
     host = r.victim_host()
     faults.kill_agent(r.job(), r.log, host)
@@ -327,7 +328,7 @@ def _agent_killed(r: Run, quick: bool) -> None:
 
 
 @scenario("kill-job", "the whole job SIGKILLed, then launched again: resume", ci=False)
-def _kill_job_and_resume(r: Run, quick: bool) -> None:
+def _kill_job_and_resume(r: LaunchedJob, quick: bool) -> None:
     r.wait_for(lambda: any(s >= 30 for s in r.checkpoint_steps()), 120, "a checkpoint at step >= 30")
     faults.kill_job(r.job(), r.log)
     assert r.launcher is not None
@@ -336,7 +337,7 @@ def _kill_job_and_resume(r: Run, quick: bool) -> None:
 
 
 @scenario("below-min-np", "two hosts die (below --min-np), then come back", ci=False)
-def _below_min_np(r: Run, quick: bool) -> None:
+def _below_min_np(r: LaunchedJob, quick: bool) -> None:
     r.wait_step(20)
     job = r.job()
     hosts = [h for h in sorted({w.host for w in job.workers()}) if h != (job.rank0() or _Nobody).host][:2]
@@ -354,7 +355,7 @@ class _Nobody:
     host = ""
 
 
-def _ready_hosts(r: Run) -> int:
+def _ready_hosts(r: LaunchedJob) -> int:
     from discovery.registry import EtcdRegistry, RegistryError
 
     state = read_launch_state(r.run_dir) or {}
@@ -403,7 +404,7 @@ def _soak_config(quick: bool) -> dict[str, Any]:
     timeout=3600.0,
     cfg=_soak_config,
 )
-def _soak(r: Run, quick: bool) -> None:
+def _soak(r: LaunchedJob, quick: bool) -> None:
     duration, every = _soak_params(quick)
     r.wait_step(10)
     schedule = soak_schedule(duration, every)
@@ -426,7 +427,7 @@ def _soak(r: Run, quick: bool) -> None:
     r.log.log("soak", phase="end", job=r.job_name)
 
 
-def _soak_action(r: Run, action: str, rng: random.Random) -> None:
+def _soak_action(r: LaunchedJob, action: str, rng: random.Random) -> None:
     job = r.job()
     if action == "kill-worker":
         faults.kill_worker(job, r.log, rng=rng)
@@ -459,7 +460,7 @@ def multi_node_scenario(name: str, description: str) -> Callable[[Inject], Injec
     return scenario(name, f"multi-node: {description}", ci=False, nodes=MULTI_NODE_NODES, cfg=_multi_node_config)
 
 
-def _node_to_hit(r: Run) -> tuple[ClusterRun, int, str]:
+def _node_to_hit(r: LaunchedJob) -> tuple[ClusterRun, int, str]:
     """(run, node, address) of a node whose worker is not rank 0, once the job is past step 20."""
     if not isinstance(r, ClusterRun):
         raise ScenarioError("a multi-node scenario needs the multi-node tier (chaos/netns.py)")
@@ -470,7 +471,7 @@ def _node_to_hit(r: Run) -> tuple[ClusterRun, int, str]:
 @multi_node_scenario(
     "node-killed", "every process of a node (namespace) SIGKILLed, then the node boots again and rejoins over ssh"
 )
-def _node_killed(r: Run, quick: bool) -> None:
+def _node_killed(r: LaunchedJob, quick: bool) -> None:
     """Kill a whole node (not rank 0's) mid-epoch; when the job has recovered, the node boots again."""
     run, i, host = _node_to_hit(r)
     record = run.cluster.kill_node(i, run.log, run.job())
@@ -481,7 +482,7 @@ def _node_killed(r: Run, quick: bool) -> None:
 
 
 @multi_node_scenario("node-partitioned", "a node cut off the bridge for 15 s, then back")
-def _node_partitioned(r: Run, quick: bool) -> None:
+def _node_partitioned(r: LaunchedJob, quick: bool) -> None:
     """Cut a node (not rank 0's) off the bridge for 15 s; it comes back by itself when the link returns."""
     run, i, _ = _node_to_hit(r)
     run.cluster.partition(i, run.log, run.job(), PARTITION_SECONDS)
@@ -531,7 +532,7 @@ def checkpoint_status(run_dir: Path) -> tuple[str | None, str | None, dict[str, 
 
 def check_run(
     scenario: Scenario,
-    run: Run,
+    run: LaunchedJob,
     reference: tuple[int, float] | None,
     leftovers: list[str],
     tier_leftovers: list[str] | None = None,
@@ -626,7 +627,7 @@ def reference_loss(
     with contextlib.suppress(OSError, ValueError, KeyError):
         data = json.loads(cache.read_text())
         return int(data["step"]), float(data["loss"])
-    run = Run(parent / REFERENCE_DIR / key, {**cfg, "job": f"chaos-ref-{key[:8]}"}, flags=flags)
+    run = LaunchedJob(parent / REFERENCE_DIR / key, {**cfg, "job": f"chaos-ref-{key[:8]}"}, flags=flags)
     try:
         run.start()
         code = run.wait_exit(timeout)
@@ -680,11 +681,11 @@ def _tier_unavailable(scenario: Scenario) -> str | None:
 @contextlib.contextmanager
 def _tier(
     scenario: Scenario, run_dir: Path, cfg: dict[str, Any], out: Callable[[str], None]
-) -> Iterator[tuple[Run, Any]]:
+) -> Iterator[tuple[LaunchedJob, Any]]:
     """The run of ``cfg`` on the scenario's tier: (run, None) locally; (run, cluster) on the multi-node tier,
     whose namespaces, processes and links are removed when the block ends (``cluster.leftovers``: what was not)."""
     if not scenario.nodes:
-        yield Run(run_dir, cfg), None
+        yield LaunchedJob(run_dir, cfg), None
         return
     run_dir.mkdir(parents=True, exist_ok=True)
     disc = cfg.get("discovery", {})

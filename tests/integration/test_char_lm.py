@@ -15,8 +15,9 @@ import pytest
 
 from chaos import faults
 from chaos import invariants as inv
-from chaos.run import Run, ScenarioError
+from chaos.jobs import LaunchedJob
 from chaos.scenarios import mlflow_run_ids, reference_loss
+from elastictrain.errors import ScenarioError
 from elastictrain.launcher.hosts import local_logical_hosts
 from elastictrain.rundir.events import EpochEnd, Reset, of_kind
 from elastictrain.rundir.ledger import committed_samples
@@ -68,7 +69,7 @@ def num_samples() -> int:
 class NotRank0:
     """Pick a worker other than the current rank 0 (rank-0 kills have their own chaos scenarios)."""
 
-    def __init__(self, run: Run) -> None:
+    def __init__(self, run: LaunchedJob) -> None:
         self.run = run
 
     def choice(self, seq: Sequence[Any]) -> Any:
@@ -84,7 +85,7 @@ def test_char_lm_survives_a_sigkill_and_a_scale_up_with_every_invariant(tmp_path
     reference = reference_loss(cfg, tmp_path, timeout=300)
     assert reference is not None, "the fault-free run did not finish"
 
-    run = Run(tmp_path / "faulty", {"job": f"char-lm-{os.urandom(3).hex()}", **cfg})
+    run = LaunchedJob(tmp_path / "faulty", {"job": f"char-lm-{os.urandom(3).hex()}", **cfg})
     leftovers: list[str] = []
     try:
         run.start()

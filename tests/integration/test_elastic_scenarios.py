@@ -78,7 +78,7 @@ def test_scale_up_2_to_3_keeps_every_sample_exactly_once(jobs, tmp_path):
     job = run_job(jobs, tmp_path, "up", HOSTS[:2])
     job.wait_step(8)
     job.set_hosts(HOSTS[:3])
-    assert job.wait() == 0, job.tail()
+    assert job.wait_exit() == 0, job.tail()
     resets = job.events(Reset)
     assert any((r.old_size, r.new_size) == (2, 3) for r in resets), resets
     assert job.events(Done)
@@ -91,7 +91,7 @@ def test_graceful_removal_3_to_2_loses_no_step(jobs, tmp_path):
     job = run_job(jobs, tmp_path, "down", HOSTS[:3])
     job.wait_step(8)
     job.set_hosts(HOSTS[:2])
-    assert job.wait() == 0, job.tail()
+    assert job.wait_exit() == 0, job.tail()
     resets = job.events(Reset)
     shrink = [r for r in resets if (r.old_size, r.new_size) == (3, 2)]
     assert shrink, resets
@@ -105,7 +105,7 @@ def test_worker_killed_mid_epoch_rolls_back_and_keeps_every_sample_exactly_once(
     job.wait_step(10)
     host, _ = job.kill_worker(rank=2, sig=signal.SIGKILL)
     job.set_hosts([h for h in HOSTS[:3] if h != host])  # the machine is gone, as a cloud would report
-    assert job.wait() == 0, job.tail()
+    assert job.wait_exit() == 0, job.tail()
     resets = job.events(Reset)
     assert any(r.new_size == 2 for r in resets), resets
     assert_exactly_once(job, 3072, 2)
@@ -116,11 +116,11 @@ def test_worker_killed_mid_epoch_rolls_back_and_keeps_every_sample_exactly_once(
 def test_global_policy_parameters_match_a_fault_free_run(jobs, tmp_path):
     cfg = GLOBAL_POLICY
     clean = run_job(jobs, tmp_path, "clean", HOSTS[:2], **cfg)
-    assert clean.wait() == 0, clean.tail()
+    assert clean.wait_exit() == 0, clean.tail()
     faulty = run_job(jobs, tmp_path, "faulty", HOSTS[:3], **cfg)  # 3 workers, then 2: a different split
     faulty.wait_step(3)
     faulty.set_hosts(HOSTS[:2])
-    assert faulty.wait() == 0, faulty.tail()
+    assert faulty.wait_exit() == 0, faulty.tail()
     assert any((r.old_size, r.new_size) == (3, 2) for r in faulty.events(Reset)), "no resize 3 -> 2"
     rel = params_after_the_reset(clean, faulty)
     print(f"relative L2 difference after the reset: {rel:.3e}")
@@ -134,12 +134,12 @@ def test_worker_killed_with_rollback_none_loses_no_step_and_matches_a_fault_free
     a rollback to the last commit would show as lost steps in the ``reset`` event."""
     cfg = {**GLOBAL_POLICY, "elastic__rollback": "none", "elastic__commit_every_steps": 10}
     clean = run_job(jobs, tmp_path, "clean", HOSTS[:2], **cfg)
-    assert clean.wait() == 0, clean.tail()
+    assert clean.wait_exit() == 0, clean.tail()
     faulty = run_job(jobs, tmp_path, "faulty", HOSTS[:3], **cfg)
     faulty.wait_step(14)  # between two commits
     host, _ = faulty.kill_worker(rank=2, sig=signal.SIGKILL)
     faulty.set_hosts([h for h in HOSTS[:3] if h != host])
-    assert faulty.wait() == 0, faulty.tail()
+    assert faulty.wait_exit() == 0, faulty.tail()
     resets = faulty.events(Reset)
     assert any(r.reason == "worker_failed" and r.new_size == 2 for r in resets), resets
     assert [r.lost_steps for r in resets] == [0] * len(resets), resets
@@ -160,7 +160,7 @@ def test_bf16_autocast_fp16_compression_and_accumulation_train_exactly_once(jobs
         training__grad_accumulation=2,
         training__epochs=1,
     )
-    assert job.wait() == 0, job.tail()
+    assert job.wait_exit() == 0, job.tail()
     assert_exactly_once(job, 3072, 1)
     assert_loss_falls(job)
 

@@ -38,7 +38,7 @@ def test_full_job_killed_mid_epoch_resumes_at_the_checkpoint_in_the_same_mlflow_
 
     second = ElasticJob(tmp_path / "b", cfg, HOSTS[:2])
     jobs.append(second.start())
-    assert second.wait() == 0, second.tail()
+    assert second.wait_exit() == 0, second.tail()
 
     starts = of_kind(read_events(second.events_path), Start)
     assert starts[-1].resumed_from_step == ckpt.step  # the step counter continues from the checkpoint
@@ -81,7 +81,7 @@ def test_sigterm_to_the_workers_checkpoints_the_last_commit_before_they_exit(job
     job.wait_step(7)
     for w in job.workers():
         w.send_signal(signal.SIGTERM)
-    job.wait()
+    job.wait_exit()
     stopped = job.events(Stopped)
     assert stopped and stopped[-1].checkpointed is True, job.tail()
     last_commit = max(e.step for e in job.events(Commit))
@@ -104,7 +104,7 @@ def test_tracking_server_stopped_mid_training_costs_points_not_the_job(jobs, tmp
     jobs.append(job.start())
     job.wait_step(10)
     mlflow_server.stop()
-    assert job.wait() == 0, job.tail()
+    assert job.wait_exit() == 0, job.tail()
     assert job.events(Done)
     closed = job.events(TrackingClosed)
     assert closed and (closed[-1].dropped or 0) > 0, closed

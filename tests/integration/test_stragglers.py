@@ -70,7 +70,7 @@ def test_a_sigstopped_worker_is_found_hung_killed_and_the_job_goes_on_without_it
     victim = job.worker(rank=1)
     victim.send_signal(signal.SIGSTOP)
     stopped_at = victim.create_time(), victim.pid
-    assert job.wait(timeout=300) == 0, job.tail()
+    assert job.wait_exit(timeout=300) == 0, job.tail()
     resets = job.events(Reset)
     hung = [r for r in resets if r.reason == "worker_hung"]
     assert hung, f"no worker_hung reset: {[(r.reason, r.recovery_seconds) for r in resets]}"
@@ -107,7 +107,7 @@ def test_report_names_a_worker_slowed_by_half_and_status_shows_it(jobs, tmp_path
         )
     assert named.ratio is not None and named.ratio >= 1.3
     assert named.step - start <= 100, f"named {named.step - start} steps after the slowdown"
-    assert job.wait(timeout=300) == 0, job.tail()
+    assert job.wait_exit(timeout=300) == 0, job.tail()
     assert not job.events(Eviction), "report drains nothing"
     assert all(r.new_size == 3 for r in job.events(Reset)), job.events(Reset)
     status = read_status(job.run_dir)

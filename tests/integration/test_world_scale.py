@@ -55,7 +55,7 @@ def test_eight_workers_on_eight_logical_hosts_survive_a_sigkill_and_scale_back_u
             Reset, lambda e: e.ts > down.ts and e.new_size == WORLD, timeout=180, what="the scale-up back to 8"
         )
         assert victim in (back.hosts or [])
-        assert job.wait(timeout=400) == 0
+        assert job.wait_exit(timeout=400) == 0
         assert [p.pid for p in zygotes.forked(victim)] == [], "the forked worker exited with the job"
     [done] = job.events(Done)
     assert done.world_size == WORLD

@@ -8,10 +8,11 @@ import pytest
 
 from chaos import invariants as inv
 from chaos import netns, scenarios
-from chaos.run import Run, ScenarioError
+from chaos.jobs import LaunchedJob
 from chaos.scenarios import SCENARIOS, base_config
 from elastictrain.commands import agent_command
 from elastictrain.config import DiscoveryConfig
+from elastictrain.errors import ScenarioError
 from elastictrain.launcher.processes import ssh_runs_train
 from elastictrain.rundir.events import Event, parse_event
 
@@ -178,7 +179,7 @@ def test_a_multi_node_scenario_survives_one_lost_node_and_refuses_the_local_tier
     # a node killed or cut off leaves nodes - 1 workers: still at least min_np, and below max_np so it can grow back
     assert elastic["min_np"] <= s.nodes - 1 < elastic["max_np"] <= s.nodes
     with pytest.raises(ScenarioError, match="needs the multi-node tier"):
-        s.inject(Run(tmp_path, {"job": "j", **base_config()}), False)
+        s.inject(LaunchedJob(tmp_path, {"job": "j", **base_config()}), False)
 
 
 def test_the_scenarios_that_ci_runs_need_no_multi_node_tier() -> None:
