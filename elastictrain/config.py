@@ -26,6 +26,7 @@ from typing import Any, Literal
 import yaml
 
 from discovery.wire import check_name
+from elastictrain.checkpoint.location import location_problem
 from elastictrain.errors import ConfigError as ConfigError
 
 DEFAULT_TASK = "elastictrain.tasks.image:build"
@@ -269,8 +270,14 @@ class CheckpointConfig:
     """Rank 0 writes the last committed state when a worker receives SIGTERM."""
     resume: bool = True
     """Start from the latest verified checkpoint in ``run_dir/checkpoints`` when one exists."""
+    location: str = ""
+    """Where checkpoints live: empty for ``run_dir/checkpoints``, a local or shared path, or an object store
+    (``s3://bucket/prefix``, ``gs://...``, ``az://container/prefix``; needs the ``s3``/``gcs``/``azure`` extra).
+    Credentials come from the cloud's own chain (environment, profile, instance role), never from here."""
 
     def __post_init__(self) -> None:
+        problem = location_problem(self.location)
+        _check(problem is None, "checkpoint.location", problem or "")
         if self.every_steps is not None:
             _check(
                 self.every_steps >= 1,
