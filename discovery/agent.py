@@ -24,6 +24,11 @@ Behaviour:
   is kept ``draining`` and keeps its lease; when the node is schedulable again the agent marks it ``ready``
   if the cordon was what drained it (an operator's ``undrain`` in between already did). A node that cannot
   be read keeps the last answer, logged once per new error;
+- with ``--preemption-notice {auto,aws,gcp,azure}``: watches the instance's metadata service
+  (``discovery/notice.py``, in threads of its own); a notice marks the host ``draining`` at once, with the
+  notice and the time the cloud ends the instance in its record (``notice``, ``notice_time``), keeps its lease
+  (the record stays until the machine is gone) and holds the drain for the agent's life (an operator's ``undrain``
+  is undone at the next cycle, an uncordon or an eviction's cool-down readmits nothing);
 - exits 0 when an operator removed its key (``elastictrain hosts remove``) while its lease lived;
 - exits 1 with one line when etcd stays unreachable longer than ``--retry-deadline`` (also at
   start-up), and 2 with one line for bad flags.
@@ -46,7 +51,9 @@ from types import FrameType
 from typing import Any
 
 from discovery import endpoints
+from discovery import notice as notices
 from discovery.nodewatch import NodeReader, NodeWatchError, in_cluster
+from discovery.notice import Notice
 from discovery.record import (
     DEFAULT_PREFIX,
     DRAINING,
@@ -97,6 +104,10 @@ class AgentConfig:
     """How long etcd may stay unreachable (or a stale key block registration) before the agent gives up."""
     drain_when_cordoned: str | None = None
     """Kubernetes node whose cordon drains this host (``--drain-when-cordoned``); None: no node watch."""
+    preemption_notice: str = "none"
+    """Which cloud's preemption notice drains this host (``--preemption-notice``): none, auto, aws, gcp, azure."""
+    notice_poll_seconds: float = 2.0
+    """Interval between two reads of the metadata service (AWS, Azure; GCP's reads wait for a change)."""
 
     def __post_init__(self) -> None:
         check_name("job", self.job)
@@ -128,6 +139,12 @@ class AgentConfig:
                     f"with --drain-when-cordoned a cycle reads the node too: heartbeat + 3*request_timeout = "
                     f"{cycle:g}s must be <= ttl = {self.ttl_seconds}s (lower --heartbeat or --request-timeout)"
                 )
+        if self.preemption_notice not in notices.CHOICES:
+            raise ValueError(
+                f"--preemption-notice must be one of {', '.join(notices.CHOICES)}, got {self.preemption_notice!r}"
+            )
+        if not 0.1 <= self.notice_poll_seconds <= 60:
+            raise ValueError(f"--notice-poll must be in [0.1, 60] seconds, got {self.notice_poll_seconds:g}")
         if self.drain_grace_seconds < 0:
             raise ValueError(f"--drain-grace must be >= 0, got {self.drain_grace_seconds:g}")
         if self.retry_deadline_seconds < self.ttl_seconds:
@@ -142,6 +159,8 @@ class Action(enum.Enum):
     MARK_DRAINING = "mark_draining"
     DRAIN_CORDONED = "drain_cordoned"
     READY_UNCORDONED = "ready_uncordoned"
+    DRAIN_NOTICE = "drain_notice"
+    """The cloud gave notice that the instance ends: mark the host draining with the notice in its record."""
     READMIT = "readmit"
     """An eviction's cool-down is over: mark the host ready (``drain_until`` reached on the wall clock)."""
     HEARTBEAT = "heartbeat"
@@ -188,6 +207,8 @@ class AgentState:
     """The agent marked the host draining because of a cordon (so an uncordon makes it ready again)."""
     cordon_error: str = ""
     """Last error reading the node (logged once per new error)."""
+    notice: Notice | None = None
+    """The cloud's preemption notice, once read (``--preemption-notice``); kept for the agent's life."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,6 +234,10 @@ class Observation:
     error: str = ""
     cordon: str | None = None
     """Why the node is being emptied (the last answer read), or None when it is schedulable or not watched."""
+    notice: Notice | None = None
+    """The cloud's preemption notice read so far, or None."""
+    key_notice: str = ""
+    key_notice_time: float = 0.0
 
 
 def decide(cfg: AgentConfig, st: AgentState, obs: Observation) -> AgentDecision:
@@ -246,7 +271,9 @@ def decide(cfg: AgentConfig, st: AgentState, obs: Observation) -> AgentDecision:
             )
         how = "lease lost; " if obs.lease_lost else ""
         state = st.wanted_state
-        if obs.cordon is not None and state == READY and st.drain_requested_at is None:
+        if obs.notice is not None:
+            how, state = f"{how}{obs.notice.describe()}; ", DRAINING
+        elif obs.cordon is not None and state == READY and st.drain_requested_at is None:
             how, state = f"{how}{obs.cordon}; ", DRAINING
         if kept_eviction(st):
             state = f"{state} ({_eviction(st.drain_reason, st.drain_until)})"
@@ -270,12 +297,16 @@ def decide(cfg: AgentConfig, st: AgentState, obs: Observation) -> AgentDecision:
         )
     if not obs.lease_alive:
         return AgentDecision(Action.WAIT, f"lease {st.lease_id:x} lost but its key is still listed; waiting")
+    if obs.notice is not None and (
+        obs.key_state != DRAINING or (obs.key_notice, obs.key_notice_time) != (obs.notice.token, obs.notice.time)
+    ):
+        return AgentDecision(Action.DRAIN_NOTICE, f"{obs.notice.describe()}; marking host draining with the notice")
     if st.drain_requested_at is not None and obs.key_state != DRAINING:
         left = cfg.drain_grace_seconds - (obs.now - st.drain_requested_at)
         return AgentDecision(
             Action.MARK_DRAINING, f"drain requested; marking host draining, lease revoked in {left:.0f}s"
         )
-    if st.drain_requested_at is None:
+    if st.drain_requested_at is None and obs.notice is None:
         if obs.cordon is not None and not st.cordon_drained and obs.key_state == READY:
             return AgentDecision(Action.DRAIN_CORDONED, f"{obs.cordon}; marking host draining until it is uncordoned")
         if obs.cordon is None and st.cordon_drained:
@@ -294,6 +325,8 @@ def decide(cfg: AgentConfig, st: AgentState, obs: Observation) -> AgentDecision:
     host = obs.key_state
     if obs.key_state == DRAINING and obs.key_drain_until > 0:
         host = f"{host} ({_eviction(obs.key_drain_reason, obs.key_drain_until)})"
+    elif obs.key_state == DRAINING and obs.key_notice:
+        host = f"{host} ({obs.key_notice})"
     return AgentDecision(Action.HEARTBEAT, f"lease {st.lease_id:x} refreshed; host {host}")
 
 
@@ -333,6 +366,9 @@ class Agent:
     log: Any = None
     node_watch: NodeReader | None = None
     """Reads the Kubernetes node each cycle (``--drain-when-cordoned``); None: not watched."""
+    notice_watch: notices.NoticeReader | None = None
+    """The cloud's preemption notice, read each cycle and while waiting (``--preemption-notice``); None: not
+    watched."""
     state: AgentState = field(default_factory=AgentState)
     exit_code: int | None = None
     last_decision: AgentDecision | None = None
@@ -345,6 +381,8 @@ class Agent:
         if self.signals.count > 1:
             st.force_stop = True
         self._read_node()
+        if self.notice_watch is not None and st.notice is None:
+            st.notice = self.notice_watch.notice()
         lease_alive = lease_lost = False
         try:
             if st.lease_id is not None:
@@ -362,12 +400,17 @@ class Agent:
         except RegistryError as e:
             if st.unreachable_since is None:
                 st.unreachable_since = now
-            return Observation(now=now, reachable=False, error=str(e), cordon=st.cordon)
+            return Observation(now=now, reachable=False, error=str(e), cordon=st.cordon, notice=st.notice)
         st.unreachable_since = None
         if key is None:
             st.blocked_since = None
             return Observation(
-                now=now, wall_time=wall_time, lease_alive=lease_alive, lease_lost=lease_lost, cordon=st.cordon
+                now=now,
+                wall_time=wall_time,
+                lease_alive=lease_alive,
+                lease_lost=lease_lost,
+                cordon=st.cordon,
+                notice=st.notice,
             )
         record, key_lease = key
         if st.lease_id is not None and key_lease == st.lease_id:
@@ -392,6 +435,9 @@ class Agent:
             key_drain_until=record.drain_until,
             key_evictions=record.evictions,
             cordon=st.cordon,
+            notice=st.notice,
+            key_notice=record.notice,
+            key_notice_time=record.notice_time,
         )
 
     def _read_node(self) -> None:
@@ -430,6 +476,11 @@ class Agent:
                     st.wanted_state, st.cordon_drained = new, cordoned
                 elif not cordoned:  # already ready (an operator undrained it): nothing left to undo
                     st.cordon_drained = False
+            elif decision.action is Action.DRAIN_NOTICE:
+                entry = self.registry.get(self.cfg.host)
+                if entry is not None and entry.lease_id == st.lease_id and st.notice is not None:
+                    self.registry.compare_and_set(entry, entry.record.with_notice(st.notice.token, st.notice.time))
+                st.wanted_state = DRAINING
             elif decision.action is Action.READMIT:
                 self._readmit()
             elif decision.action is Action.REVOKE_AND_EXIT:
@@ -460,7 +511,7 @@ class Agent:
     def _register(self) -> None:
         st = self.state
         evicted = kept_eviction(st)
-        if st.drain_requested_at is not None:
+        if st.drain_requested_at is not None or st.notice is not None:
             st.wanted_state = DRAINING
         elif st.cordon is not None and st.wanted_state == READY:
             st.wanted_state, st.cordon_drained = DRAINING, True
@@ -475,6 +526,8 @@ class Agent:
             drain_reason=st.drain_reason if evicted else "",
             drain_until=st.drain_until if evicted else 0.0,
             evictions=st.evictions,
+            notice=st.notice.token if st.notice else "",
+            notice_time=st.notice.time if st.notice else 0.0,
         )
         try:
             created = self.registry.register(record, lease_id)
@@ -500,10 +553,11 @@ class Agent:
         return wait
 
     def wait(self, seconds: float) -> None:
-        """Sleep ``seconds``, returning early when a signal arrived (in slices of 0.1 s)."""
+        """Sleep ``seconds``, returning early when a signal arrived or a preemption notice was read (in slices of
+        0.1 s)."""
         seen = self.signals.count
         deadline = self.clock() + seconds
-        while self.signals.count == seen:
+        while self.signals.count == seen and not self._notice_unseen():
             left = deadline - self.clock()
             if left <= 0:
                 return
@@ -532,6 +586,10 @@ class Agent:
                 except RegistryError as e:
                     log.warning("could not revoke lease on shutdown; it expires by itself", error=str(e))
             self.registry.close()
+
+    def _notice_unseen(self) -> bool:
+        """The watch holds a notice that no cycle has read yet."""
+        return self.state.notice is None and self.notice_watch is not None and self.notice_watch.notice() is not None
 
     def _log(self) -> Any:
         if self.log is None:
@@ -618,6 +676,21 @@ def build_parser() -> argparse.ArgumentParser:
         "with the pod's service account each cycle); ready again when it is uncordoned",
     )
     p.add_argument(
+        "--preemption-notice",
+        choices=notices.CHOICES,
+        default="none",
+        help="drain this host when the cloud gives notice that the instance ends, read from the instance's "
+        "metadata service: aws (spot interruption), gcp (preemption, terminating maintenance), azure (Scheduled "
+        "Events: Preempt, Terminate); auto probes the three and keeps the one that answers (default none)",
+    )
+    p.add_argument(
+        "--notice-poll",
+        type=number(float),
+        default=2.0,
+        metavar="SECONDS",
+        help="interval between two reads of the metadata service (default 2; GCP's reads wait for a change)",
+    )
+    p.add_argument(
         "--warm-config",
         default=None,
         metavar="CONFIG",
@@ -695,6 +768,8 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         drain_grace_seconds=args.drain_grace,
         retry_deadline_seconds=args.retry_deadline if args.retry_deadline is not None else max(60.0, ttl),
         drain_when_cordoned=args.drain_when_cordoned,
+        preemption_notice=args.preemption_notice,
+        notice_poll_seconds=args.notice_poll,
     )
 
 
@@ -714,13 +789,18 @@ def main(argv: list[str]) -> int:
         node_watch = None
         if cfg.drain_when_cordoned is not None:
             node_watch = in_cluster(cfg.drain_when_cordoned, timeout_seconds=cfg.request_timeout_seconds)
+        for cloud in notices.clouds_of(cfg.preemption_notice):
+            notices.endpoint(cloud)  # a bad endpoint override is CLI misuse: exit 2 before anything starts
     except ValueError as e:
         parser.error(str(e))
     configure_logging(job=cfg.job, host=cfg.host)
     signals = Signals()
     signals.install()  # before the first request, so a SIGTERM during start-up drains too
+    notice_watch = notices.build(
+        cfg.preemption_notice, timeout_seconds=cfg.request_timeout_seconds, poll_seconds=cfg.notice_poll_seconds
+    )
     registry = EtcdRegistry(args.etcd, cfg.job, cfg.prefix, timeout_seconds=cfg.request_timeout_seconds, access=access)
-    agent = Agent(cfg, registry, signals=signals, node_watch=node_watch)
+    agent = Agent(cfg, registry, signals=signals, node_watch=node_watch, notice_watch=notice_watch)
     get_logger("agent").info(
         "agent starting",
         etcd=args.etcd,
@@ -730,6 +810,7 @@ def main(argv: list[str]) -> int:
         heartbeat=cfg.heartbeat_seconds,
         drain_grace=cfg.drain_grace_seconds,
         drain_when_cordoned=cfg.drain_when_cordoned,
+        preemption_notice=notice_watch.cloud if notice_watch else "none",
         pid=os.getpid(),
     )
     zygote = None
@@ -743,9 +824,13 @@ def main(argv: list[str]) -> int:
             get_logger("agent"),
             job=cfg.job,
         )
+    if notice_watch is not None:
+        notice_watch.start()
     try:
         code = agent.run()
     finally:
+        if notice_watch is not None:
+            notice_watch.stop()
         if zygote is not None:
             stop_zygote(zygote, cfg.drain_grace_seconds + 10)
     if code != 0 and agent.last_decision is not None:

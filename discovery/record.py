@@ -17,6 +17,7 @@ from discovery.wire import (
     check_drain_reason,
     check_evictions,
     check_name,
+    check_notice,
     check_slots,
     check_time,
     drop_case_duplicates,
@@ -38,6 +39,7 @@ __all__ = [
     "check_drain_reason",
     "check_evictions",
     "check_name",
+    "check_notice",
     "check_slots",
     "check_time",
     "drop_case_duplicates",
@@ -70,6 +72,13 @@ class HostRecord:
     evictions: int = 0
     """How many times the host was evicted (an evictor lengthens the next cool-down by it); kept when the host is
     readmitted or undrained."""
+    notice: str = ""
+    """The cloud's preemption notice that drained the host (``aws-spot-terminate``, ``gcp-preempted``,
+    ``azure-preempt``, ...: :mod:`discovery.notice`), written by its agent; ``""``: none. Kept by every state
+    change: the machine is going away whatever an operator sets."""
+    notice_time: float = 0.0
+    """Unix time at which the cloud ends the instance, as its notice says (or as the cloud documents when the notice
+    carries no time); 0: no notice."""
 
     def __post_init__(self) -> None:
         check_name("host", self.host)
@@ -81,6 +90,8 @@ class HostRecord:
         check_drain_reason(self.drain_reason)
         check_time("drain_until", self.drain_until)
         check_evictions(self.evictions)
+        check_notice(self.notice)
+        check_time("notice_time", self.notice_time)
 
     @property
     def evicted(self) -> bool:
@@ -91,6 +102,10 @@ class HostRecord:
         """This record in ``state``, as an operator, a signal or a cordon sets it: not an eviction, so with no
         ``drain_reason`` and no ``drain_until`` (``evictions`` is kept)."""
         return replace(self, state=state, drain_reason="", drain_until=0.0)
+
+    def with_notice(self, notice: str, notice_time: float) -> HostRecord:
+        """This record drained by a preemption notice: ``draining`` (not an eviction) with the notice recorded."""
+        return replace(self.with_state(DRAINING), notice=notice, notice_time=notice_time)
 
     def evicted_until(self, reason: str, drain_until: float) -> HostRecord:
         """This record drained by an evictor for ``reason`` until ``drain_until``, one more eviction counted."""

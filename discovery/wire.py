@@ -5,7 +5,10 @@ address; default the host), ``state`` (``ready`` or ``draining``; default ``read
 [0, 2**32); default 0), ``registered_at`` (Unix time; default 0), and an eviction's fields:
 ``drain_reason`` (``""``, or up to 32 of ``[a-z0-9_-]`` such as ``straggler`` when an evictor drained the
 host; default ``""``), ``drain_until`` (Unix time at which the host's agent marks it ready again; 0, the
-default, means never by itself) and ``evictions`` (how many times the host was evicted; default 0). Absent
+default, means never by itself) and ``evictions`` (how many times the host was evicted; default 0), and a cloud's
+preemption notice: ``notice`` (``""``, or up to 32 of ``[a-z0-9_-]`` naming the cloud and the event, such as
+``aws-spot-terminate``; default ``""``) and ``notice_time`` (Unix time at which the cloud ends the instance; 0, the
+default, when there is no notice). Absent
 fields take their defaults, so values written before a field existed still parse; unknown fields are
 ignored. Anything else is a :class:`MalformedRecord` with a one-line message naming the field.
 
@@ -46,6 +49,8 @@ MAX_DRAIN_REASON_LENGTH = 32
 _DRAIN_REASON_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_-")
 MAX_EVICTIONS = 1 << 31
 """Bound of ``evictions`` (exclusive), against a garbage value."""
+MAX_NOTICE_LENGTH = 32
+"""Longest ``notice`` (a token such as ``aws-spot-terminate``: the same characters as a ``drain_reason``)."""
 
 
 class MalformedRecord(InputError):
@@ -99,6 +104,14 @@ def check_drain_reason(value: object) -> str:
         raise ValueError(
             f"drain_reason must be at most {MAX_DRAIN_REASON_LENGTH} of [a-z0-9_-], got {ascii(value)[:40]}"
         )
+    return value
+
+
+def check_notice(value: object) -> str:
+    """Return ``value`` if it is a valid ``notice`` (``""`` or a token such as ``gcp-preempted``), else raise
+    ``ValueError``."""
+    if not isinstance(value, str) or len(value) > MAX_NOTICE_LENGTH or not _DRAIN_REASON_CHARS.issuperset(value):
+        raise ValueError(f"notice must be at most {MAX_NOTICE_LENGTH} of [a-z0-9_-], got {ascii(value)[:40]}")
     return value
 
 
@@ -173,6 +186,8 @@ def parse_value(host: str, raw: bytes | str) -> dict[str, Any]:
         drain_reason = check_drain_reason(data.get("drain_reason", ""))
         drain_until = check_time("drain_until", data.get("drain_until", 0.0))
         evictions = check_evictions(data.get("evictions", 0))
+        notice = check_notice(data.get("notice", ""))
+        notice_time = check_time("notice_time", data.get("notice_time", 0.0))
     except ValueError as e:
         raise MalformedRecord(f"host {host!r}: {e}") from None
     return {
@@ -185,6 +200,8 @@ def parse_value(host: str, raw: bytes | str) -> dict[str, Any]:
         "drain_reason": drain_reason,
         "drain_until": drain_until,
         "evictions": evictions,
+        "notice": notice,
+        "notice_time": notice_time,
     }
 
 

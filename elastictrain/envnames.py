@@ -49,6 +49,13 @@ CACHE = "ELASTICTRAIN_CACHE"
 """Cache folder of built Horovod wheels and image-folder indexes (default ``~/.cache/elastictrain``)."""
 TEST_ETCD = "ELASTICTRAIN_TEST_ETCD"
 """The etcd binary the tests and the chaos tier start (default: ``etcd`` on PATH, else ``/usr/bin/etcd``)."""
+AWS_METADATA = "ELASTICTRAIN_AWS_METADATA"
+"""Base URL ``http://HOST[:PORT]`` of the AWS instance metadata service the agent's ``--preemption-notice`` reads
+(default ``http://169.254.169.254``; the tests point it at a local server)."""
+GCP_METADATA = "ELASTICTRAIN_GCP_METADATA"
+"""Base URL of the GCP metadata server for ``--preemption-notice`` (default ``http://metadata.google.internal``)."""
+AZURE_METADATA = "ELASTICTRAIN_AZURE_METADATA"
+"""Base URL of the Azure instance metadata service for ``--preemption-notice`` (default ``http://169.254.169.254``)."""
 
 PREFIX = "ELASTICTRAIN_"
 """Every variable above starts with this (a clean environment for a chaos node drops them all)."""
