@@ -156,6 +156,10 @@ class CompressionConfig:
     bfloat16 tensors ("Tensor type torch.BFloat16Tensor is not supported"), so there is no ``bf16``."""
 
 
+FIRST_STEP_HANG_SECONDS = 1800.0
+"""The default of ``elastic.first_step_hang_seconds`` (also the hang detector's when it is built without a config)."""
+
+
 @dataclass(kw_only=True, frozen=True, slots=True)
 class ElasticConfig:
     policy: Literal["per_worker", "global"] = "per_worker"
@@ -183,11 +187,13 @@ class ElasticConfig:
     """Fewest workers to train with (horovodrun ``--min-np``)."""
     max_np: int = 32
     """Most workers to train with (horovodrun ``--max-np``)."""
-    stragglers: Literal["off", "report", "evict"] = "report"
+    stragglers: Literal["off", "report", "evict", "balance"] = "report"
     """What rank 0 does about a slow host (:mod:`elastictrain.engine.health.stragglers`). ``report``: a ``straggler``
     event when a
     host's median compute time per step is ``slow_ratio`` x the others' over ``window_steps``; ``evict``: also drain
-    it (as a spot notice, no step lost) when the job is predicted faster without it, for a cool-down; ``off``:
+    it (as a spot notice, no step lost) when the job is predicted faster without it, for a cool-down; ``balance``:
+    each host's share of a step follows its measured speed (:mod:`elastictrain.engine.health.shares`), and a slow
+    host is drained as with ``evict`` only when even its smallest share would hold the others back; ``off``:
     nothing is measured."""
     slow_ratio: float = 1.3
     """A host is slow when its median compute time per step is at least this many times the others' median."""
@@ -197,15 +203,30 @@ class ElasticConfig:
     """How long an evicted host stays out (> 0); doubled for each earlier eviction of the same host (probation).
     Straggler drains and hung-host evictions use it; with ``stragglers: report`` or ``off`` no host is drained as a
     straggler."""
+    share_smoothing: float = 0.5
+    """``balance``: weight of the newest commit interval in a host's smoothed speed (0 < x <= 1; 1: none)."""
+    share_threshold: float = 0.1
+    """``balance``: shares move only when some host's fraction of a step would change by more than this part of
+    it (>= 0), so that noise does not make them oscillate."""
+    share_min_per_worker: int = 1
+    """``balance``: samples every worker gets at least per step, so a slow host stays measured (>= 0)."""
+    share_max_per_worker: int | None = None
+    """``balance``: samples one worker gets at most per step (a slower host's part goes to the faster ones up to
+    this); null: no cap. Ignored when the caps cannot hold the global batch."""
     hang_seconds: float | None = None
     """A peer that makes no progress this long while the others wait for it is a failure: it is killed (same
     machine) or its host evicted, and the job continues without it. None: 10 x the typical step, at least 10 s. In the
     first step after a rendezvous a silent peer (no heartbeat: stopped, or its machine hangs) is hung when silent for
     at least this and ``min(60 s, half the Gloo timeout)``, and one that still beats only after
     ``first_step_hang_seconds``. In a rendezvous the bound is at most that minimum."""
-    first_step_hang_seconds: float = 1800.0
+    first_step_hang_seconds: float = FIRST_STEP_HANG_SECONDS
     """How long a peer that still beats may stay in its own work of the first step after a rendezvous (loader
     start-up, cudnn autotune, a cold cache: a slow start cannot be told from a stuck one) before it is hung."""
+    signals: Literal["auto", "files", "etcd"] = "files"
+    """How workers exchange heartbeats, the collective-failure marker and the hung verdict. ``files``: under
+    ``run_dir/.elastic/`` (every node must share the run_dir to judge peers on other machines); ``etcd``: under the
+    job's prefix in the etcd the launcher names (``ELASTICTRAIN_ETCD``; no shared disk); ``auto``: etcd when the job
+    has one, else files."""
 
     def __post_init__(self) -> None:
         _check(self.base_world_size >= 1, "elastic.base_world_size", f"must be >= 1, got {self.base_world_size}")
@@ -228,6 +249,27 @@ class ElasticConfig:
         )
         _check(self.slow_ratio > 1.0, "elastic.slow_ratio", f"must be > 1, got {self.slow_ratio}")
         _check(self.window_steps >= 4, "elastic.window_steps", f"must be >= 4, got {self.window_steps}")
+        _check(
+            0 < self.share_smoothing <= 1,
+            "elastic.share_smoothing",
+            f"must be > 0 and <= 1, got {self.share_smoothing:g}",
+        )
+        _check(
+            0 <= self.share_threshold < math.inf,
+            "elastic.share_threshold",
+            f"must be >= 0 and finite, got {self.share_threshold:g}",
+        )
+        _check(
+            self.share_min_per_worker >= 0,
+            "elastic.share_min_per_worker",
+            f"must be >= 0, got {self.share_min_per_worker}",
+        )
+        if self.share_max_per_worker is not None:
+            _check(
+                self.share_max_per_worker >= max(1, self.share_min_per_worker),
+                "elastic.share_max_per_worker",
+                f"must be >= 1 and >= elastic.share_min_per_worker, or null, got {self.share_max_per_worker}",
+            )
         _check(
             0 < self.straggler_cooldown_seconds < math.inf,
             "elastic.straggler_cooldown_seconds",

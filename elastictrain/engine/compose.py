@@ -1,9 +1,9 @@
 """The worker under horovodrun: the engine's parts (:mod:`elastictrain.engine`) composed over Horovod.
 
 ``hvd.init``, the training parts from the config and its task, rank 0's services, the workers' signals (the
-run_dir's files), the collective watchdog armed on the elastic state, a SIGTERM handler, then
-:func:`~elastictrain.engine.trainer.run_trainer`. Exit 0 only when training is complete; 143 after SIGTERM (rank 0
-checkpoints the last commit first).
+run_dir's files or the job's etcd: ``elastic.signals``), the collective watchdog armed on the elastic state, a SIGTERM
+handler, then :func:`~elastictrain.engine.trainer.run_trainer`. Exit 0 only when training is complete; 143 after
+SIGTERM (rank 0 checkpoints the last commit first).
 """
 
 from __future__ import annotations
@@ -15,21 +15,21 @@ from elastictrain.config import JobConfig
 from elastictrain.engine.collective import Collective, HorovodCollective
 from elastictrain.engine.health.eviction import EtcdEvictor
 from elastictrain.engine.health.hang import HangDetector, announce, first_step_bound, gloo_timeout_seconds
-from elastictrain.engine.health.signals import RENDEZVOUS, FileSignals
+from elastictrain.engine.health.signals import RENDEZVOUS, open_signals
 from elastictrain.engine.trainer import Trainer, run_trainer
 from elastictrain.engine.watch import arm_watchdog
 
 
 def run(cfg: JobConfig) -> int:
     """Run one worker to completion: 0 when training completed, 143 when stopped by SIGTERM."""
-    announce(FileSignals.of_run_dir(cfg.run_path), RENDEZVOUS)  # hvd.init: the driver's assignment and the rendezvous
+    announce(open_signals(cfg), RENDEZVOUS)  # hvd.init: the driver's assignment and the rendezvous
     return run_trainer(compose(cfg, HorovodCollective.init()))
 
 
 def compose(cfg: JobConfig, collective: Collective) -> Trainer:
     """The worker's trainer over ``collective`` (initialised): parts, services, the armed watchdog, SIGTERM."""
     trainer = Trainer.build(cfg, collective)
-    signals = FileSignals.of_run_dir(cfg.run_path)
+    signals = open_signals(cfg)
     policy = trainer.straggler_policy
     evictor = EtcdEvictor.from_env(os.environ, min_np=policy.min_np)
     if policy.mode == "evict":

@@ -36,9 +36,13 @@ def main(argv: list[str]) -> int:
         print(f"elastictrain train: error: {e}", file=sys.stderr)
         return 2
     from elastictrain.engine.health.hang import announce
-    from elastictrain.engine.health.signals import STARTUP, FileSignals
+    from elastictrain.engine.health.signals import STARTUP, open_signals
 
-    announce(FileSignals.of_run_dir(cfg.run_path), STARTUP)  # before torch, horovod and hvd.init
+    try:
+        signals = open_signals(cfg)  # elastic.signals: the run_dir's files or the job's etcd
+    except ConfigError as e:
+        return report_config_error(e)
+    announce(signals, STARTUP)  # before torch, horovod and hvd.init
     from elastictrain.engine import compose  # torch + horovod: imported only once the config is good
     from elastictrain.rundir.worker_error import record_worker_error
     from elastictrain.task import add_import_paths

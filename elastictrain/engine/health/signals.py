@@ -1,9 +1,12 @@
 """What the workers of one job tell each other: heartbeats, the collective-failure marker, the hung verdict.
 
 :class:`WorkerSignals` is the one interface the detectors (:mod:`~elastictrain.engine.health.hang`,
-:mod:`~elastictrain.engine.health.watchdog`) speak; :class:`FileSignals`, its implementation today, keeps them in
-``run_dir/.elastic/`` (:mod:`elastictrain.rundir.layout`) on storage the workers share. Writes are best effort (a
-signal that cannot be written never fails a worker); what is read is untrusted and checked (:meth:`Beat.parse`).
+:mod:`~elastictrain.engine.health.watchdog`) speak. Two transports: :class:`FileSignals` keeps them in
+``run_dir/.elastic/`` (:mod:`elastictrain.rundir.layout`) on storage the workers share;
+:class:`~elastictrain.engine.health.etcd_signals.EtcdSignals` keeps them in etcd under the job's prefix (no shared
+disk). :func:`open_signals` picks one by ``elastic.signals``. Writes are best effort (a signal that cannot be written
+never fails a worker); what is read is untrusted and checked (:meth:`Beat.parse`, :func:`parse_failure`,
+:func:`parse_verdict`).
 """
 
 from __future__ import annotations
@@ -13,12 +16,14 @@ import json
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from discovery.wire import check_name
+from elastictrain import envnames
+from elastictrain.errors import ConfigError
 from elastictrain.fileio import write_atomic
 from elastictrain.rundir import layout
 
@@ -30,6 +35,12 @@ PHASES = (LOCAL, WAITING, IDLE, *RESET_PHASES)
 MAX_BEAT_BYTES = 4096
 MAX_BEAT_FILES = 4096
 """Heartbeat files read at most when a rendezvous judges the whole folder (the run_dir is untrusted)."""
+MAX_MARK_BYTES = 400
+"""Most bytes of a failure marker or a hung verdict that are read (``ts`` then one line of at most 300 characters)."""
+MAX_VERDICT_CHARS = 300
+
+if TYPE_CHECKING:
+    from elastictrain.config import JobConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,12 +192,13 @@ class FailureMarker:
     def record(self, host: str) -> None:
         with contextlib.suppress(OSError):
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(self.path, f"{time.time()} {host}\n", durable=False)
+            write_atomic(self.path, failure_line(time.time(), host), durable=False)
 
     def last(self) -> float | None:
         try:
-            return float(self.path.read_text().split()[0])
-        except (OSError, ValueError, IndexError):
+            with open(self.path, "rb") as f:
+                return parse_failure(f.read(MAX_MARK_BYTES + 1))
+        except OSError:
             return None
 
 
@@ -200,15 +212,47 @@ class HungVerdict:
         when = time.time() if at is None else at
         with contextlib.suppress(OSError):
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(self.path, f"{when} {why.splitlines()[0][:300]}\n", durable=False)
+            write_atomic(self.path, verdict_line(when, why), durable=False)
 
     def since(self, ts: float) -> str | None:
         """The verdict's reason when it was recorded at or after ``ts``, else None."""
         try:
-            when, _, why = self.path.read_text()[:400].partition(" ")
-            return why.strip() if float(when) >= ts else None
-        except (OSError, ValueError):
+            with open(self.path, "rb") as f:
+                verdict = parse_verdict(f.read(MAX_MARK_BYTES))
+        except OSError:
             return None
+        return verdict[1] if verdict is not None and verdict[0] >= ts else None
+
+
+def failure_line(ts: float, host: str) -> str:
+    """The failure marker's value: ``ts`` then the host, one line."""
+    return f"{ts} {host.splitlines()[0][:MAX_VERDICT_CHARS] if host else ''}\n"
+
+
+def parse_failure(raw: bytes) -> float | None:
+    """When a failure marker (untrusted) says the failure was, or None when it is not a valid one."""
+    if len(raw) > MAX_MARK_BYTES:
+        return None
+    try:
+        ts = float(raw.decode().split()[0])
+    except (ValueError, UnicodeDecodeError, IndexError):
+        return None
+    return ts if math.isfinite(ts) and ts >= 0 else None
+
+
+def verdict_line(when: float, why: str) -> str:
+    """The hung verdict's value: ``when`` then the first line of ``why`` (at most 300 characters)."""
+    return f"{when} {(why.splitlines() or [''])[0][:MAX_VERDICT_CHARS]}\n"
+
+
+def parse_verdict(raw: bytes) -> tuple[float, str] | None:
+    """(when, why) of a hung verdict (untrusted; only its first :data:`MAX_MARK_BYTES` are read), or None."""
+    try:
+        when, _, why = raw[:MAX_MARK_BYTES].decode(errors="replace").partition(" ")
+        ts = float(when)
+    except ValueError:
+        return None
+    return (ts, why.strip()) if math.isfinite(ts) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,3 +299,41 @@ class FileSignals:
 
     def verdict_since(self, ts: float) -> str | None:
         return self.verdict.since(ts)
+
+
+SIGNALS_CHOICES = ("auto", "files", "etcd")
+"""``elastic.signals``: ``files`` (the run_dir), ``etcd`` (the job's etcd), ``auto`` (etcd when the job has one)."""
+
+
+def signals_transport(choice: str, environ: Mapping[str, str]) -> str:
+    """``files`` or ``etcd`` for ``elastic.signals`` = ``choice`` in a worker whose environment is ``environ``
+    (``ELASTICTRAIN_ETCD`` names the job's etcd, as ``launch`` sets it). Raises :class:`ConfigError` for ``etcd``
+    without an endpoint."""
+    has_etcd = bool(environ.get(envnames.ETCD, "").strip())
+    if choice == "etcd" and not has_etcd:
+        raise ConfigError(f"elastic.signals is etcd but {envnames.ETCD} is not set (run under elastictrain launch)")
+    if choice not in SIGNALS_CHOICES:
+        raise ConfigError(f"elastic.signals must be one of {', '.join(SIGNALS_CHOICES)}, got {choice!r}")
+    return "etcd" if choice == "etcd" or (choice == "auto" and has_etcd) else "files"
+
+
+_OPENED: dict[tuple[str, ...], WorkerSignals] = {}
+
+
+def open_signals(cfg: JobConfig, environ: Mapping[str, str] | None = None) -> WorkerSignals:
+    """This worker's signals for ``cfg`` (``elastic.signals``, :func:`signals_transport`): one object per process
+    and transport, so that the start-up's announcements and the detector share etcd's lease and thread. Raises
+    :class:`ConfigError` (one line) for an etcd the environment names badly."""
+    env = os.environ if environ is None else environ
+    transport = signals_transport(cfg.elastic.signals, env)
+    if transport == "files":
+        return FileSignals.of_run_dir(cfg.run_path)
+    key = (transport, env.get(envnames.ETCD, ""), env.get(envnames.ETCD_PREFIX, ""), env.get(envnames.JOB, ""))
+    if key not in _OPENED:
+        from elastictrain.engine.health.etcd_signals import EtcdSignals
+
+        _OPENED[key] = EtcdSignals.from_env(env, hang_seconds=cfg.elastic.hang_seconds).start()
+    return _OPENED[key]
+
+
+os.register_at_fork(after_in_child=_OPENED.clear)  # no thread crosses a fork: a child opens its own
