@@ -3,8 +3,10 @@
 Each epoch has one permutation of the sample ids, shared by every worker (seeded by ``seed + epoch``).
 The only state is the epoch and a ``cursor``: how many positions of the permutation committed steps
 have consumed. A step takes the next ``global_count`` positions and splits them into contiguous
-shares, one per rank. Nothing is padded; the last step of an epoch may be short. After any
-membership change the remaining positions are simply re-split over the new world, and after a
+shares, one per rank: near-equal, or in proportion to per-rank weights (:func:`allocate`; the uneven
+shares of ``elastic.stragglers: balance``, part of the committed state). Nothing is padded; the last
+step of an epoch may be short. After any membership change the remaining positions are simply
+re-split over the new world, and after a
 failure the cursor rolls back with the rest of the state. So every id is used by exactly one
 committed step per epoch. Stock ``ElasticSampler`` pads shares to equal length, which duplicates
 samples; this planner does not.
@@ -12,8 +14,10 @@ samples; this planner does not.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -51,6 +55,55 @@ def shares(count: int, world_size: int) -> list[int]:
     return [base + (1 if r < extra else 0) for r in range(world_size)]
 
 
+def allocate(
+    total: int, weights: Sequence[float], *, floor: int = 0, caps: Sequence[int | None] | None = None
+) -> list[int]:
+    """Split ``total`` into integers in proportion to ``weights``: each at least ``floor`` and at most its cap (pure,
+    exact: the same inputs give the same split on every rank).
+
+    Largest remainder on exact fractions (ties to the lower index), after caps are filled (water-filling: what a
+    capped entry cannot take goes to the others in proportion). A zero weight gets the floor only; with every
+    weight zero the split is equal. A floor that ``total`` cannot give to everyone is dropped; caps that cannot
+    hold ``total`` together are dropped too (the step's samples must all go somewhere). Equal weights give
+    :func:`shares`'s split.
+    """
+    n = len(weights)
+    assert n >= 1 and total >= 0 and floor >= 0
+    assert all(math.isfinite(w) and w >= 0 for w in weights), weights
+    cap = [total if c is None else max(0, min(int(c), total)) for c in (caps or [None] * n)]
+    assert len(cap) == n
+    if sum(cap) < total:
+        cap = [total] * n
+    low = [min(floor, c) for c in cap]
+    if sum(low) > total:
+        low = [0] * n
+    out = list(low)
+    left = total - sum(low)
+    w = [Fraction(x) for x in weights]
+    if not any(w[i] > 0 for i in range(n) if cap[i] > out[i]):
+        w = [Fraction(1)] * n
+    active = [i for i in range(n) if cap[i] > out[i] and w[i] > 0]
+    while left > 0:
+        weight = sum(w[i] for i in active)
+        quota = {i: left * w[i] / weight for i in active}
+        full = [i for i in active if quota[i] >= cap[i] - out[i]]
+        if full:  # these take all they can hold; the rest is split again over the others
+            for i in full:
+                left -= cap[i] - out[i]
+                out[i] = cap[i]
+            active = [i for i in active if i not in full]
+            continue
+        floors = {i: int(q) for i, q in quota.items()}
+        extra = left - sum(floors.values())
+        by_remainder = sorted(active, key=lambda i: (-(quota[i] - floors[i]), i))
+        for i in active:
+            out[i] += floors[i]
+        for i in by_remainder[:extra]:
+            out[i] += 1
+        left = 0
+    return out
+
+
 class ExactlyOncePlanner:
     """Plans the sample ids of each step from ``(epoch, cursor, world_size, rank)`` alone."""
 
@@ -74,12 +127,24 @@ class ExactlyOncePlanner:
         remaining = self.num_samples - state.cursor
         return remaining <= 0 or (self.drop_last and remaining < global_batch)
 
-    def plan(self, state: SamplerState, *, global_batch: int, world_size: int, rank: int, micro_batch: int) -> StepPlan:
-        """The next step after ``state``; call only when not :meth:`epoch_done`."""
+    def plan(
+        self,
+        state: SamplerState,
+        *,
+        global_batch: int,
+        world_size: int,
+        rank: int,
+        micro_batch: int,
+        weights: Sequence[float] | None = None,
+    ) -> StepPlan:
+        """The next step after ``state``; call only when not :meth:`epoch_done`. ``weights`` (one per rank, or None
+        for near-equal shares) split each step in proportion: with integer weights summing to ``global_batch`` a
+        full step's shares are the weights themselves, a short last step's are scaled down."""
         assert 0 <= rank < world_size and global_batch >= 1 and micro_batch >= 1
+        assert weights is None or len(weights) == world_size, "one weight per rank"
         count = min(global_batch, self.num_samples - state.cursor)
         assert count > 0, "plan() called at the end of an epoch"
-        sizes = shares(count, world_size)
+        sizes = shares(count, world_size) if weights is None else allocate(count, weights)
         offset = state.cursor + sum(sizes[:rank])
         ids = self.permutation(state.epoch)[offset : offset + sizes[rank]]
         micro = [ids[i : i + micro_batch] for i in range(0, len(ids), micro_batch)]
@@ -118,11 +183,26 @@ class StepLog:
 
 
 def iter_plans(
-    planner: ExactlyOncePlanner, state: SamplerState, *, global_batch: int, world_size: int, rank: int, micro_batch: int
+    planner: ExactlyOncePlanner,
+    state: SamplerState,
+    *,
+    global_batch: int,
+    world_size: int,
+    rank: int,
+    micro_batch: int,
+    weights: Sequence[float] | None = None,
 ) -> Iterator[StepPlan]:
-    """Plans of the rest of the current epoch, assuming each step commits (for prefetching loaders)."""
+    """Plans of the rest of the current epoch, assuming each step commits (for prefetching loaders); ``weights`` as
+    in :meth:`ExactlyOncePlanner.plan`."""
     shadow = SamplerState(state.epoch, state.cursor)
     while not planner.epoch_done(shadow, global_batch):
-        p = planner.plan(shadow, global_batch=global_batch, world_size=world_size, rank=rank, micro_batch=micro_batch)
+        p = planner.plan(
+            shadow,
+            global_batch=global_batch,
+            world_size=world_size,
+            rank=rank,
+            micro_batch=micro_batch,
+            weights=weights,
+        )
         yield p
         shadow.cursor += p.global_count

@@ -64,6 +64,7 @@ class EventKind(enum.StrEnum):
     STOPPED = "stopped"
     STRAGGLER = "straggler"
     EVICTION = "eviction"
+    SHARES = "shares"
 
 
 def _doc(text: str) -> Any:
@@ -316,6 +317,19 @@ class Eviction(Event):
     error: str | None = _doc("why the drain could not be written to etcd, if it could not")
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Shares(Event):
+    KIND = EventKind.SHARES
+    WHEN = (
+        "with `elastic.stragglers: balance`, the hosts' shares of a step changed (they follow the measured speeds),"
+        " written at the commit from which they apply"
+    )
+    global_batch: int | None = _doc("samples per step over all workers")
+    shares: dict[str, int] | None = _doc("samples per step of each host (all its workers), summing to `global_batch`")
+    speeds: dict[str, float] | None = _doc("each host's smoothed samples per second, per worker")
+    reason: str | None = _doc("why they changed")
+
+
 EVENT_TYPES: dict[EventKind, type[Event]] = {
     cls.KIND: cls
     for cls in (
@@ -333,6 +347,7 @@ EVENT_TYPES: dict[EventKind, type[Event]] = {
         Stopped,
         Straggler,
         Eviction,
+        Shares,
     )
 }
 """Every event kind and its dataclass, in the order docs/events.md lists them."""
