@@ -16,9 +16,9 @@ import psutil
 import pytest
 
 from chaos.procs import kill_tree, wait_until
+from elastictrain.config import FIRST_STEP_HANG_SECONDS
 from elastictrain.engine.health import hang
 from elastictrain.engine.health.hang import (
-    FIRST_STEP_HANG_SECONDS,
     BeatKeeper,
     HangDetector,
     announce,

@@ -64,6 +64,7 @@ from typing import Any
 import psutil
 
 from elastictrain import envnames
+from elastictrain.config import FIRST_STEP_HANG_SECONDS
 from elastictrain.engine.health.signals import (
     IDLE,
     LOCAL,
@@ -83,10 +84,7 @@ MIN_HANG_SECONDS = 10.0
 HANG_STEPS = 10.0
 FIRST_STEP_SECONDS = 60.0
 """How long a peer may be silent (no heartbeat) in a ring's first step before it is hung, unless the Gloo timeout is
-shorter: :func:`first_step_bound`. Its own work there is bounded by :data:`FIRST_STEP_HANG_SECONDS`."""
-FIRST_STEP_HANG_SECONDS = 1800.0
-"""How long a peer that still beats may stay in its own work of a ring's first step (the default of
-``elastic.first_step_hang_seconds``)."""
+shorter: :func:`first_step_bound`. Its own work there is bounded by ``elastic.first_step_hang_seconds``."""
 GLOO_SHARE = 0.5
 BEAT_SECONDS = 1.0
 GONE_CHECK_SECONDS = 0.5
