@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastictrain.checkpoint import (
-    LocalStorage,
     checkpoint_name,
     latest_manifest,
     load_latest,
     read_latest,
     rollback_latest,
 )
+from elastictrain.checkpoint.location import storage_for
 from elastictrain.config import ConfigError, JobConfig
 from elastictrain.engine.state import CommittedState
 from elastictrain.logconf import get_logger
@@ -84,7 +84,7 @@ def resume_latest(cfg: JobConfig, state: CommittedState, inputs: dict[str, Any],
     whose resume inputs differ from ``inputs``. None when nothing was loaded (or resume is off)."""
     if not (cfg.checkpoint.enabled and cfg.checkpoint.resume):
         return None
-    storage = LocalStorage.for_run_dir(cfg.run_path)
+    storage = storage_for(cfg.checkpoint.location, cfg.run_path)
     if not is_rank0:
         manifest = latest_manifest(storage)
         if manifest is not None:

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from elastictrain.checkpoint import Checkpointer, LocalStorage
+from elastictrain.checkpoint import Checkpointer
+from elastictrain.checkpoint.location import storage_for
 from elastictrain.config import JobConfig
 from elastictrain.engine.health.hang import gloo_timeout_seconds
 from elastictrain.engine.progress import NullProgress, Progress, make_progress
@@ -80,7 +81,7 @@ class Rank0Services:
         self.tracker, self._early_tracker = self._early_tracker or make_tracker(cfg, 0), None
         if cfg.checkpoint.enabled:
             self.checkpointer = Checkpointer(
-                LocalStorage.for_run_dir(cfg.run_path),
+                storage_for(cfg.checkpoint.location, cfg.run_path),
                 keep_last=cfg.checkpoint.keep_last,
                 writer=cfg.checkpoint.writer,
                 on_event=self.on_checkpoint_event,

@@ -4,6 +4,8 @@ Writes the model's ``state_dict`` from the latest verified checkpoint as a plain
 ``torch.load(path, weights_only=True)`` reads), and the job's resolved config beside it (``model.pt`` ->
 ``model.yaml``), which names the task and its arguments, so ``build_task(load_config("model.yaml")).model``
 rebuilds the architecture that the weights fit. Exit 2 with one line when the run has no usable checkpoint.
+The checkpoints are read where the run kept them: ``--checkpoint-location``, else the ``checkpoint.location`` of
+the run_dir's ``config.yaml`` (an object store such as ``s3://bucket/prefix``), else ``run_dir/checkpoints``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import sys
 from pathlib import Path
 
 from elastictrain.cliutil import OneLineParser
+from elastictrain.errors import one_line
 from elastictrain.fileio import atomic_file, write_atomic
 from elastictrain.rundir import layout
 
@@ -23,12 +26,27 @@ def main(argv: list[str]) -> int:
     p.add_argument("--run-dir", required=True, help="the job's run_dir")
     p.add_argument("--out", required=True, help="the state_dict file to write (e.g. model.pt)")
     p.add_argument("--config-out", default=None, help="where the resolved config goes (default: --out with .yaml)")
+    p.add_argument(
+        "--checkpoint-location",
+        default=None,
+        help="where the run's checkpoints are (a path or s3://, gs://, az:// URL; default: the checkpoint.location "
+        "in the run_dir's config.yaml, else run_dir/checkpoints)",
+    )
     args = p.parse_args(argv)
     run_dir, out = Path(args.run_dir), Path(args.out)
     config_out = Path(args.config_out) if args.config_out else out.with_suffix(".yaml")
-    if not (run_dir / layout.CHECKPOINTS).is_dir():
+    from elastictrain.checkpoint.location import storage_for_run_dir
+    from elastictrain.checkpoint.storage import LocalStorage
+
+    try:
+        storage = storage_for_run_dir(run_dir, args.checkpoint_location)
+    except ValueError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    if isinstance(storage, LocalStorage) and not storage.root.is_dir():
         print(
-            f"{PROG}: error: --run-dir {run_dir}: no checkpoints/ folder (not a run dir, or nothing saved)",
+            f"{PROG}: error: --run-dir {run_dir}: no checkpoints/ folder at {storage.root} "
+            "(not a run dir, or nothing saved)",
             file=sys.stderr,
         )
         return 2
@@ -38,11 +56,15 @@ def main(argv: list[str]) -> int:
     import torch
     import yaml
 
-    from elastictrain.checkpoint import LocalStorage, load_latest
+    from elastictrain.checkpoint import load_latest
 
-    loaded = load_latest(LocalStorage.for_run_dir(run_dir), map_location="cpu")
+    try:
+        loaded = load_latest(storage, map_location="cpu")
+    except OSError as e:  # the store unreachable, or refusing us
+        print(f"{PROG}: error: {storage.describe()}: cannot read ({one_line(e)})", file=sys.stderr)
+        return 1
     if loaded is None:
-        print(f"{PROG}: error: --run-dir {run_dir}: no complete, verified checkpoint", file=sys.stderr)
+        print(f"{PROG}: error: {storage.describe()}: no complete, verified checkpoint", file=sys.stderr)
         return 2
     model = loaded.state.get("model") if isinstance(loaded.state, dict) else None
     if not isinstance(model, dict) or not all(isinstance(t, torch.Tensor) for t in model.values()):

@@ -1,6 +1,7 @@
 """``elastictrain status --run-dir D [--json] [--etcd URL --job J]``: the state of a run, read from files.
 
-Reads ``run_dir/events.jsonl``, ``run_dir/checkpoints/latest`` (+ that folder's ``manifest.json``) and
+Reads ``run_dir/events.jsonl``, ``latest`` (+ that folder's ``manifest.json``) where the run keeps its checkpoints
+(``run_dir/checkpoints``, or the ``checkpoint.location`` its ``config.yaml`` names, e.g. ``s3://...``) and
 ``run_dir/mlflow_run_id``; each may be absent. With ``--etcd`` and ``--job`` it also lists the hosts
 registered in etcd.
 
@@ -22,8 +23,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from elastictrain.checkpoint.location import storage_for_run_dir
 from elastictrain.checkpoint.manifest import CheckpointDamaged, read_latest, read_manifest
-from elastictrain.checkpoint.storage import LocalStorage
+from elastictrain.checkpoint.storage import CheckpointStorage
 from elastictrain.cliutil import OneLineParser
 from elastictrain.errors import ToolError
 from elastictrain.rundir import layout
@@ -46,10 +48,14 @@ class StatusError(ToolError):
     """The run dir cannot be read; the message is one line for the user."""
 
 
-def latest_checkpoint(run_dir: Path, now: float) -> dict[str, Any] | None:
+def latest_checkpoint(run_dir: Path, now: float, storage: CheckpointStorage | None = None) -> dict[str, Any] | None:
     """What ``checkpoints/latest`` names, with its manifest fields and age; None when there is none. Read and
     checked by :mod:`elastictrain.checkpoint.manifest` (what is wrong goes to ``error``); files are not hashed."""
-    storage = LocalStorage.for_run_dir(run_dir)
+    if storage is None:
+        try:
+            storage = storage_for_run_dir(run_dir)
+        except ValueError as e:  # a config.yaml naming a bad location
+            return {"name": None, "path": str(layout.RunDir.of(run_dir).config), "error": str(e)}
     invalid: list[str] = []
     name = read_latest(storage, on_invalid=invalid.append)
     if name is None:
