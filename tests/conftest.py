@@ -7,4 +7,5 @@ pytest_plugins = [
     "tests.fixtures.mlflow_server",
     "tests.fixtures.etcd",
     "tests.fixtures.elastic_job",
+    "tests.fixtures.s3_server",
 ]
