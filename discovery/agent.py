@@ -331,8 +331,9 @@ def decide(cfg: AgentConfig, st: AgentState, obs: Observation) -> AgentDecision:
 
 
 def kept_eviction(st: AgentState) -> bool:
-    """Whether registering again writes the eviction our key carried (not when a signal drains the host)."""
-    return st.drain_requested_at is None and st.wanted_state == DRAINING and st.drain_until > 0
+    """Whether registering again writes the eviction our key carried (not when a signal or a notice drains the
+    host)."""
+    return st.drain_requested_at is None and st.notice is None and st.wanted_state == DRAINING and st.drain_until > 0
 
 
 def _eviction(reason: str, until: float) -> str:
@@ -480,7 +481,7 @@ class Agent:
                 entry = self.registry.get(self.cfg.host)
                 if entry is not None and entry.lease_id == st.lease_id and st.notice is not None:
                     self.registry.compare_and_set(entry, entry.record.with_notice(st.notice.token, st.notice.time))
-                st.wanted_state = DRAINING
+                st.wanted_state, st.drain_reason, st.drain_until = DRAINING, "", 0.0
             elif decision.action is Action.READMIT:
                 self._readmit()
             elif decision.action is Action.REVOKE_AND_EXIT:
