@@ -80,12 +80,14 @@ chaos-campaign: $(STAMP)
 	$(PY) -m chaos campaign --faults $(CAMPAIGN_FAULTS) --seed $(CAMPAIGN_SEED) $(CAMPAIGN_ARGS)
 
 # The contenders of `python -m bench --only peers` (torchrun and TorchFT) in their own environment, never in
-# the product's: torch from constraints/torch.txt (the local disk, as scripts/setup.sh installs it) and torchft 0.2.0.
+# the product's: torch from constraints/torch.txt (as scripts/setup.sh installs it) and the newest TorchFT on the
+# index, torchft-nightly (0.2.0's DDP hook crashes every replica group when a peer dies: meta-pytorch/torchft#304).
 PEERS_VENV := .peers-venv
+TORCHFT_PIN := torchft-nightly==2026.10.26
 peers-env:
 	python3.11 -m venv $(PEERS_VENV)
-	$(PEERS_VENV)/bin/python -m pip install -q --disable-pip-version-check -c constraints/torch.txt torch torchft==0.2.0 numpy
-	$(PEERS_VENV)/bin/python -c "import torch, torchft; print('peers-env: torch', torch.__version__, 'torchft 0.2.0')"
+	$(PEERS_VENV)/bin/python -m pip install -q --disable-pip-version-check -c constraints/torch.txt torch $(TORCHFT_PIN) numpy
+	$(PEERS_VENV)/bin/python -c "import importlib.metadata as m, torch, torchft; print('peers-env: torch', torch.__version__, '$(TORCHFT_PIN)'.split('==')[0], m.version('$(TORCHFT_PIN)'.split('==')[0]))"
 
 # elastictrain, stock Horovod, torchrun and TorchFT side by side (needs `make peers-env`); BENCH_ARGS=--quick
 BENCH_ARGS ?=

@@ -12,27 +12,29 @@ per-step log (``bench/peers/steplog.py``), from which this module measures every
    10 steps) under Horovod's own ``horovodrun`` with the same discovery, timeout and cooldown;
 3. ``torchrun``: one ``torchrun`` agent per logical host (``--nnodes 1:MAX --rdzv-backend c10d --max-restarts
    100``), DDP, rank 0 checkpointing every 10 steps (``torchrun_train.py``);
-4. ``torchft``: TorchFT 0.2.0's Lighthouse and one replica group per logical host, each a one-process torchrun
-   that restarts it (``torchft_train.py``, as its README's ``train_ddp.py``).
+4. ``torchft`` and ``torchft-hb1s``: TorchFT (``torchft-nightly``, ``make peers-env``) as its ``train_ddp.py``:
+   the Lighthouse of its README and one replica group per logical host, each a one-process torchrun that restarts
+   it, checkpointing model, optimizer, manager state and data position every 10 steps (``torchft_train.py``); the
+   lighthouse's heartbeat timeout at its default (5000 ms) and tuned (1000 ms).
 
-torchrun and TorchFT run from ``.peers-venv`` (``make peers-env``); without it they are reported ``blocked``
-with that hint, and the others are measured. Each contender runs (alternating, A B C D, D C B A, ...):
+torchrun and TorchFT run from ``.peers-venv``; without it they are reported ``blocked`` with that hint, and the
+others are measured. Each contender runs (alternating, A B C D, D C B A, ...):
 
 * a trial job started on 3 hosts (max 4): steady samples/s over a window after step 30; the 4th host listed
-  (torchrun: a 4th agent, which restarts every worker; TorchFT: a 4th replica group, healed from a live one)
   and the pause that the running job sees; then SIGKILLs of one training process (seeded), each timed to the
-  end of the first step the job began after it, with the steps redone or thrown away after each;
+  end of the first step the job began after it, with the steps redone or thrown away after each and whether the
+  survivors lived (:func:`survival`: the same pids, steps at the smaller world before the killed one rejoined);
 * a goodput job on 3 hosts (max 3): a seeded SIGKILL every 60 s for 10 minutes (quick: 30 s, 2 minutes), the
-  killed host back through the contender's own restart path (Horovod's blacklist cooldown; torchrun's agent
-  restart; TorchFT's per-group torchrun); goodput by :func:`goodput`, and exactly once per completed epoch by
-  :func:`audit`.
+  killed host back through the contender's own restart path; goodput by :func:`goodput` (kept steps' compute, no
+  waits), and exactly once per completed epoch by :func:`audit`.
+
+Every kill's figures (recovery, redone, thrown away) and their p50/p95/max go to the JSON and the table. A
+contender whose design promises survivors but whose survivors never lived through a kill gets no goodput, and
+the table says so in words.
 
 Goals (elastictrain against the others, medians in the same run): SIGKILL recovery >= 10x faster than
-torchrun's and >= 1x TorchFT's; scale-up pause <= 0.25x torchrun's; goodput ahead of every contender;
-samples/s >= 0.97x the fastest contender's; exactly once per epoch.
-
-Size: the shared rule over the step log (pure functions, tested in ``tests/unit/test_peers_goodput.py``) and
-one small job class per contender, which only make sense side by side.
+torchrun's and >= 1x TorchFT's (its better heartbeat setting); scale-up pause <= 0.25x torchrun's; goodput ahead
+of every contender; samples/s >= 0.97x the fastest contender's; exactly once per epoch.
 """
 
 from __future__ import annotations
@@ -71,7 +73,14 @@ from elastictrain.launcher.processes import free_port
 NAME = "peers"
 PEERS_DIR = REPO / "bench" / "peers"
 PEERS_VENV = REPO / ".peers-venv"
-CONTENDERS = ("elastictrain", "horovod", "torchrun", "torchft")
+TORCHFT_TUNED = "torchft-hb1s"
+"""TorchFT with its lighthouse's heartbeat timeout tuned (:data:`TORCHFT_TUNED_HEARTBEAT_MS`); ``torchft`` keeps the
+default."""
+CONTENDERS = ("elastictrain", "horovod", "torchrun", "torchft", TORCHFT_TUNED)
+PEER_ENV_CONTENDERS = ("torchrun", "torchft", TORCHFT_TUNED)
+"""The contenders that run from ``.peers-venv``."""
+RESTART_BY_DESIGN = ("torchrun",)
+"""Contenders whose design restarts every worker on a fault (the others promise that survivors go on)."""
 NUM_SAMPLES = 15_360  # bench/peers/task.py
 SEED = 25
 
@@ -282,14 +291,63 @@ def _union_length(intervals: Iterable[tuple[float, float]]) -> float:
     return total
 
 
-def goodput(lines: Iterable[Line], t_start: float, t_end: float) -> float:
-    """Time in completed steps that were kept ÷ wall time: the union of the kept lines' ``[t0, t1]`` inside
-    ``[t_start, t_end]`` ÷ its length."""
+def kept_steps(lines: Iterable[Line]) -> list[tuple[float, float]]:
+    """The kept steps' spans, in step order: from the first start of a step's lines (or the previous kept step's end,
+    when later: processes a collective apart overlap) to their last end."""
+    spans: dict[int, tuple[float, float]] = {}
+    for ln in replay(lines).kept:
+        a, b = spans.get(ln.step, (ln.t0, ln.t1))
+        spans[ln.step] = (min(a, ln.t0), max(b, ln.t1))
+    out: list[tuple[float, float]] = []
+    for k in sorted(spans):
+        a, b = spans[k]
+        out.append((min(b, max(a, out[-1][1])) if out else a, b))
+    return out
+
+
+def steady_step_seconds(lines: Iterable[Line]) -> float | None:
+    """The contender's steady step time: the median span of its kept steps (most steps of a run wait for nothing)."""
+    spans = kept_steps(lines)
+    return statistics.median(b - a for a, b in spans) if spans else None
+
+
+def goodput(lines: Iterable[Line], t_start: float, t_end: float, step_seconds: float | None = None) -> float:
+    """Compute in kept steps ÷ wall time: each kept step inside ``[t_start, t_end]`` counts its span clipped to the
+    window and capped at ``step_seconds`` (the contender's steady step time, by default :func:`steady_step_seconds`
+    of ``lines``), so a wait inside a kept step (a quorum, a heartbeat timeout, a rendezvous, a peer's restart) earns
+    nothing; redone and thrown-away steps count nothing."""
     if t_end <= t_start:
         raise ValueError(f"goodput window must be positive, got [{t_start}, {t_end}]")
-    kept = replay(lines).kept
-    inside = [(max(ln.t0, t_start), min(ln.t1, t_end)) for ln in kept if ln.t1 > t_start and ln.t0 < t_end]
-    return _union_length(inside) / (t_end - t_start)
+    lines = list(lines)
+    spans = kept_steps(lines)
+    cap = step_seconds if step_seconds is not None else steady_step_seconds(lines)
+    if cap is None:
+        return 0.0
+    inside = (min(b, t_end) - max(a, t_start) for a, b in spans)
+    return sum(min(d, cap) for d in inside if d > 0) / (t_end - t_start)
+
+
+def survival(lines: Iterable[Line], kill_ts: float, killed: str, until: float, before: float = 10.0) -> dict[str, Any]:
+    """Did the processes that the kill of writer ``killed`` (``<host>-<pid>``) at ``kill_ts`` spared live through it?
+    Survivors: the other writers of committed lines that ended in the ``before`` seconds up to the kill. ``lived``:
+    those that wrote a committed line begun after the kill (the same writer, so the same pid) up to ``until``;
+    ``steps_at_smaller_world``: steps they committed at a world smaller than before the kill, before the first step
+    back at that size (the killed one's return). ``survived``: every survivor lived and took such a step."""
+    lines = [ln for ln in lines if ln.committed]
+    recent = [ln for ln in lines if kill_ts - before <= ln.t1 <= kill_ts]
+    world = max((ln.world for ln in recent), default=0)
+    spared = sorted({ln.writer for ln in recent} - {killed})
+    after = sorted((ln for ln in lines if kill_ts <= ln.t0 and ln.t1 <= until), key=lambda x: x.t1)
+    back = next((ln.t1 for ln in after if ln.world >= world), until)
+    lived = sorted({ln.writer for ln in after} & set(spared))
+    smaller = {ln.step for ln in after if ln.writer in spared and ln.world < world and ln.t1 < back}
+    return {
+        "world_before": world,
+        "survivors": len(spared),
+        "lived": len(lived),
+        "steps_at_smaller_world": len(smaller),
+        "survived": bool(spared) and len(lived) == len(spared) and bool(smaller),
+    }
 
 
 def first_step_after(lines: Iterable[Line], t: float) -> Line | None:
@@ -377,6 +435,24 @@ def losses_after(rep: Replay, kills: list[float], t_end: float) -> list[dict[str
     return out
 
 
+def kill_figures(kills: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every kill's recovery (s; a kill with no step after it has none), steps redone and thrown away, each as a
+    :func:`bench.core.summary` (the values in kill order, median = p50, p95, max)."""
+    kills = list(kills)
+    return {
+        "recovery": summary([k["recovery_seconds"] for k in kills if k.get("recovery_seconds") is not None], "s"),
+        "redone": summary([k.get("redone", 0) for k in kills], "steps"),
+        "thrown_away": summary([k.get("thrown_away", 0) for k in kills], "steps"),
+    }
+
+
+def _with_survival(lines: list[Line], kills: list[dict[str, Any]], t_end: float) -> None:
+    """Add :func:`survival` to each kill (up to the next kill or ``t_end``)."""
+    for i, k in enumerate(kills):
+        until = kills[i + 1]["ts"] if i + 1 < len(kills) else t_end
+        k["survival"] = survival(lines, k["ts"], f"{k['host']}-{k['pid']}", until)
+
+
 # ============================================================================ processes
 @contextlib.contextmanager
 def _environ(updates: dict[str, str]) -> Iterator[None]:
@@ -412,7 +488,19 @@ def peers_blocked() -> str | None:
 
 
 def peer_versions() -> dict[str, str]:
-    code = "import importlib.metadata as m; print(m.version('torch'), m.version('torchft'))"
+    """torch's and TorchFT's installed versions in ``.peers-venv`` (TorchFT by its distribution's name: the nightly
+    is ``torchft-nightly``, a release ``torchft``)."""
+    code = (
+        "import importlib.metadata as m\n"
+        "def v(*names):\n"
+        "    for n in names:\n"
+        "        try:\n"
+        "            return n + '==' + m.version(n)\n"
+        "        except m.PackageNotFoundError:\n"
+        "            pass\n"
+        "    return '?'\n"
+        "print(m.version('torch'), v('torchft-nightly', 'torchft'))"
+    )
     out = subprocess.run([str(peers_python()), "-c", code], capture_output=True, text=True, timeout=300, check=False)
     torch_v, _, torchft_v = out.stdout.strip().partition(" ")
     return {"torch": torch_v, "torchft": torchft_v}
@@ -646,30 +734,40 @@ class TorchrunJob(Job):
         )
 
 
+TORCHFT_TUNED_HEARTBEAT_MS = 1000
+"""The tuned variant's lighthouse ``--heartbeat_timeout_ms``: 10 of the Manager's 100 ms heartbeats. Its default, 5000
+ms, is what its docs give (the README's lighthouse command passes none; ``LighthouseOpt`` defaults to 5000); a dead
+group stays in the quorum's view that long."""
+
+
 class TorchftJob(Job):
-    """TorchFT's Lighthouse and one replica group per logical host (a one-process torchrun that restarts it)."""
+    """TorchFT's Lighthouse and one replica group per logical host (a one-process torchrun that restarts it); the
+    lighthouse's heartbeat timeout at its default (``heartbeat_ms=None``) or at ``heartbeat_ms``."""
 
-    name = "torchft"
-
-    def __init__(self, workdir: Path, max_hosts: int) -> None:
+    def __init__(self, workdir: Path, max_hosts: int, heartbeat_ms: int | None = None) -> None:
         super().__init__(workdir, max_hosts)
+        self.name = "torchft" if heartbeat_ms is None else TORCHFT_TUNED
+        self.heartbeat_ms = heartbeat_ms
         self.port = free_port()
         self.groups: dict[str, subprocess.Popen[bytes]] = {}
 
     def lighthouse_command(self) -> list[str]:
+        tuned = [] if self.heartbeat_ms is None else ["--heartbeat_timeout_ms", str(self.heartbeat_ms)]
         return [
             str(PEERS_VENV / "bin" / "torchft_lighthouse"),
             "--min_replicas", "1",
             "--quorum_tick_ms", "100",
             "--join_timeout_ms", "10000",
+            *tuned,
             "--bind", f"127.0.0.1:{self.port}",
         ]  # fmt: skip
 
-    def group_command(self) -> list[str]:
+    def group_command(self, group: int) -> list[str]:
         return [
             str(PEERS_VENV / "bin" / "torchrun"),
             "--standalone", "--nnodes", "1", "--nproc-per-node", "1", "--max-restarts", "100",
             str(PEERS_DIR / "torchft_train.py"),
+            "--checkpoint", str(self.workdir / f"ckpt-{group}.pt"),
         ]  # fmt: skip
 
     def start(self, hosts: list[str]) -> None:
@@ -678,13 +776,14 @@ class TorchftJob(Job):
             self.add_host(h)
 
     def add_host(self, host: str) -> None:
+        group = len(self.groups)
         env = {
             **self.env(host),
-            "REPLICA_GROUP_ID": str(len(self.groups)),
+            "REPLICA_GROUP_ID": str(group),
             "NUM_REPLICA_GROUPS": str(self.max_hosts),
             "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{self.port}",
         }
-        self.groups[host] = self.popen(self.group_command(), f"group-{host}.log", env)
+        self.groups[host] = self.popen(self.group_command(group), f"group-{host}.log", env)
 
     def workers(self) -> list[tuple[str, psutil.Process]]:
         return sorted(
@@ -695,11 +794,12 @@ class TorchftJob(Job):
     def check(self) -> None:
         dead = [h for h, a in self.groups.items() if a.poll() is not None]
         if dead or self.lighthouse.poll() is not None:
-            raise BenchError(f"torchft: {'group ' + dead[0] if dead else 'the lighthouse'} exited:\n{self.tail()}")
+            what = "group " + dead[0] if dead else "the lighthouse"
+            raise BenchError(f"{self.name}: {what} exited:\n{self.tail()}")
 
     def command(self) -> str:
         lh = " ".join(["torchft_lighthouse", *self.lighthouse_command()[1:-2]])
-        group = " ".join(["torchrun", *self.group_command()[1:-1], "torchft_train.py"])
+        group = " ".join(["torchrun", *self.group_command(0)[1:-3], "torchft_train.py --checkpoint ckpt-G.pt"])
         return (
             f"{lh}; per host G: REPLICA_GROUP_ID=G NUM_REPLICA_GROUPS={self.max_hosts} "
             f"TORCHFT_LIGHTHOUSE=http://127.0.0.1:PORT {group}"
@@ -714,8 +814,12 @@ def make_job(name: str, workdir: Path, hosts: list[str], max_hosts: int) -> Job:
         job = hj
     elif name == "torchrun":
         job = TorchrunJob(workdir, max_hosts)
-    else:
+    elif name == "torchft":
         job = TorchftJob(workdir, max_hosts)
+    elif name == TORCHFT_TUNED:
+        job = TorchftJob(workdir, max_hosts, heartbeat_ms=TORCHFT_TUNED_HEARTBEAT_MS)
+    else:
+        raise ValueError(f"unknown contender {name!r}, expected one of {', '.join(CONTENDERS)}")
     return job
 
 
@@ -797,9 +901,11 @@ def trial(name: str, workdir: Path, hosts: list[str], quick: bool, seed: int, lo
             kills.append(kill)
         _wait(job, "10 steps", 120, _steps_after(time.time(), 10))
         lines = job.reader.read()
-        losses = losses_after(replay(lines), [k["ts"] for k in kills], max(ln.t1 for ln in lines))
+        t_last = max(ln.t1 for ln in lines)
+        losses = losses_after(replay(lines), [k["ts"] for k in kills], t_last)
         for k, lost in zip(kills, losses, strict=True):
             k.update(lost)
+        _with_survival(lines, kills, t_last)
         return {"samples_per_sec": steady, "world": statistics.median(worlds) if worlds else None,
                 "scale_up": scale, "kills": kills}  # fmt: skip
     finally:
@@ -832,22 +938,26 @@ def goodput_run(name: str, workdir: Path, hosts: list[str], quick: bool, log: Ca
     finally:
         job.close()
     rep = replay(lines)
+    losses = losses_after(rep, [k["ts"] for k in kills], t_end)
     per_kill = []
-    for k in kills:
+    for k, lost in zip(kills, losses, strict=True):
         nxt = first_step_after(lines, k["ts"])
-        per_kill.append({**k, "t": k["ts"] - t_start, "recovery_seconds": nxt.t1 - k["ts"] if nxt else None})
+        per_kill.append({**k, "t": k["ts"] - t_start, "recovery_seconds": nxt.t1 - k["ts"] if nxt else None, **lost})
+    _with_survival(lines, per_kill, t_end)
     epochs = audit(lines, NUM_SAMPLES)
     once = bool(epochs) and all(e["missing"] == 0 and e["duplicated"] == 0 for e in epochs.values())
-    value = goodput(lines, t_start, t_end)
+    step_seconds = steady_step_seconds(lines)
+    value = goodput(lines, t_start, t_end, step_seconds)
     unlogged = sum(e["unlogged"] for e in epochs.values())
     log(f"{name}: goodput {value:.3f}, {len(kills)} kills, {sum(n for _, n in rep.rollbacks)} steps redone, "
         f"exactly once {once} over {len(epochs)} epochs ({unlogged} batches unlogged)")  # fmt: skip
     return {
         "goodput": value,
+        "steady_step_seconds": step_seconds,
         "window_seconds": window,
         "kill_every_seconds": every,
         "kills": per_kill,
-        "losses": losses_after(rep, [k["ts"] for k in kills], t_end),
+        "losses": losses,
         "redone_steps": sum(n for _, n in rep.rollbacks),
         "thrown_away_steps": len({(ln.step, round(ln.t1)) for ln in rep.thrown_away}),
         "epochs_audited": epochs,
@@ -876,6 +986,58 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def survives_in_words(name: str, kills: list[dict[str, Any]]) -> str:
+    """Whether a contender's survivors lived through its kills, in words for the table (the trial's kills and the
+    goodput run's)."""
+    judged = [k["survival"] for k in kills if k.get("survival", {}).get("survivors")]
+    if not judged:
+        return "not measured (no kill had survivors to judge)"
+    lived = sum(1 for v in judged if v["survived"])
+    if name in RESTART_BY_DESIGN:
+        return f"restarts every worker by design (survivors lived through {lived} of {len(judged)} kills)"
+    if lived == len(judged):
+        return f"yes: survivors kept their pids and stepped at the smaller world in all {len(judged)} kills"
+    if lived == 0:
+        return f"no: in none of {len(judged)} kills did the survivors go on (they restarted or stopped)"
+    return f"partly: survivors went on in {lived} of {len(judged)} kills"
+
+
+def summarize(name: str, trials: list[dict], good: dict) -> dict[str, Any]:
+    """One contender's figures from its trials and its goodput run (the JSON's ``per_contender``)."""
+    ok = [t for t in trials if "error" not in t]
+    trial_kills = [{**k, "phase": "trial"} for t in ok for k in t["kills"]]
+    all_kills = trial_kills + [{**k, "phase": "goodput"} for k in good.get("kills", [])]
+    judged = [k["survival"] for k in all_kills if k.get("survival", {}).get("survivors")]
+    never_survived = name not in RESTART_BY_DESIGN and bool(judged) and not any(v["survived"] for v in judged)
+    return {
+        "recovery": summary([k["recovery_seconds"] for k in trial_kills], "s"),
+        "redone_per_kill": _median(k["redone"] for k in trial_kills),
+        "thrown_away_per_kill": _median(k["thrown_away"] for k in trial_kills),
+        "per_kill": [
+            {
+                key: k.get(key)
+                for key in ("phase", "host", "t", "world_after", "recovery_seconds", "redone", "thrown_away")
+            }
+            | {"survived": k.get("survival", {}).get("survived")}
+            for k in all_kills
+        ],
+        "kills": kill_figures(all_kills),
+        "survives_kills": survives_in_words(name, all_kills),
+        "never_survived": never_survived,
+        "scale_up_pause": summary([t["scale_up"]["pause_seconds"] for t in ok if t["scale_up"]], "s"),
+        "samples_per_sec": summary([t["samples_per_sec"] for t in ok if t["samples_per_sec"]], "samples/s"),
+        "goodput": None if never_survived else good.get("goodput"),
+        "goodput_as_measured": good.get("goodput"),
+        "steady_step_seconds": good.get("steady_step_seconds"),
+        "exactly_once": good.get("exactly_once"),
+        "errors": [t["error"] for t in [*trials, good] if "error" in t],
+    }
+
+
+def _triple(s: dict[str, Any], fmt: str) -> str:
+    return " / ".join("—" if s.get(k) is None else format(s[k], fmt) for k in ("median", "p95", "max"))
+
+
 def run(ctx: BenchContext) -> Result:
     from elastictrain.launcher.hosts import local_logical_hosts
 
@@ -883,9 +1045,9 @@ def run(ctx: BenchContext) -> Result:
     if len(hosts) < 4:
         raise BenchError(f"needs 4 logical hosts, this machine has {hosts}")
     blocked = peers_blocked()
-    names = [n for n in CONTENDERS if not (blocked and n in ("torchrun", "torchft"))]
+    names = [n for n in CONTENDERS if not (blocked and n in PEER_ENV_CONTENDERS)]
     if blocked:
-        ctx.progress(f"torchrun and torchft blocked: {blocked}")
+        ctx.progress(f"{', '.join(PEER_ENV_CONTENDERS)} blocked: {blocked}")
     trials = 1 if ctx.quick else 3
 
     def trial_fn(name: str) -> Callable[[int], dict]:
@@ -905,22 +1067,8 @@ def run(ctx: BenchContext) -> Result:
     trials_out = alternate([(n, trial_fn(n)) for n in names], trials, ctx.progress)
     goodput_out = alternate([(n, goodput_fn(n)) for n in names], 1, ctx.progress)
 
-    per: dict[str, dict[str, Any]] = {}
-    for n in names:
-        ok = [t for t in trials_out[n] if "error" not in t]
-        kills = [k for t in ok for k in t["kills"]]
-        g = goodput_out[n][0]
-        per[n] = {
-            "recovery": summary([k["recovery_seconds"] for k in kills], "s"),
-            "redone_per_kill": _median(k["redone"] for k in kills),
-            "thrown_away_per_kill": _median(k["thrown_away"] for k in kills),
-            "scale_up_pause": summary([t["scale_up"]["pause_seconds"] for t in ok if t["scale_up"]], "s"),
-            "samples_per_sec": summary([t["samples_per_sec"] for t in ok if t["samples_per_sec"]], "samples/s"),
-            "goodput": g.get("goodput"),
-            "exactly_once": g.get("exactly_once"),
-            "errors": [t["error"] for t in [*trials_out[n], g] if "error" in t],
-        }
-    for b in ("torchrun", "torchft"):
+    per: dict[str, dict[str, Any]] = {n: summarize(n, trials_out[n], goodput_out[n][0]) for n in names}
+    for b in PEER_ENV_CONTENDERS:
         if b not in per:
             per[b] = {"blocked": blocked}
 
@@ -933,18 +1081,27 @@ def run(ctx: BenchContext) -> Result:
     best_goodput = max((per[n]["goodput"] for n in others if per[n].get("goodput") is not None), default=None)
     fastest = max((med(n, "samples_per_sec") or 0.0 for n in others), default=0.0) or None
     once_elsewhere = [n for n in others if per[n].get("exactly_once")]
+    torchft_recoveries = [r for r in (med(n, "recovery") for n in ("torchft", TORCHFT_TUNED)) if r is not None]
+    best_torchft = min(torchft_recoveries, default=None)
+
+    def goodput_words(n: str) -> str:
+        g = per[n]
+        if g.get("never_survived"):
+            return f"{n}: no goodput, it did not survive a kill"
+        return f"{n} {g['goodput']:.3f}" if g.get("goodput") is not None else f"{n} —"
+
     metrics = [
         Metric("SIGKILL → next step, elastictrain median", med(et, "recovery"), "s",
                note="; ".join(f"{n} {med(n, 'recovery') or float('nan'):.2f} s" for n in others)),
         Metric("recovery speedup vs torchrun, medians", _ratio(med("torchrun", "recovery"), med(et, "recovery")),
                "x", GOAL_RECOVERY_VS_TORCHRUN),
-        Metric("recovery speedup vs TorchFT, medians", _ratio(med("torchft", "recovery"), med(et, "recovery")),
-               "x", GOAL_RECOVERY_VS_TORCHFT),
+        Metric("recovery speedup vs TorchFT (its better heartbeat setting), medians",
+               _ratio(best_torchft, med(et, "recovery")), "x", GOAL_RECOVERY_VS_TORCHFT),
         Metric("scale-up pause 3 → 4 ÷ torchrun's (medians)", _ratio(med(et, "scale_up_pause"),
                med("torchrun", "scale_up_pause")), "", GOAL_PAUSE_VS_TORCHRUN,
                note="; ".join(f"{n} {med(n, 'scale_up_pause') or float('nan'):.2f} s" for n in names)),
-        Metric("goodput ÷ best contender's", _ratio(per[et].get("goodput"), best_goodput), "", GOAL_GOODPUT_VS_BEST,
-               note="; ".join(f"{n} {per[n].get('goodput') or float('nan'):.3f}" for n in names)),
+        Metric("goodput (kept steps' compute, no waits) ÷ best contender's", _ratio(per[et].get("goodput"),
+               best_goodput), "", GOAL_GOODPUT_VS_BEST, note="; ".join(goodput_words(n) for n in names)),
         Metric("samples/s ÷ fastest contender's", _ratio(med(et, "samples_per_sec"), fastest), "",
                GOAL_THROUGHPUT_VS_FASTEST,
                note="; ".join(f"{n} {med(n, 'samples_per_sec') or float('nan'):.0f}" for n in names)),
@@ -955,6 +1112,18 @@ def run(ctx: BenchContext) -> Result:
                note="; ".join(f"{n} {per[n]['redone_per_kill']} redone + {per[n]['thrown_away_per_kill']} thrown away"
                               for n in others)),
     ]  # fmt: skip
+    # per contender, in words and per kill (the table shows a metric's name: the figures ride in it)
+    for n in names:
+        g, k = per[n], per[n]["kills"]
+        metrics += [
+            Metric(f"{n}: survives a kill? {g['survives_kills']}", None, ""),
+            Metric(f"{n}: goodput" + (" — none: it did not survive a kill" if g["never_survived"] else ""),
+                   g["goodput"], ""),
+            Metric(f"{n}: every kill's SIGKILL → next step (s) p50 / p95 / max = {_triple(k['recovery'], '.2f')}; "
+                   f"redone p50 / p95 / max = {_triple(k['redone'], 'g')}; thrown away max "
+                   f"{_triple(k['thrown_away'], 'g').rsplit(' / ', 1)[-1]} (n = {k['redone']['n']})",
+                   k["recovery"]["median"], "s"),
+        ]  # fmt: skip
     jobs = {n: make_job(n, ctx.workdir / "describe", hosts, 3) for n in names}
     versions: dict[str, Any] = {"elastictrain+horovod": library_versions(("elastictrain", "horovod", "torch"))}
     if not blocked:
@@ -966,6 +1135,13 @@ def run(ctx: BenchContext) -> Result:
         detail={
             "per_contender": per,
             "commands": {n: j.command() for n, j in jobs.items()},
+            "torchft_heartbeat_timeout_ms": {
+                "torchft": "5000 (the lighthouse's default; its README's command passes none)",
+                TORCHFT_TUNED: f"{TORCHFT_TUNED_HEARTBEAT_MS} (tuned: 10 of the Manager's 100 ms heartbeats)",
+            },
+            "goodput_rule": "each kept step's span (clipped to the window, overlap with the previous kept step "
+            "removed) capped at the contender's steady step time (median kept span); committed = the system's own "
+            "commit outcome",
             "versions": versions,
             "blocked": blocked,
             "trials": trials_out,

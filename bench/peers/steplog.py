@@ -3,7 +3,7 @@
 Standard library only, and nothing from ``elastictrain``: the contenders' scripts import it from their own
 environments (``.peers-venv`` for torchrun and TorchFT, the product's for elastictrain and stock Horovod). The
 bench reads the logs and applies the one rule every contender is measured by
-(``bench.peers``: ``replay``, ``goodput``, ``first_step_after``, ``pause``, ``audit``).
+(``bench.peers``: ``replay``, ``goodput``, ``survival``, ``first_step_after``, ``pause``, ``audit``).
 
 Format: a folder of ``<writer>.jsonl`` files, one per training process (``writer``: logical host and pid), one
 JSON object a line, written when a step ends:
@@ -15,7 +15,9 @@ JSON object a line, written when a step ends:
 - ``t0`` (unix seconds) is taken just before the step's ``zero_grad``/forward, ``t1`` just after the optimizer
   step returned; data loading, commits, checkpoints and logging between steps are outside ``[t0, t1]``;
 - ``world``: the number of workers (TorchFT: replica groups) that took part in the step;
-- ``committed``: false when the contender threw the step away as it ended (TorchFT's ``should_commit``);
+- ``committed``: the contender's own commit outcome for the step: false when it threw the step away as it ended
+  (TorchFT: the ``commit_result`` of its ``should_commit``, read from its commit log, never from its step counter,
+  which a healing group moves to its peers' step even when the commit fails);
 - ``ids``: the sample indices this process trained on in the step.
 
 The rule (``replay``), the same for every contender, reads each process's own counter: committed lines of one
@@ -30,8 +32,11 @@ to the highest step). The kept lines are those of the completions on the path to
 line is redone (its work was lost: rolled back, restarted from an older checkpoint or from scratch, or a
 replica's own steps before it healed from a peer). Then:
 
-- goodput (``goodput``): the length of the union of the kept lines' ``[t0, t1]`` inside the window ÷ the
-  window; a step redone after a rollback is not kept, a step thrown away was never kept;
+- goodput (``goodput``): compute in kept steps ÷ the window: each kept step's span (inside the window, less its
+  overlap with the previous kept step) capped at the contender's steady step time (the median span), so waits
+  inside a kept step (a quorum, a timeout) earn nothing; a redone or thrown-away step earns nothing;
+- survival (``survival``): after a kill, the spared processes wrote committed lines under the same writer (pid)
+  at a smaller world before the killed one's return;
 - recovery (``first_step_after``): a fault's time to the end of the first committed step begun after it;
 - scale-up pause (``pause``): the longest gap between the job's step completions from a host's listing to
   the first step at the new size, less the median gap before the listing;

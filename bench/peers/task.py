@@ -22,6 +22,9 @@ NUM_CLASSES = 10
 IMAGE_SIZE = 32
 NUM_SAMPLES = 15_360
 """Divisible by 32 x 12, so every world size from 1 to 4 splits an epoch without padding."""
+CHECKPOINT_EVERY_STEPS = 10
+"""The checkpoint interval of the contenders that checkpoint (torchrun's and TorchFT's scripts), as a Horovod
+commit interval of 10."""
 
 
 class SmallCNN(nn.Module):
@@ -79,6 +82,23 @@ def set_threads() -> None:
     """One process per logical host shares this machine's cores: ``OMP_NUM_THREADS`` (set by the bench)."""
     threads = os.environ.get("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else 1)
+
+
+def save_checkpoint(path: str, state: dict) -> None:
+    """``torch.save`` atomically: a temporary file beside ``path``, then ``os.replace``."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: str) -> dict | None:
+    """The checkpoint at ``path`` (tensors and plain values only), or None when there is none yet."""
+    if not os.path.exists(path):
+        return None
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}: a checkpoint must hold a dict, found {type(state).__name__}")
+    return state
 
 
 def steplog_dir() -> str:

@@ -20,27 +20,23 @@ import argparse
 import os
 import sys
 
-import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from steplog import StepLogWriter
-from task import BATCH_PER_WORKER, SEED, IndexedImages, build_model, build_optimizer, set_threads, steplog_dir
+from task import (
+    BATCH_PER_WORKER,
+    CHECKPOINT_EVERY_STEPS,
+    SEED,
+    IndexedImages,
+    build_model,
+    build_optimizer,
+    load_checkpoint,
+    save_checkpoint,
+    set_threads,
+    steplog_dir,
+)
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
-
-SAVE_EVERY_STEPS = 10
-
-
-def load_checkpoint(path: str) -> dict:
-    if os.path.exists(path):
-        return torch.load(path, map_location="cpu", weights_only=True)
-    return {"step": 0, "epoch": 0, "steps_in_epoch": 0}
-
-
-def save_checkpoint(path: str, state: dict) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
 
 
 def main() -> int:
@@ -53,7 +49,7 @@ def main() -> int:
     log = StepLogWriter(steplog_dir(), f"{os.environ.get('PEERS_HOST', 'host')}-{os.getpid()}")
     model = build_model()
     optimizer = build_optimizer(model.parameters())
-    ckpt = load_checkpoint(args.checkpoint)
+    ckpt = load_checkpoint(args.checkpoint) or {"step": 0, "epoch": 0, "steps_in_epoch": 0}
     if "model" in ckpt:
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
@@ -74,7 +70,7 @@ def main() -> int:
             step += 1
             done_in_epoch += 1
             log.ended(step=step, epoch=epoch, world=world, ids=idx.tolist())
-            if rank == 0 and step % SAVE_EVERY_STEPS == 0:
+            if rank == 0 and step % CHECKPOINT_EVERY_STEPS == 0:
                 state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
                 save_checkpoint(
                     args.checkpoint, {**state, "step": step, "epoch": epoch, "steps_in_epoch": done_in_epoch}

@@ -1,0 +1,153 @@
+"""The peer benchmark's rule on each contender's log shape around one SIGKILL (synthetic logs, no processes): what is
+kept, redone, thrown away, what goodput credits (compute, never the waits), and whether the survivors lived."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.peers import (
+    Line,
+    goodput,
+    kill_figures,
+    losses_after,
+    replay,
+    steady_step_seconds,
+    survival,
+)
+
+
+def steps(
+    writer: str, first: int, count: int, t: float, *, dt: float = 1.0, world: int = 3, committed: bool = True
+) -> list[Line]:
+    """``count`` steps of one process from step ``first``, back to back from time ``t``, each ``dt`` long."""
+    return [Line(writer, first + i, 0, t + i * dt, t + (i + 1) * dt, world, committed) for i in range(count)]
+
+
+def together(writers: str | tuple[str, ...], first: int, count: int, t: float, **kw: object) -> list[Line]:
+    return [ln for w in writers for ln in steps(w, first, count, t, **kw)]  # type: ignore[arg-type]
+
+
+KILL = 20.2  # every log: processes a, b, c train steps 1-20 in [0, 20); c is SIGKILLed at 20.2
+
+
+def test_a_wait_inside_a_kept_step_earns_only_the_steady_step_time():
+    # Step 11 is kept but began 5 s before its compute (a quorum, a heartbeat timeout): it earns 1 s, not 6.
+    lines = [*steps("a", 1, 10, 0.0), Line("a", 11, 0, 10.0, 16.0, 1), *steps("a", 12, 4, 16.0)]
+    assert steady_step_seconds(lines) == pytest.approx(1.0)
+    assert goodput(lines, 0.0, 20.0) == pytest.approx(15 / 20)
+    # the cap may be given (the contender's fault-free step time from another run)
+    assert goodput(lines, 0.0, 20.0, step_seconds=0.5) == pytest.approx(7.5 / 20)
+
+
+def test_elastictrain_survivors_go_on_at_two_and_the_killed_host_rejoins_without_losing_a_step():
+    # rollback: none; a and b keep their pids and state, step 21-25 at world 2 after a 1.8 s recovery; c's host
+    # returns through hot join as c2 at step 26.
+    lines = together("abc", 1, 20, 0.0)
+    lines += together("ab", 21, 5, 21.0, world=2) + together(("a", "b", "c2"), 26, 5, 26.0)
+    rep = replay(lines)
+    assert not rep.redone and not rep.thrown_away
+    assert survival(lines, KILL, "c", 31.0) == {
+        "world_before": 3,
+        "survivors": 2,
+        "lived": 2,
+        "steps_at_smaller_world": 5,
+        "survived": True,
+    }
+    assert goodput(lines, 0.0, 31.0) == pytest.approx(30 / 31)
+
+
+def test_stock_horovod_survivors_roll_back_to_the_last_commit_and_redo_the_steps_after_it():
+    # commit every 10: step 20 was committed, so the kill at 20.2 during step 21 loses nothing; a kill at 15.2
+    # (steps 11-15 done since the commit at 10) makes the survivors restore step 10 and redo 11-15 at world 2.
+    lines = together("abc", 1, 15, 0.0) + together("ab", 11, 10, 45.2, world=2)
+    rep = replay(lines)
+    assert {ln.step for ln in rep.redone} == set(range(11, 16))
+    assert losses_after(rep, [15.2], 55.2) == [{"redone": 5, "thrown_away": 0}]
+    assert survival(lines, 15.2, "c", 55.2)["survived"] is True
+    # kept: steps 1-10 (10 s) and 11-20 again (10 s); the 30 s Gloo timeout earns nothing
+    assert goodput(lines, 0.0, 55.2) == pytest.approx(20 / 55.2)
+
+
+def test_torchrun_restarts_every_worker_from_its_checkpoint_so_no_survivor_lives():
+    # checkpoint at step 10; the kill at 15.2 stops every worker; new processes resume from step 10 at 25.
+    lines = together("abc", 1, 15, 0.0) + together(("a2", "b2", "c2"), 11, 10, 25.0)
+    rep = replay(lines)
+    assert {ln.step for ln in rep.redone} == set(range(11, 16))
+    got = survival(lines, 15.2, "c", 35.0)
+    assert got["survivors"] == 2 and got["lived"] == 0 and got["survived"] is False
+
+
+def test_torchft_heal_whose_commit_fails_counts_nothing_and_the_survivors_live_at_two():
+    # a and b fail step 21 (their allreduce lost c; should_commit false, counters stay 20), then train 21-25 as a
+    # quorum of two. c restarts as c2 from its checkpoint (step 20), joins at 26.5 and heals to the peers' step 25:
+    # its counter moves to 25 although that step's should_commit fails (a peer's error), for all three. The
+    # script logs TorchFT's commit outcome, not "the counter moved", so the healing step is thrown away.
+    lines = together("abc", 1, 20, 0.0)
+    lines += together("ab", 20, 1, 20.0, committed=False)
+    lines += together("ab", 21, 5, 21.5, world=2)
+    lines += together(("a", "b"), 25, 1, 26.5, committed=False) + steps("c2", 25, 1, 26.5, committed=False)
+    lines += together(("a", "b", "c2"), 26, 4, 27.5)
+    rep = replay(lines)
+    assert not rep.redone
+    assert sorted({ln.step for ln in rep.kept}) == list(range(1, 30))
+    assert {(ln.writer, ln.step) for ln in rep.thrown_away} == {("a", 20), ("b", 20), ("a", 25), ("b", 25), ("c2", 25)}
+    assert losses_after(rep, [KILL], 31.5) == [{"redone": 0, "thrown_away": 2}]
+    assert survival(lines, KILL, "c", 31.5)["steps_at_smaller_world"] == 5
+    assert survival(lines, KILL, "c", 31.5)["survived"] is True
+    # 29 kept steps of 1 s in 31.5 s; the two failed steps and the waits earn nothing
+    assert goodput(lines, 0.0, 31.5) == pytest.approx(29 / 31.5)
+
+
+def test_torchft_0_2_0_every_group_crashing_is_not_survival():
+    # meta-pytorch/torchft#304: a peer's death made every group's DDP hook assert; all restart with new pids.
+    lines = together("abc", 1, 20, 0.0) + together(("a2", "b2", "c2"), 1, 10, 30.0)
+    got = survival(lines, KILL, "c", 40.0)
+    assert got["lived"] == 0 and got["survived"] is False
+
+
+def test_per_kill_figures_give_every_kill_and_p50_p95_max():
+    kills = [
+        {"recovery_seconds": r, "redone": n, "thrown_away": t}
+        for r, n, t in ((1.0, 0, 1), (2.0, 0, 0), (9.0, 14, 0), (1.5, 535, 0), (None, 0, 0))
+    ]
+    got = kill_figures(kills)
+    assert got["recovery"]["values"] == [1.0, 2.0, 9.0, 1.5]  # a kill with no step after it has no recovery
+    assert got["recovery"]["median"] == pytest.approx(1.75)
+    assert got["recovery"]["p95"] == 9.0 and got["recovery"]["max"] == 9.0
+    assert got["redone"]["values"] == [0, 0, 14, 535, 0]
+    assert got["redone"]["median"] == 0 and got["redone"]["max"] == 535
+    assert got["thrown_away"]["max"] == 1
+    assert kill_figures([])["recovery"]["n"] == 0
+
+
+def _kill(survived: bool, recovery: float = 1.0, redone: int = 0) -> dict:
+    return {
+        "ts": 0.0,
+        "host": "h",
+        "pid": 1,
+        "recovery_seconds": recovery,
+        "redone": redone,
+        "thrown_away": 0,
+        "survival": {"survivors": 2, "lived": 2 if survived else 0, "survived": survived},
+    }
+
+
+def _trial(*kills: dict) -> dict:
+    return {"kills": list(kills), "scale_up": {"pause_seconds": 1.0}, "samples_per_sec": 100.0}
+
+
+def test_a_contender_whose_survivors_never_live_gets_words_in_the_table_not_a_goodput():
+    from bench.peers import summarize
+
+    crashed = summarize("torchft", [_trial(_kill(False, 9.0, 535))], {"goodput": 0.093, "kills": [_kill(False)]})
+    assert crashed["never_survived"] is True
+    assert crashed["goodput"] is None and crashed["goodput_as_measured"] == 0.093
+    assert crashed["survives_kills"].startswith("no:")
+    assert [k["phase"] for k in crashed["per_kill"]] == ["trial", "goodput"]
+    assert crashed["kills"]["redone"]["max"] == 535
+
+    lived = summarize("torchft-hb1s", [_trial(_kill(True))], {"goodput": 0.8, "kills": [_kill(True)]})
+    assert lived["goodput"] == 0.8 and lived["survives_kills"].startswith("yes:")
+    # torchrun restarts every worker by design: its goodput stands, and the words say why nobody survived
+    restarts = summarize("torchrun", [_trial(_kill(False))], {"goodput": 0.5, "kills": [_kill(False)]})
+    assert restarts["goodput"] == 0.5 and "by design" in restarts["survives_kills"]
