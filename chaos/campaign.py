@@ -22,6 +22,8 @@ boundary, timed from the hosts' return, since below ``--min-np`` the job waits f
 other stretch that long without a completed step.
 
 Exit codes: 0 every invariant held and no hang; 1 otherwise; 2 bad flags.
+
+Size: one campaign read in one place: the plan (pure), the aim at each phase, the figures.
 """
 
 from __future__ import annotations

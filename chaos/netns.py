@@ -30,6 +30,8 @@ anything, so a later tier removes what a killed one left (only names such a reco
 Requirements: root (or CAP_NET_ADMIN + CAP_SYS_ADMIN), ``ip`` (iproute2), ``sshd``, ``ssh`` and
 ``ssh-keygen`` (openssh-server / openssh-client; ``scripts/setup.sh`` installs them), ``etcd``.
 :func:`preflight` says in one line why the tier is skipped where any of it is missing.
+
+Size: one tier's whole life (create, run, tear down, find leftovers): every name it creates is removed here.
 """
 
 from __future__ import annotations

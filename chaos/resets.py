@@ -24,6 +24,8 @@ names and resident memory by mapping near the first and the last reset, to say w
 
 Exit codes: 0 every survivor's RSS drift is within ``--max-rss-drift-pct`` (2) and its fds and threads
 are flat; 1 they are not, a survivor died, or the job failed before ``N`` resets; 2 bad flags.
+
+Size: one measurement end to end: the driver, the per-reset records, the drift and its report.
 """
 
 from __future__ import annotations

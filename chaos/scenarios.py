@@ -11,6 +11,8 @@ fault-free reference (same config and seed) runs once per config and is cached b
 
 Every process is tracked by pid and environment; agents the runner restarts (a host coming back) are
 stopped by pid when the job ends, and then nothing of the job may be left.
+
+Size: every scenario (one short registered function each) and the runner that checks their invariants.
 """
 
 from __future__ import annotations

@@ -32,6 +32,8 @@ Behaviour:
 - exits 0 when an operator removed its key (``elastictrain hosts remove``) while its lease lived;
 - exits 1 with one line when etcd stays unreachable longer than ``--retry-deadline`` (also at
   start-up), and 2 with one line for bad flags.
+
+Size: the daemon's loop, its pure decision and its options; what it watches (nodewatch, notice) is elsewhere.
 """
 
 from __future__ import annotations

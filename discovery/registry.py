@@ -3,6 +3,8 @@
 Every method maps to one atomic etcd operation (named in its docstring), so an implementation over
 another store knows exactly what it must provide. All methods are synchronous; ``EtcdRegistry``
 runs the async ``aetcd`` client on a private event loop.
+
+Size: the registry's contract and its two implementations (etcd, in memory), kept together so they stay alike.
 """
 
 from __future__ import annotations

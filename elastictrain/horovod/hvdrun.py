@@ -78,6 +78,8 @@ The repairs replace private methods of Horovod 0.28.1's runner; on any other Hor
 point exits 2 with one line.
 
 ``elastictrain launch`` and the benchmarks start horovodrun this way.
+
+Size: the driver's repairs and the entry that installs them, read side by side (each in ``docs/horovod.md``).
 """
 
 from __future__ import annotations

@@ -69,6 +69,8 @@ marker of this patch (``elastictrain/horovod/build_check.py``, whose ``PATCH_DIG
 a
 unit test checks it), and ``scripts/setup.sh`` names its cached wheel by the digest, so a changed patch is built
 again, never taken from the cache. ``python elastictrain/horovod/patch.py --digest`` prints it.
+
+Size: every C++ text patch with its anchor checks; it runs before the project is installed, so it stands alone.
 """
 
 from __future__ import annotations

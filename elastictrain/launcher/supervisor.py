@@ -40,6 +40,8 @@ Exit codes (:mod:`elastictrain.launcher.decisions`):
     4    hosts lost again after --max-relaunches relaunches
     130  stopped by SIGINT
     143  stopped by SIGTERM (a stopped job is not a completed one; rerun to resume)
+
+Size: a launch's whole life (start, supervise, relaunch, stop); what follows an exit is ``decisions.py``'s (pure).
 """
 
 from __future__ import annotations
