@@ -81,6 +81,6 @@ def schedule_factor(sched: ScheduleConfig, training: TrainingConfig, progress_ep
     return sched.min_lr_ratio + (1 - sched.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
 
 
-def training_complete(t: TrainingConfig, epoch: int, step: int) -> bool:
+def schedule_finished(t: TrainingConfig, epoch: int, step: int) -> bool:
     """Whether a run standing at ``epoch`` (epochs finished) and ``step`` has nothing left to train."""
     return epoch >= t.epochs or (t.max_steps is not None and step >= t.max_steps)

@@ -43,7 +43,7 @@ from elastictrain.engine.health.hang import gathered_members
 from elastictrain.engine.health.stragglers import StragglerMonitor, StragglerPolicy
 from elastictrain.engine.health.watchdog import CollectiveWatchdog, NullWatchdog
 from elastictrain.engine.metrics import MetricsWindow
-from elastictrain.engine.policy import batch_plan, schedule_factor, training_complete
+from elastictrain.engine.policy import batch_plan, schedule_factor, schedule_finished
 from elastictrain.engine.profile import StepProfile
 from elastictrain.engine.reset import PendingReset, pause_parts, plan_reset
 from elastictrain.engine.resume import META_KEY as RESUME_META_KEY
@@ -179,7 +179,7 @@ class Trainer:
             return
         self.resumed_from = self.checkpointed_step = resumed.step
         self.resumed_world_size = resumed.world_size
-        if training_complete(self.cfg.training, self.sampler.epoch, self.counters.step):
+        if schedule_finished(self.cfg.training, self.sampler.epoch, self.counters.step):
             log.info("run already complete; nothing to train", step=self.counters.step, epoch=self.sampler.epoch)
 
     # ------------------------------------------------------------------------------------ after a sync
@@ -316,7 +316,7 @@ class Trainer:
             if self.stop_requested:
                 raise StopRequested
             # Checked before anything runs: a reset or a resume may land exactly on the final commit.
-            if training_complete(t, self.sampler.epoch, self.counters.step):
+            if schedule_finished(t, self.sampler.epoch, self.counters.step):
                 break
             plan_b = batch_plan(cfg.elastic, cfg.data.batch_size, t.grad_accumulation, self.ctx.size)
             if self.planner.epoch_done(self.sampler, plan_b.global_batch):

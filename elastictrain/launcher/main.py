@@ -57,14 +57,14 @@ def run_complete(cfg: JobConfig) -> str | None:
     if not (cfg.checkpoint.enabled and cfg.checkpoint.resume):
         return None
     from elastictrain.checkpoint.location import storage_for
-    from elastictrain.engine.policy import training_complete
+    from elastictrain.engine.policy import schedule_finished
     from elastictrain.tools.status import latest_checkpoint
 
     storage = storage_for(cfg.checkpoint.location, cfg.run_path)
     ck = latest_checkpoint(cfg.run_path, time.time(), storage)
     if not ck or ck.get("error") or not isinstance(ck.get("step"), int) or not isinstance(ck.get("epoch"), int):
         return None
-    if not training_complete(cfg.training, ck["epoch"], ck["step"]):
+    if not schedule_finished(cfg.training, ck["epoch"], ck["step"]):
         return None
     from elastictrain.checkpoint import CheckpointDamaged, verify_checkpoint
 
