@@ -14,11 +14,10 @@ What changes for the script, with the engine's parts doing the work:
 
 * **Complete rollback.** Modules and optimizers are committed into buffers allocated once
   (:class:`~elastictrain.engine.state.TensorSnapshot`, :class:`~elastictrain.engine.state.OptimizerSnapshot`). Every
-  other
-  keyword argument with ``state_dict``/``load_state_dict`` (LR schedulers, GradScalers, samplers) is committed
-  *by value*, as are the RNG states; stock ``TorchState`` keeps schedulers and scalers by reference, so its
-  ``restore()`` leaves them where the failed steps took them. Plain values (ints, lists) behave as in
-  ``TorchState``: attributes, saved by reference at ``commit()``.
+  other keyword argument with ``state_dict``/``load_state_dict`` (LR schedulers, GradScalers, samplers) is committed *by
+  value*, as are the RNG states; stock ``TorchState`` keeps schedulers and scalers by reference, so its ``restore()``
+  leaves them where the failed steps took them. Plain values (ints, lists) behave as in ``TorchState``: attributes,
+  saved by reference at ``commit()``.
 * **Sync from the most advanced rank**, not blindly rank 0 (a new process may hold rank 0).
 * **Exactly-once data.** :class:`ElasticSampler` pads nothing and re-splits the rest of the epoch over the
   current world at every iteration, so a graceful removal (no sync, Horovod #3399) cannot lose or repeat

@@ -1,10 +1,9 @@
 """One optimizer step over a worker's micro-batches. No Horovod import: the optimizer may be Horovod's
 ``DistributedOptimizer`` (``synchronize`` / ``skip_synchronize`` are used when present) or a plain one.
 
-The task's loss gives one value per sample; the loss of each micro-batch is their *sum* divided by the step's
-global sample count,
-and gradients are summed across workers (``op=Sum``). The result is the exact mean gradient of the
-global batch, whatever the shares: uneven, or empty on a worker that got no sample.
+The task's loss gives one value per sample; the loss of each micro-batch is their *sum* divided by the step's global
+sample count, and gradients are summed across workers (``op=Sum``). The result is the exact mean gradient of the global
+batch, whatever the shares: uneven, or empty on a worker that got no sample.
 """
 
 from __future__ import annotations

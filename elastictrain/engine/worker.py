@@ -1,10 +1,9 @@
 """``elastictrain train --config X [--set ...]``: the command horovodrun starts on every slot.
 
-Exit 0 only when training is complete (Horovod takes a 0 as the end of the whole job); 2 for a bad
-config or input, or a Horovod that is not the patched build (:mod:`elastictrain.horovod.build_check`), with one line;
-143
-when stopped by SIGTERM. A worker whose training raised writes why
-(:mod:`elastictrain.rundir.worker_error`) before it exits, so the launcher can name the cause last.
+Exit 0 only when training is complete (Horovod takes a 0 as the end of the whole job); 2 for a bad config or input, or a
+Horovod that is not the patched build (:mod:`elastictrain.horovod.build_check`), with one line; 143 when stopped by
+SIGTERM. A worker whose training raised writes why (:mod:`elastictrain.rundir.worker_error`) before it exits, so the
+launcher can name the cause last.
 """
 
 from __future__ import annotations

@@ -37,17 +37,16 @@ This entry point is horovodrun itself (same flags, same driver, same rendezvous)
 
 5. **A rendezvous that cannot complete is aborted.** When a worker of the current assignment exits (non-zero; its
    own exit, not an older process's of its slot), the driver writes :data:`ABORT_SCOPE`/:data:`ABORT_KEY` into its
-   rendezvous store (:func:`abort_rendezvous`) before Horovod handles the exit. The workers' Gloo set-up, as patched
-   by ``elastictrain/horovod/patch.py``, polls that key while it waits for a peer's address or connection, and then
-   fails
-   ``hvd.init`` at once instead of after the Gloo timeout (five times it for a pair's connection), so the survivors
-   ask for the next ring (:func:`elastictrain.engine.collective.reset_horovod`). The store is cleared when the driver
-   starts the next round (``RendezvousServer.init``), which Horovod does only once every worker of the round has
-   left it, so a marker ends exactly the round whose worker is gone. An exit and the start of a round are ordered by
-   one lock: an exit either comes first (its slot is started again, and the new round clears the marker) or after
-   (its marker aborts the new round, which counts on the dead process). A marker written when the round has already
-   formed is read by no one (the survivors' collectives fail on their own). A worker whose own Gloo set-up fails
-   writes the same marker (the patched Horovod does), so a live worker that gave up holds no one either.
+   rendezvous store (:func:`abort_rendezvous`) before Horovod handles the exit. The workers' Gloo set-up, as patched by
+   ``elastictrain/horovod/patch.py``, polls that key while it waits for a peer's address or connection, and then fails
+   ``hvd.init`` at once instead of after the Gloo timeout (five times it for a pair's connection), so the survivors ask
+   for the next ring (:func:`elastictrain.engine.collective.reset_horovod`). The store is cleared when the driver starts
+   the next round (``RendezvousServer.init``), which Horovod does only once every worker of the round has left it, so a
+   marker ends exactly the round whose worker is gone. An exit and the start of a round are ordered by one lock: an exit
+   either comes first (its slot is started again, and the new round clears the marker) or after (its marker aborts the
+   new round, which counts on the dead process). A marker written when the round has already formed is read by no one
+   (the survivors' collectives fail on their own). A worker whose own Gloo set-up fails writes the same marker (the
+   patched Horovod does), so a live worker that gave up holds no one either.
 
 6. **No host change is lost.** The driver stamps each host-change notice with ``int(time.time())``, and a worker
    acts only on a notice stamped later than the last one it acted on. Two changes within one second (a host's key

@@ -66,8 +66,7 @@ Each edit is an exact text replacement; a source that does not match exits 1 wit
 **The build says it is patched.** After the edits the patch writes :data:`MARKER_FILE` into Horovod's package,
 naming :func:`digest`, a hash of every edit: ``elastictrain launch`` and every worker refuse a Horovod without the
 marker of this patch (``elastictrain/horovod/build_check.py``, whose ``PATCH_DIGEST`` must equal ``--digest``'s output;
-a
-unit test checks it), and ``scripts/setup.sh`` names its cached wheel by the digest, so a changed patch is built
+a unit test checks it), and ``scripts/setup.sh`` names its cached wheel by the digest, so a changed patch is built
 again, never taken from the cache. ``python elastictrain/horovod/patch.py --digest`` prints it.
 
 Size: every C++ text patch with its anchor checks; it runs before the project is installed, so it stands alone.

@@ -234,8 +234,7 @@ def job_worker_runs(beat: Beat, job: str, *, launch_id: str = "") -> bool:
 
 
 def forked_by_zygote(p: psutil.Process, job: str) -> bool:
-    """Whether ``p`` is a worker that a zygote of ``job`` forked (hot join, :mod:`elastictrain.hotjoin`). A fork
-    shows
+    """Whether ``p`` is a worker that a zygote of ``job`` forked (hot join, :mod:`elastictrain.hotjoin`). A fork shows
     its parent's command line and environment, so such a worker looks like its zygote; it is told apart by its
     parent: a zygote of ``job`` (``zygote serve``, ``ELASTICTRAIN_JOB``) that was not itself forked by one (a
     worker's own forked helpers look like the zygote too), and by its name: the zygote's checker process is named
