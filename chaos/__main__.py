@@ -10,6 +10,7 @@ with ``--run-dir``). The job is ``--job NAME`` or the one whose launcher wrote `
     python -m chaos preempt-host HOST --run-dir D     # SIGTERM to its agent: drain
     python -m chaos freeze-worker --rank R --seconds S --run-dir D
     python -m chaos slow-worker (--rank R | --host H) --slowdown 0.5 [--seconds S] --run-dir D  # stop/cont cycle
+    python -m chaos quota-worker (--rank R | --host H) --cpu 0.5 [--seconds S] --run-dir D  # cgroup CPU quota
     python -m chaos hang-worker (--rank R | --host H) --run-dir D    # SIGSTOP, never continued
     python -m chaos etcd-outage --seconds S --run-dir D [--etcd-pid PID]
     python -m chaos kill-during-checkpoint --run-dir D
@@ -23,8 +24,8 @@ with ``--run-dir``). The job is ``--job NAME`` or the one whose launcher wrote `
     python -m chaos resets --resets N --seed S [--run-dir D] [--out F] [--fault term|kill|drain|preempt]  # memory
 
 Exit codes: 0 done (``run``: every invariant holds), 1 an invariant broke or the fault found nothing to
-hit, 2 bad flags (``run``: also a scenario that cannot run here, e.g. the multi-node tier without root or
-network namespaces; one line says why).
+hit, 2 bad flags or a fault that cannot run here (``quota-worker`` without a CPU cgroup; ``run``: a scenario
+that cannot run here, e.g. the multi-node tier without root or network namespaces; one line says why).
 """
 
 from __future__ import annotations
@@ -80,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--slowdown", type=float, required=True, help="0.5: 50%% slower (stopped 1/3 of the time)")
     a.add_argument("--seconds", type=float, default=None, help="how long (default: until the worker exits or Ctrl-C)")
     a.add_argument("--period-seconds", type=float, default=0.1, help="length of one stop-and-run cycle")
+    a = action("quota-worker", "put one worker's processes under a CPU quota (cgroup v2 cpu.max or v1 cfs_quota_us)")
+    worker_target(a)
+    a.add_argument("--cpu", type=float, required=True, help="share of one core it may use (0.5 = half a core)")
+    a.add_argument("--seconds", type=float, default=None, help="how long (default: until the worker exits or Ctrl-C)")
     a = action("hang-worker", "SIGSTOP one worker and never continue it (a hung worker)")
     worker_target(a)
     a = action("etcd-outage", "suspend the job's etcd for --seconds")
@@ -193,6 +198,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 period_seconds=args.period_seconds,
                 stop=_stop_on_signals(),
             )
+        elif args.action == "quota-worker":
+            faults.quota_worker(
+                job,
+                log,
+                host=args.host,
+                rank=args.rank,
+                cpu_fraction=args.cpu,
+                seconds=args.seconds,
+                stop=_stop_on_signals(),
+            )
         elif args.action == "hang-worker":
             faults.hang_worker(job, log, host=args.host, rank=args.rank)
         elif args.action == "etcd-outage":
@@ -221,6 +236,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except JobNotFound as e:
         print(f"{PROG} {args.action}: {e}", file=sys.stderr)
         return 1
+    except faults.QuotaUnavailable as e:
+        print(f"{PROG} {args.action}: error: {e}", file=sys.stderr)
+        return 2
     except ValueError as e:
         print(f"{PROG} {args.action}: error: {e}", file=sys.stderr)
         return 2

@@ -2,7 +2,7 @@
 
 Every function takes a :class:`~chaos.procs.JobRef` and a :class:`ChaosLog`, does one thing and
 returns the record it logged (``ts``, ``action``, ``job``, what was hit). Durational faults (freeze,
-slowdown, etcd outage, partition) undo themselves in ``finally`` and log a second line with ``phase: "end"``;
+slowdown, CPU quota, etcd outage, partition) undo themselves in ``finally`` and log a second line with ``phase: "end"``;
 a hang (:func:`hang_worker`) is never undone.
 Waiting is polling against a deadline, never a sleep that stands in for an event.
 """
@@ -27,6 +27,7 @@ import psutil
 
 from chaos.procs import JobNotFound, JobRef, Worker, tree
 from elastictrain import fileio
+from elastictrain.engine import cgroup
 from elastictrain.launcher.processes import is_alive
 from elastictrain.rundir import layout
 
@@ -331,6 +332,319 @@ def duty_cycle(
     finally:
         _signal(list(touched.values()), signal.SIGCONT)
     return DutyCycle(reason, fraction, stopped, time.monotonic() - t0, cycles)
+
+
+# ---------------------------------------------------------------------------------------------- CPU quota
+QUOTA_GROUP_PREFIX = "elastictrain-chaos-"
+"""Groups :class:`CpuQuota` makes are ``<prefix><creator pid>-<n>`` at the hierarchy's root."""
+QUOTA_PERIOD_US = 100_000
+MIN_CPU_FRACTION = 0.01
+"""Below 1 ms of CPU per 100 ms period (the kernel's floor for a quota) a worker is hung, not slow."""
+
+
+class QuotaUnavailable(RuntimeError):
+    """This machine has no CPU controller that a quota can be set on (or no right to set one)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CpuBackend:
+    """Where a quota goes: cgroup ``version`` 2 (``cpu.max``) or 1 (``cpu.cfs_quota_us``), under ``root``."""
+
+    version: int
+    root: str
+
+
+def choose_cpu_backend(h: cgroup.Hierarchies, v2_controllers: str | None) -> CpuBackend:
+    """cgroup v2 when its root offers the ``cpu`` controller (``cgroup.controllers``), else v1's ``cpu`` mount.
+
+    :class:`QuotaUnavailable` when neither can take a quota."""
+    if h.v2 is not None and v2_controllers is not None and "cpu" in v2_controllers.split():
+        return CpuBackend(2, h.v2)
+    if h.v1_cpu is not None:
+        return CpuBackend(1, h.v1_cpu)
+    raise QuotaUnavailable("no CPU cgroup controller: neither cgroup v2 with 'cpu' nor a v1 'cpu' mount")
+
+
+def check_cpu_fraction(cpu_fraction: float | None) -> None:
+    """:class:`ValueError` naming the flag for a quota :class:`CpuQuota` cannot set (None: no limit)."""
+    if cpu_fraction is not None and not (math.isfinite(cpu_fraction) and MIN_CPU_FRACTION <= cpu_fraction <= 1024):
+        raise ValueError(f"--cpu {cpu_fraction:g}: must be a share of one core >= {MIN_CPU_FRACTION:g} (0.5 = half)")
+
+
+def quota_files(version: int, cpu_fraction: float | None) -> dict[str, str]:
+    """The files (and values) that set ``cpu_fraction`` of one core per period (None: no limit)."""
+    check_cpu_fraction(cpu_fraction)
+    quota = "max" if cpu_fraction is None else str(max(1000, round(cpu_fraction * QUOTA_PERIOD_US)))
+    if version == 2:
+        return {"cpu.max": f"{quota} {QUOTA_PERIOD_US}"}
+    return {"cpu.cfs_period_us": str(QUOTA_PERIOD_US), "cpu.cfs_quota_us": "-1" if quota == "max" else quota}
+
+
+def _read_text(path: str | Path) -> str | None:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return None
+
+
+def cpu_backend() -> CpuBackend:
+    """This machine's :func:`choose_cpu_backend`."""
+    h = cgroup.cpu_hierarchies(_read_text(cgroup.MOUNTINFO) or "")
+    return choose_cpu_backend(h, _read_text(os.path.join(h.v2, "cgroup.controllers")) if h.v2 else None)
+
+
+def _group_of(version: int, pid: int) -> str | None:
+    text = _read_text(f"/proc/{pid}/cgroup")
+    if text is None:
+        return None
+    v1, v2 = cgroup.cgroup_paths(text)
+    return v2 if version == 2 else v1
+
+
+class CpuQuota:
+    """A CPU quota on some processes, as a container limit or a slower machine sets one: a cgroup of their own.
+
+    :meth:`add` moves processes (whole thread groups) into the group, remembering where each came from; their
+    children forked later are in it from birth, and :meth:`follow` moves descendants that were not.
+    :meth:`set` changes the quota at any time (None: no limit, a host that recovers). :meth:`close` (also on
+    leaving a ``with``) lifts the quota, moves every process still in the group back, and deletes the group,
+    whatever happened before; :func:`remove_stale_quota_groups` deletes those of a creator that died.
+    """
+
+    _seq = 0
+
+    def __init__(self, cpu_fraction: float | None, *, backend: CpuBackend | None = None) -> None:
+        check_cpu_fraction(cpu_fraction)
+        self.backend = backend or cpu_backend()
+        remove_stale_quota_groups(self.backend)
+        CpuQuota._seq += 1
+        self.path = Path(self.backend.root) / f"{QUOTA_GROUP_PREFIX}{os.getpid()}-{CpuQuota._seq}"
+        self.origins: dict[int, str] = {}
+        self.cpu_fraction: float | None = None
+        self._enabled_cpu = False
+        try:
+            if self.backend.version == 2:
+                self._enable_v2_cpu()
+            self.path.mkdir()
+        except OSError as e:
+            raise QuotaUnavailable(f"cannot make a CPU cgroup at {self.path}: {e.strerror}") from None
+        try:
+            self.set(cpu_fraction)
+        except BaseException:
+            self.close()
+            raise
+
+    def _enable_v2_cpu(self) -> None:
+        control = Path(self.backend.root) / "cgroup.subtree_control"
+        if "cpu" not in (_read_text(control) or "").split():
+            control.write_text("+cpu")
+            self._enabled_cpu = True
+
+    def set(self, cpu_fraction: float | None) -> None:
+        """Limit the group to ``cpu_fraction`` of one core (None: no limit)."""
+        for name, value in quota_files(self.backend.version, cpu_fraction).items():
+            (self.path / name).write_text(value)
+        self.cpu_fraction = cpu_fraction
+
+    def add(self, procs: Sequence[psutil.Process]) -> list[int]:
+        """Move ``procs`` into the group (gone ones are skipped); returns the pids moved now."""
+        moved = []
+        for p in procs:
+            if p.pid in self.origins:
+                continue
+            origin = _group_of(self.backend.version, p.pid)
+            if origin is None:
+                continue
+            if origin == "/" + self.path.name:  # born in the group: it goes back with the process it came from
+                origin = next(iter(self.origins.values()), "/")
+            try:
+                (self.path / "cgroup.procs").write_text(str(p.pid))
+            except OSError:  # it exited meanwhile
+                continue
+            self.origins[p.pid] = origin
+            moved.append(p.pid)
+        return moved
+
+    def follow(self, procs: Sequence[psutil.Process]) -> list[int]:
+        """Move the descendants of ``procs`` that are not in the group yet (started by another process)."""
+        return self.add([q for p in procs for q in tree(p)])
+
+    def pids(self) -> list[int]:
+        """The processes in the group now."""
+        text = _read_text(self.path / "cgroup.procs") or ""
+        return [int(x) for x in text.split() if x.isdigit()]
+
+    def stat(self) -> dict[str, float]:
+        """The group's throttling so far: ``throttled_seconds`` and ``nr_throttled`` (periods)."""
+        text = _read_text(self.path / "cpu.stat") or ""
+        fields = dict(line.split(" ", 1) for line in text.splitlines() if " " in line)
+        nr = fields.get("nr_throttled", "0").strip()
+        return {
+            "throttled_seconds": round(cgroup.throttled_seconds(text) or 0.0, 3),
+            "nr_throttled": int(nr) if nr.isdigit() else 0,
+        }
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Lift the quota, move every process back to where it came from (the root for one born here), delete
+        the group. Idempotent."""
+        if not self.path.exists():
+            return
+        with contextlib.suppress(OSError, ValueError):
+            self.set(None)
+        _empty_and_remove(self.path, self.backend, self.origins, timeout)
+        if self._enabled_cpu:
+            with contextlib.suppress(OSError):  # another group may use it now: then it stays
+                (Path(self.backend.root) / "cgroup.subtree_control").write_text("-cpu")
+
+    def __enter__(self) -> CpuQuota:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _empty_and_remove(path: Path, backend: CpuBackend, origins: dict[int, str], timeout: float) -> None:
+    """Move the group's processes out (to ``origins`` or the root) and rmdir it, retrying until ``timeout``
+    (a dying process leaves the group only when it is reaped)."""
+    deadline = time.monotonic() + timeout
+    root = Path(backend.root)
+    while True:
+        for pid_text in (_read_text(path / "cgroup.procs") or "").split():
+            pid = int(pid_text)
+            back = root / origins.get(pid, "/").lstrip("/") / "cgroup.procs"
+            for target in (back, root / "cgroup.procs"):
+                try:
+                    target.write_text(str(pid))
+                    break
+                except OSError:
+                    continue
+        try:
+            path.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.05)
+
+
+def remove_stale_quota_groups(backend: CpuBackend | None = None) -> list[str]:
+    """Delete the quota groups whose creator is gone (a test process killed before its ``finally``)."""
+    try:
+        backend = backend or cpu_backend()
+    except QuotaUnavailable:
+        return []
+    removed = []
+    for path in Path(backend.root).glob(f"{QUOTA_GROUP_PREFIX}*"):
+        creator = path.name.removeprefix(QUOTA_GROUP_PREFIX).split("-", 1)[0]
+        if not creator.isdigit() or psutil.pid_exists(int(creator)):
+            continue
+        with contextlib.suppress(OSError):
+            _empty_and_remove(path, backend, {}, timeout=5.0)
+            removed.append(path.name)
+    return removed
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaRun:
+    """What a :func:`cpu_quota` did."""
+
+    reason: str
+    """``seconds elapsed`` | ``stopped`` (the event was set) | ``worker exited`` (every process was gone)."""
+    cpu_fraction: float
+    backend: str
+    pids: tuple[int, ...]
+    """Every process that was in the group."""
+    throttled_seconds: float
+    nr_throttled: int
+    elapsed_seconds: float
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "reason": self.reason,
+            "cpu_fraction": self.cpu_fraction,
+            "backend": self.backend,
+            "pids": list(self.pids),
+            "throttled_seconds": self.throttled_seconds,
+            "nr_throttled": self.nr_throttled,
+            "elapsed_seconds": round(self.elapsed_seconds, 3),
+        }
+
+
+def cpu_quota(
+    procs: Sequence[psutil.Process],
+    cpu_fraction: float,
+    stop: threading.Event | None = None,
+    *,
+    seconds: float | None = None,
+    helpers: bool = True,
+    backend: CpuBackend | None = None,
+) -> QuotaRun:
+    """Hold ``procs`` (with ``helpers``: their descendants too, looked up every second) to ``cpu_fraction`` of one
+    core until ``seconds`` have passed (None: no limit), ``stop`` is set, or none of ``procs`` is alive; the
+    quota is lifted and the group deleted in ``finally``. Call it in a thread of its own to slow a process for a
+    while (a host that becomes slow mid-run and recovers)."""
+    check_cpu_fraction(cpu_fraction)
+    if seconds is not None and not seconds > 0:
+        raise ValueError(f"--seconds {seconds:g}: must be > 0")
+    t0 = time.monotonic()
+    end = t0 + seconds if seconds is not None else math.inf
+    reason = "seconds elapsed"
+    with CpuQuota(cpu_fraction, backend=backend) as quota:
+        quota.add(procs)
+        while True:
+            if helpers:
+                quota.follow(procs)
+            if stop is not None and stop.is_set():
+                reason = "stopped"
+                break
+            if not any(is_alive(p) for p in procs):
+                reason = "worker exited"
+                break
+            if time.monotonic() >= end:
+                break
+            _sleep_until(min(time.monotonic() + TREE_REFRESH_SECONDS, end), stop)
+        stat = quota.stat()
+        return QuotaRun(
+            reason,
+            cpu_fraction,
+            f"cgroup v{quota.backend.version}",
+            tuple(quota.origins),
+            stat["throttled_seconds"],
+            int(stat["nr_throttled"]),
+            time.monotonic() - t0,
+        )
+
+
+def quota_worker(
+    job: JobRef,
+    log: ChaosLog,
+    *,
+    host: str | None = None,
+    rank: int | None = None,
+    cpu_fraction: float,
+    seconds: float | None = None,
+    stop: threading.Event | None = None,
+    rng: Chooser | None = None,
+) -> dict[str, Any]:
+    """Put one worker's machine under a CPU quota of ``cpu_fraction`` of one core (its training process and
+    helpers, :func:`cpu_quota`) until ``seconds`` have passed, ``stop`` is set, or the worker exits; the quota is
+    lifted at the end. The target is as in :func:`target_worker`.
+
+    Returns the ``phase: "end"`` record: ``reason``, ``backend``, ``pids``, ``throttled_seconds``,
+    ``nr_throttled``, ``elapsed_seconds`` and the start line's ``ts`` as ``start_ts``.
+    """
+    check_cpu_fraction(cpu_fraction)
+    target = target_worker(job, host=host, rank=rank, rng=rng)
+    start = log.log("quota-worker", job=job.job, cpu_fraction=cpu_fraction, seconds=seconds, **target.describe())
+    result = None
+    try:
+        result = cpu_quota([target.proc], cpu_fraction, stop, seconds=seconds)
+    finally:
+        figures = result.record() if result is not None else {"reason": "interrupted"}
+        end = log.log("quota-worker", phase="end", job=job.job, **figures, start_ts=start["ts"], **target.describe())
+    return end
 
 
 def target_worker(
