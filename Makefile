@@ -86,6 +86,7 @@ PEERS_VENV := .peers-venv
 TORCHFT_PIN := torchft-nightly==2026.10.26
 peers-env:
 	python3.11 -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip uninstall -q -y torchft  # a 0.2.0 left from before would shadow the nightly's package
 	$(PEERS_VENV)/bin/python -m pip install -q --disable-pip-version-check -c constraints/torch.txt torch $(TORCHFT_PIN) numpy
 	$(PEERS_VENV)/bin/python -c "import importlib.metadata as m, torch, torchft; print('peers-env: torch', torch.__version__, '$(TORCHFT_PIN)'.split('==')[0], m.version('$(TORCHFT_PIN)'.split('==')[0]))"
 

@@ -35,6 +35,9 @@ the table says so in words.
 Goals (elastictrain against the others, medians in the same run): SIGKILL recovery >= 10x faster than
 torchrun's and >= 1x TorchFT's (its better heartbeat setting); scale-up pause <= 0.25x torchrun's; goodput ahead
 of every contender; samples/s >= 0.97x the fastest contender's; exactly once per epoch.
+
+Size: the shared rule over the step log (pure functions, tested in ``tests/unit/test_peers_goodput.py`` and
+``tests/unit/test_peers_contenders.py``) and one small job class per contender, which only make sense side by side.
 """
 
 from __future__ import annotations
@@ -327,18 +330,20 @@ def goodput(lines: Iterable[Line], t_start: float, t_end: float, step_seconds: f
     return sum(min(d, cap) for d in inside if d > 0) / (t_end - t_start)
 
 
-def survival(lines: Iterable[Line], kill_ts: float, killed: str, until: float, before: float = 10.0) -> dict[str, Any]:
+def survival(lines: Iterable[Line], kill_ts: float, killed: str, until: float) -> dict[str, Any]:
     """Did the processes that the kill of writer ``killed`` (``<host>-<pid>``) at ``kill_ts`` spared live through it?
-    Survivors: the other writers of committed lines that ended in the ``before`` seconds up to the kill. ``lived``:
-    those that wrote a committed line begun after the kill (the same writer, so the same pid) up to ``until``;
-    ``steps_at_smaller_world``: steps they committed at a world smaller than before the kill, before the first step
-    back at that size (the killed one's return). ``survived``: every survivor lived and took such a step."""
+    Survivors: the other writers of the last step completed before the kill (its world is the world before).
+    ``lived``: those that wrote a committed line begun after the kill (the same writer, so the same pid) up to
+    ``until``; ``steps_at_smaller_world``: steps they committed at a smaller world, before the first step back at
+    the world before (the killed one's return). ``survived``: every survivor lived and took such a step."""
     lines = [ln for ln in lines if ln.committed]
-    recent = [ln for ln in lines if kill_ts - before <= ln.t1 <= kill_ts]
-    world = max((ln.world for ln in recent), default=0)
-    spared = sorted({ln.writer for ln in recent} - {killed})
+    done = [ln for ln in lines if ln.t1 <= kill_ts]
+    last = max(done, key=lambda x: x.t1, default=None)
+    of_last = [ln for ln in done if last is not None and ln.step == last.step and ln.t0 <= last.t1 and ln.t1 >= last.t0]
+    world = max((ln.world for ln in of_last), default=0)
+    spared = sorted({ln.writer for ln in of_last} - {killed})
     after = sorted((ln for ln in lines if kill_ts <= ln.t0 and ln.t1 <= until), key=lambda x: x.t1)
-    back = next((ln.t1 for ln in after if ln.world >= world), until)
+    back = next((ln.t1 for ln in after if ln.world >= world), float("inf"))
     lived = sorted({ln.writer for ln in after} & set(spared))
     smaller = {ln.step for ln in after if ln.writer in spared and ln.world < world and ln.t1 < back}
     return {
@@ -890,10 +895,11 @@ def trial(name: str, workdir: Path, hosts: list[str], quick: bool, seed: int, lo
         for _ in range(kills_n):
             last = max(ln.t1 for ln in job.reader.read())
             _wait(job, "10 steps", 120, _steps_after(last, 10))
-            # back at 3 workers or more first (a killed host returns after its cooldown), so that no kill hits the last
-            # worker; after 120 s the kill goes ahead at whatever size the job has
+            # back at the full size first (the previous kill's host returned: after its cooldown, its restart or its
+            # heal), so that every kill meets the same job and the survivors' steps at the smaller world end at that
+            # return; after 120 s the kill goes ahead at whatever size the job has
             with contextlib.suppress(BenchError):
-                _wait(job, "a step at 3 workers", 120, _first_at(time.time(), 3))
+                _wait(job, "a step at 4 workers", 120, _first_at(time.time(), 4))
             kill = _kill(job, rng)
             first = _wait(job, "a step after the kill", 300, _first_after(kill["ts"]))
             kill.update(recovery_seconds=first.t1 - kill["ts"], world_after=first.world)

@@ -151,3 +151,10 @@ def test_a_contender_whose_survivors_never_live_gets_words_in_the_table_not_a_go
     # torchrun restarts every worker by design: its goodput stands, and the words say why nobody survived
     restarts = summarize("torchrun", [_trial(_kill(False))], {"goodput": 0.5, "kills": [_kill(False)]})
     assert restarts["goodput"] == 0.5 and "by design" in restarts["survives_kills"]
+
+
+def test_a_second_kill_counts_as_survivors_only_the_processes_still_stepping():
+    # c was killed at 20.2 and has not returned; b is killed at 26.2: a alone was spared, and it lived at world 1.
+    lines = together("abc", 1, 20, 0.0) + together("ab", 21, 5, 21.0, world=2) + steps("a", 26, 4, 27.0, world=1)
+    got = survival(lines, 26.2, "b", 31.0)
+    assert got == {"world_before": 2, "survivors": 1, "lived": 1, "steps_at_smaller_world": 4, "survived": True}
