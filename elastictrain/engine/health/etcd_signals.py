@@ -113,7 +113,9 @@ class EtcdSignalStore(EtcdRegistry):
 
     def get_keys(self, keys: Sequence[str]) -> dict[str, tuple[bytes, int]]:
         async def txn(c: Any) -> dict[str, tuple[bytes, int]]:
-            _, replies = await c.transaction(compare=[], success=[c.transactions.get(k.encode()) for k in keys])
+            _, replies = await c.transaction(
+                compare=[], success=[c.transactions.get(k.encode()) for k in keys], failure=[]
+            )
             out = {}
             for reply in replies:
                 for value, kv in reply:
@@ -168,6 +170,7 @@ class EtcdSignals:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._closed = False
         self._beat: Beat | None = None
         self._failure: bytes | None = None
         self._verdict: bytes | None = None
@@ -207,7 +210,11 @@ class EtcdSignals:
         return self
 
     def stop(self, revoke: bool = True) -> None:
-        """Stop the thread (after one last cycle) and, with ``revoke``, revoke the lease (this worker's beat goes)."""
+        """Stop the thread (after one last cycle) and, with ``revoke``, revoke the lease (this worker's beat goes);
+        then close the connection. Once only: later calls do nothing."""
+        if self._closed:
+            return
+        self._closed = True
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
