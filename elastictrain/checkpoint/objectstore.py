@@ -38,6 +38,13 @@ LATEST_CAS_ATTEMPTS = 16
 _CONFLICT_CODES = {"PreconditionFailed", "ConditionalRequestConflict", "412", "409"}
 
 
+def _s3_endpoint(location: ObjectLocation) -> str | None:
+    """The standard variables naming an S3-compatible endpoint (MinIO, a test server), for ``s3://`` only."""
+    if location.scheme != "s3":
+        return None
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
 def _lost_race(e: BaseException) -> bool:
     """Whether ``e`` is the store refusing a conditional write (412 Precondition Failed, 409 Conflict)."""
     if isinstance(e, FileExistsError):  # s3fs's translation of a failed If-None-Match
@@ -58,22 +65,28 @@ class FsspecStorage(CheckpointStorage):
     use in each process (never pickled: the writer process makes its own, from the same credential chain).
     """
 
-    def __init__(self, location: ObjectLocation, *, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+    def __init__(
+        self, location: ObjectLocation, *, block_size: int = DEFAULT_BLOCK_SIZE, endpoint_url: str | None = None
+    ) -> None:
         if block_size < 5 << 20:
             raise ValueError(f"block_size must be >= 5 MiB (S3's smallest part), got {block_size}")
         self.location = location
         self.block_size = block_size
+        self.endpoint_url = endpoint_url if endpoint_url is not None else _s3_endpoint(location)
+        """An S3-compatible endpoint (no secret), fixed where the storage is built: the writer process, started
+        from a fork server, may have an older environment."""
         self._fs_obj: Any = None
 
     def __repr__(self) -> str:
         return f"FsspecStorage({self.location.url!r})"
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"location": self.location, "block_size": self.block_size}
+        return {"location": self.location, "block_size": self.block_size, "endpoint_url": self.endpoint_url}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.location = state["location"]
         self.block_size = state["block_size"]
+        self.endpoint_url = state["endpoint_url"]
         self._fs_obj = None
 
     # ------------------------------------------------------------------------------------------ plumbing
@@ -84,10 +97,8 @@ class FsspecStorage(CheckpointStorage):
             import fsspec
 
             options: dict[str, Any] = {"skip_instance_cache": True, "use_listings_cache": False}
-            if self.location.scheme == "s3":
-                endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-                if endpoint:
-                    options["endpoint_url"] = endpoint
+            if self.endpoint_url:
+                options["endpoint_url"] = self.endpoint_url
             self._fs_obj = fsspec.filesystem(self.location.scheme, **options)
         return self._fs_obj
 
