@@ -234,7 +234,8 @@ def http_request(method: str, url: str, headers: Mapping[str, str], timeout: flo
         raise NoticeError(f"{url}: only http://HOST[:PORT] metadata endpoints are read")
     what = f"{method} {parts.path}"
     conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
-    timer = threading.Timer(timeout, _shutdown, (conn,))
+    expired = threading.Event()
+    timer = threading.Timer(timeout, _shutdown, (conn, expired))
     timer.daemon = True
     timer.start()
     try:
@@ -244,11 +245,11 @@ def http_request(method: str, url: str, headers: Mapping[str, str], timeout: flo
         body = resp.read(MAX_BODY + 1)
         if len(body) > MAX_BODY:
             raise NoticeError(f"{what}: the answer is larger than {MAX_BODY // 1024} KiB")
-        if not timer.is_alive():
+        if expired.is_set():  # the socket was shut down under the read: what was read may be partial
             raise NoticeError(f"{what}: no complete answer within {timeout:g}s")
         return Answer(resp.status, {k.lower(): v for k, v in resp.getheaders()}, body)
     except (OSError, http.client.HTTPException) as e:  # timeouts, refusals, resets, bad status lines
-        if not timer.is_alive():
+        if expired.is_set() or isinstance(e, TimeoutError):
             raise NoticeError(f"{what}: no complete answer within {timeout:g}s") from None
         raise NoticeError(f"{what}: {type(e).__name__}: {str(e)[:120]}") from None
     finally:
@@ -256,7 +257,8 @@ def http_request(method: str, url: str, headers: Mapping[str, str], timeout: flo
         conn.close()
 
 
-def _shutdown(conn: http.client.HTTPConnection) -> None:
+def _shutdown(conn: http.client.HTTPConnection, expired: threading.Event) -> None:
+    expired.set()
     sock = conn.sock
     if sock is not None:
         with contextlib.suppress(OSError):
