@@ -18,6 +18,9 @@ Contract:
 - A notice, once read, holds for the watch's life: the instance is going away.
 - :func:`probe` (``auto``) asks each cloud's service a cheap question with a short deadline and returns the first
   cloud, in the order aws, gcp, azure, whose service answers as that cloud's does; ``None`` off-cloud.
+- :func:`plan_checkpoint` is the reader's side, pure: from the job's host records it says whether the notices
+  leave the job unable to go on (fewer than ``min_np`` slots on hosts with no notice) and by when a just-in-time
+  checkpoint must be durable.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from discovery.record import READY, HostRecord
 from discovery.wire import check_notice, check_time
 from elastictrain import envnames
 from elastictrain.errors import ElastictrainError
@@ -575,4 +579,43 @@ def build(
         sources(cloud, base, timeout_seconds=timeout_seconds, poll_seconds=poll_seconds),
         error_gap_seconds=max(poll_seconds, 1.0),
         log=log,
+    )
+
+
+# -- the reader's decision: a just-in-time checkpoint --------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointPlan:
+    """The job cannot survive the notices given: save the last commit before ``deadline``."""
+
+    deadline: float
+    """Unix time of the earliest notice's end: the checkpoint must be durable before it."""
+    slots_left: int
+    """Slots on ready hosts with no notice (fewer than ``min_np``)."""
+    noticed: tuple[str, ...]
+    """Hosts with a notice, sorted."""
+
+    def describe(self, now: float) -> str:
+        return (
+            f"{len(self.noticed)} host(s) with a preemption notice ({', '.join(self.noticed)}) leave "
+            f"{self.slots_left} slot(s), fewer than min_np; a just-in-time checkpoint is due within "
+            f"{self.deadline - now:.0f}s"
+        )
+
+
+def plan_checkpoint(records: list[HostRecord], min_np: int) -> CheckpointPlan | None:
+    """Whether the preemption notices in ``records`` (the job's hosts as etcd lists them) leave the job unable to
+    go on: ``None`` when no host has a notice, or when the ready hosts without one still have ``min_np`` slots (the
+    job shrinks and goes on: a drain, nothing lost). Otherwise (every host noticed, or too few slots left) a
+    :class:`CheckpointPlan` whose deadline is the earliest notice's end. Pure: records in, a plan out; what is
+    written in etcd was validated when read (:meth:`HostRecord.from_json`)."""
+    noticed = sorted((r for r in records if r.notice), key=lambda r: r.host)
+    if not noticed:
+        return None
+    slots_left = sum(r.slots for r in records if r.state == READY and not r.notice)
+    if slots_left >= max(min_np, 1):
+        return None
+    return CheckpointPlan(
+        deadline=min(r.notice_time for r in noticed), slots_left=slots_left, noticed=tuple(r.host for r in noticed)
     )

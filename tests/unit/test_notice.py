@@ -14,6 +14,7 @@ from discovery.notice import (
     Answer,
     AwsSource,
     AzureSource,
+    CheckpointPlan,
     GcpSource,
     Notice,
     NoticeError,
@@ -25,6 +26,7 @@ from discovery.notice import (
     parse_azure_events,
     parse_gcp_maintenance,
     parse_gcp_preempted,
+    plan_checkpoint,
     probe,
 )
 from discovery.record import DRAINING, READY, HostRecord, MalformedRecord
@@ -472,3 +474,34 @@ def test_an_operator_undrain_an_eviction_or_a_lost_lease_never_makes_a_noticed_h
                                     "under a new 9s lease")  # fmt: skip
     r = record(registry)
     assert (r.state, r.notice, r.notice_time, r.drain_until) == (DRAINING, "gcp-preempted", T0, 0.0)
+
+
+# -- plan_checkpoint(): can the job survive the notices? --------------------------------------------------------
+
+
+def host(name: str, slots: int = 1, state: str = READY, notice: float = 0.0) -> HostRecord:
+    r = HostRecord(host=name, slots=slots, addr="127.0.0.1", state=state)
+    return r.with_notice("aws-spot-terminate", notice) if notice else r
+
+
+def test_no_notice_or_enough_slots_left_needs_no_checkpoint() -> None:
+    assert plan_checkpoint([host("a"), host("b")], min_np=2) is None, "no notice"
+    assert plan_checkpoint([host("a"), host("b"), host("c", notice=T0)], min_np=2) is None, "2 slots stay"
+    assert plan_checkpoint([host("a", slots=4), host("b", slots=4, notice=T0)], min_np=4) is None
+
+
+def test_every_host_noticed_needs_a_checkpoint_before_the_earliest_end() -> None:
+    plan = plan_checkpoint([host("b", notice=T0 + 30), host("a", notice=T0)], min_np=1)
+    assert plan == CheckpointPlan(deadline=T0, slots_left=0, noticed=("a", "b"))
+    assert plan.describe(T0 - 25) == (
+        "2 host(s) with a preemption notice (a, b) leave 0 slot(s), fewer than min_np; a just-in-time checkpoint is "
+        "due within 25s"
+    )
+
+
+def test_a_notice_that_leaves_fewer_than_min_np_slots_needs_a_checkpoint() -> None:
+    records = [host("a", slots=2), host("b", slots=2, notice=T0), host("c", slots=2, state=DRAINING)]
+    plan = plan_checkpoint(records, min_np=3)
+    assert plan is not None and (plan.slots_left, plan.noticed, plan.deadline) == (2, ("b",), T0)
+    assert plan_checkpoint(records, min_np=2) is None
+    assert plan_checkpoint([host("a", notice=T0)], min_np=0) is not None, "no host left at all is never enough"
