@@ -62,7 +62,11 @@ def format_age(seconds: float) -> str:
 
 def format_state(record: HostRecord, now: float) -> str:
     """The STATE cell: the state, and for an evicted host its reason, the time left to its readmission (by its
-    agent, at ``drain_until``) and its eviction count."""
+    agent, at ``drain_until``) and its eviction count; for a host with a preemption notice, the notice and the time
+    left until the cloud ends the instance."""
+    if record.notice:
+        left = math.ceil(record.notice_time - now)
+        return f"{record.state} ({record.notice}, {f'ends in {format_age(left)}' if left > 0 else 'ending'})"
     if not record.evicted:
         return record.state
     left = record.drain_until - now

@@ -505,3 +505,11 @@ def test_a_notice_that_leaves_fewer_than_min_np_slots_needs_a_checkpoint() -> No
     assert plan is not None and (plan.slots_left, plan.noticed, plan.deadline) == (2, ("b",), T0)
     assert plan_checkpoint(records, min_np=2) is None
     assert plan_checkpoint([host("a", notice=T0)], min_np=0) is not None, "no host left at all is never enough"
+
+
+def test_hosts_list_shows_the_notice_and_the_time_left() -> None:
+    from discovery.hosts_cli import format_state
+
+    assert format_state(host("a", notice=T0), T0 - 95) == "draining (aws-spot-terminate, ends in 95s)"
+    assert format_state(host("a", notice=T0), T0 + 1) == "draining (aws-spot-terminate, ending)"
+    assert format_state(host("a"), T0) == "ready"
