@@ -14,6 +14,7 @@ import torch
 
 from elastictrain.config import ConfigError, JobConfig
 from elastictrain.engine.collective import Collective
+from elastictrain.engine.health.shares import ShareState
 from elastictrain.engine.policy import ScaleRamp, schedule_factor
 from elastictrain.engine.sampler import ExactlyOncePlanner, SamplerState, StepLog
 from elastictrain.engine.state import CommittedState, Counters, make_state
@@ -67,6 +68,7 @@ def build_parts(cfg: JobConfig, collective: Collective) -> TrainingParts:
         Counters(),
         ScaleRamp(1.0, 1.0, 0, 0),
         step_log,
+        ShareState() if cfg.elastic.stragglers == "balance" else None,
     )
     return TrainingParts(task, device, precision, model, optimizer, scheduler, scaler, planner, state, group_lrs)
 

@@ -32,7 +32,7 @@ def compose(cfg: JobConfig, collective: Collective) -> Trainer:
     signals = open_signals(cfg)
     policy = trainer.straggler_policy
     evictor = EtcdEvictor.from_env(os.environ, min_np=policy.min_np)
-    if policy.mode == "evict":
+    if policy.mode in ("evict", "balance"):
         trainer.stragglers.evictor = evictor
 
     def evict(host: str) -> str:

@@ -61,46 +61,47 @@ def allocate(
     """Split ``total`` into integers in proportion to ``weights``: each at least ``floor`` and at most its cap (pure,
     exact: the same inputs give the same split on every rank).
 
-    Largest remainder on exact fractions (ties to the lower index), after caps are filled (water-filling: what a
-    capped entry cannot take goes to the others in proportion). A zero weight gets the floor only; with every
-    weight zero the split is equal. A floor that ``total`` cannot give to everyone is dropped; caps that cannot
-    hold ``total`` together are dropped too (the step's samples must all go somewhere). Equal weights give
+    The real-valued split is ``clamp(x * weight, floor, cap)`` with the one ``x`` that makes it sum to ``total``
+    (what a bounded entry cannot take goes to the others in proportion), computed on exact fractions; then the
+    largest remainders get the samples left (ties to the lower index). A zero weight gets the floor only; with
+    every weight zero the split is equal. A floor that ``total`` cannot give to everyone is dropped, and so are
+    caps that cannot hold ``total`` together (the step's samples must all go somewhere). Equal weights give
     :func:`shares`'s split.
     """
     n = len(weights)
     assert n >= 1 and total >= 0 and floor >= 0
     assert all(math.isfinite(w) and w >= 0 for w in weights), weights
-    cap = [total if c is None else max(0, min(int(c), total)) for c in (caps or [None] * n)]
-    assert len(cap) == n
-    if sum(cap) < total:
-        cap = [total] * n
-    low = [min(floor, c) for c in cap]
-    if sum(low) > total:
-        low = [0] * n
-    out = list(low)
-    left = total - sum(low)
     w = [Fraction(x) for x in weights]
-    if not any(w[i] > 0 for i in range(n) if cap[i] > out[i]):
+    if not any(w):
         w = [Fraction(1)] * n
-    active = [i for i in range(n) if cap[i] > out[i] and w[i] > 0]
-    while left > 0:
-        weight = sum(w[i] for i in active)
-        quota = {i: left * w[i] / weight for i in active}
-        full = [i for i in active if quota[i] >= cap[i] - out[i]]
-        if full:  # these take all they can hold; the rest is split again over the others
-            for i in full:
-                left -= cap[i] - out[i]
-                out[i] = cap[i]
-            active = [i for i in active if i not in full]
-            continue
-        floors = {i: int(q) for i, q in quota.items()}
-        extra = left - sum(floors.values())
-        by_remainder = sorted(active, key=lambda i: (-(quota[i] - floors[i]), i))
-        for i in active:
-            out[i] += floors[i]
-        for i in by_remainder[:extra]:
-            out[i] += 1
-        left = 0
+    hi = [total if c is None else max(0, min(int(c), total)) for c in (caps or [None] * n)]
+    assert len(hi) == n
+    lo = [min(floor, c) for c in hi]
+    if sum(lo) > total:
+        lo = [0] * n
+    if sum(hi[i] if w[i] else lo[i] for i in range(n)) < total:
+        hi, lo = [total] * n, [min(floor, total)] * n
+        if sum(lo) > total:
+            lo = [0] * n
+
+    def split(x: Fraction) -> list[Fraction]:
+        return [min(max(x * w[i], Fraction(lo[i])), Fraction(hi[i])) for i in range(n)]
+
+    # f(x) = sum(split(x)) is piecewise linear and non-decreasing: find the piece where it reaches total
+    points = sorted({Fraction(0)} | {Fraction(b) / w[i] for i in range(n) if w[i] for b in (lo[i], hi[i])})
+    x, reached = points[0], sum(split(points[0]))
+    for p in points[1:]:
+        at = sum(split(p))
+        if at >= total:
+            slope = sum(w[i] for i in range(n) if w[i] and lo[i] < (x + p) / 2 * w[i] < hi[i])
+            x = x + (total - reached) / slope if slope else p
+            break
+        x, reached = p, at
+    quota = split(x)
+    out = [int(q) for q in quota]
+    extra = total - sum(out)
+    for i in sorted(range(n), key=lambda i: (-(quota[i] - out[i]), i))[:extra]:
+        out[i] += 1
     return out
 
 

@@ -20,7 +20,7 @@ import copy
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -45,6 +45,15 @@ class Counters:
     def load_state_dict(self, d: dict[str, int]) -> None:
         for k, v in d.items():
             setattr(self, k, int(v))
+
+
+class Stateful(Protocol):
+    """A small part of the committed state with plain values (e.g. the shares of ``elastic.stragglers: balance``)."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, d: Any) -> None:
+        """Load what :meth:`state_dict` returned, or None (a checkpoint written before the part existed)."""
 
 
 class TensorSnapshot:
@@ -230,7 +239,8 @@ def ready_grad_scaler(scaler: torch.amp.GradScaler, devices: Iterable[torch.devi
 
 
 class CommittedState:
-    """All state that a rollback must restore: model, optimizer, scheduler, scaler, sampler, counters, RNG."""
+    """All state that a rollback must restore: model, optimizer, scheduler, scaler, sampler, counters, RNG (and the
+    step log and the shares, when the job has them)."""
 
     def __init__(
         self,
@@ -242,6 +252,7 @@ class CommittedState:
         counters: Counters,
         ramp: ScaleRamp,
         step_log: StepLog | None = None,
+        shares: Stateful | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -251,6 +262,7 @@ class CommittedState:
         self.counters = counters
         self.ramp = ramp
         self.step_log = step_log or StepLog()
+        self.shares = shares
         self._model_snapshot = TensorSnapshot()
         self._opt_snapshot = OptimizerSnapshot(optimizer)
         self._small: dict[str, Any] = {}
@@ -266,6 +278,7 @@ class CommittedState:
             "counters": self.counters.state_dict(),
             "ramp": self.ramp.state_dict(),
             "step_log": self.step_log.state_dict(),
+            **({"shares": self.shares.state_dict()} if self.shares is not None else {}),
         }
 
     def load_small_state(self, d: dict[str, Any]) -> None:
@@ -280,6 +293,8 @@ class CommittedState:
         self.counters.load_state_dict(d["counters"])
         self.ramp.load_state_dict(d["ramp"])
         self.step_log.load_state_dict(d.get("step_log"))
+        if self.shares is not None:
+            self.shares.load_state_dict(d.get("shares"))
 
     keeps_copy = True
     """A commit copies the state and a failure rolls back to it (``elastic.rollback: commit``)."""
@@ -407,7 +422,8 @@ def make_state(
     counters: Counters,
     ramp: ScaleRamp,
     step_log: StepLog | None = None,
+    shares: Stateful | None = None,
 ) -> CommittedState:
     """The state for ``elastic.rollback``: ``commit`` -> :class:`CommittedState`, ``none`` -> :class:`LiveState`."""
     kinds: dict[str, type[CommittedState]] = {"commit": CommittedState, "none": LiveState}
-    return kinds[rollback](model, optimizer, scheduler, scaler, sampler, counters, ramp, step_log)
+    return kinds[rollback](model, optimizer, scheduler, scaler, sampler, counters, ramp, step_log, shares)

@@ -40,6 +40,7 @@ from elastictrain.engine.data import load_batches
 from elastictrain.engine.elastic_state import ElasticTrainingState, StopRequested
 from elastictrain.engine.gpus import collective_gpu
 from elastictrain.engine.health.hang import gathered_members
+from elastictrain.engine.health.shares import Balancer, SharePolicy, ShareState
 from elastictrain.engine.health.stragglers import StragglerMonitor, StragglerPolicy
 from elastictrain.engine.health.watchdog import CollectiveWatchdog, NullWatchdog
 from elastictrain.engine.metrics import MetricsWindow
@@ -135,7 +136,14 @@ class Trainer:
         self.profile = StepProfile(parts.device, enabled=cfg.elastic.stragglers != "off")
         self.stragglers = StragglerMonitor(self.straggler_policy, emit=lambda e: self.services.events.emit(e))
         """Every host's window of step figures (every rank keeps them: a new rank 0 has the history); the
-        evictor is set by the composition when ``elastic.stragglers`` is ``evict``."""
+        evictor is set by the composition when ``elastic.stragglers`` is ``evict`` or ``balance``."""
+        shares = parts.state.shares
+        self.balancer = Balancer(
+            SharePolicy.from_config(cfg.elastic) if isinstance(shares, ShareState) else None,
+            shares if isinstance(shares, ShareState) else ShareState(),
+            emit=lambda e: self.services.events.emit(e),
+        )
+        """Each host's share of a step (``elastic.stragglers: balance``; its state is part of the committed state)."""
         self.last_loss: float | None = None
         self.last_val_accuracy: float | None = None
         self.metrics = MetricsWindow(parts.device)
@@ -236,11 +244,20 @@ class Trainer:
         self._apply_lr()
         self.metrics.start()
         self.profile.discard()
+        self.balancer.discard_pending()
         members, state.members = state.members, None  # gathered with the sync's positions when it ran
         if members is None:  # Horovod skips the sync when hosts were only removed
             members = self.collective.allgather_object(self.member(), name="hosts")
         self.rank_hosts = [str(m[0]) for m in members]
         self.hosts = sorted(set(self.rank_hosts))
+        if self.balancer.weights(self.rank_hosts, 1) is not None:  # the shares, re-split over this world
+            self.balancer.announce(
+                step=c.step,
+                epoch=self.sampler.epoch,
+                rank_hosts=self.rank_hosts,
+                global_batch=self._global_batch(),
+                reason="start" if plan.starting else "the world changed",
+            )
         ring = gathered_members(members)
         if ring is not None:
             self.watchdog.set_members(self.ctx.rank, ring)
@@ -326,8 +343,10 @@ class Trainer:
         self._finish(state)
 
     def _run_epoch_part(self, state: ElasticTrainingState, global_batch: int, micro_batch: int) -> None:
-        """Steps until the epoch ends, max_steps, or a stop; the plans are fixed for this world size."""
+        """Steps until the epoch ends, max_steps, a stop, or new shares; the plans are fixed for this world size and
+        these shares."""
         cfg, c, t, task = self.cfg, self.counters, self.cfg.training, self.parts.task
+        shares_version = self.balancer.version
         # Lazily: planning a whole ImageNet epoch up front took 0.5 s of every reset's recovery. The loader's copy
         # runs ahead of the loop's by its prefetch depth only.
         plans, ahead = itertools.tee(
@@ -338,6 +357,7 @@ class Trainer:
                 world_size=self.ctx.size,
                 rank=self.ctx.rank,
                 micro_batch=micro_batch,
+                weights=self.balancer.weights(self.rank_hosts, global_batch),
             )
         )
         train_set = task.train_data
@@ -391,6 +411,8 @@ class Trainer:
             if c.step % cfg.elastic.commit_every_steps == 0 or ckpt_due:
                 self._commit(state, checkpoint=ckpt_due)
             self.watchdog.step_finished()
+            if self.balancer.version != shares_version:
+                return  # planned again with the new shares
 
     def _grads_ready(self) -> None:
         self.profile.grads_ready()
@@ -435,6 +457,10 @@ class Trainer:
             log.info("metrics", step=c.step, **{k: round(v, 5) for k, v in values.items()})
         services.progress.update(c.step, world_size=self.ctx.size, epoch=self.sampler.epoch, loss=values["loss"])
 
+    def _global_batch(self) -> int:
+        t = self.cfg.training
+        return batch_plan(self.cfg.elastic, self.cfg.data.batch_size, t.grad_accumulation, self.ctx.size).global_batch
+
     def _total_steps_estimate(self) -> int | None:
         t = self.cfg.training
         gb = batch_plan(self.cfg.elastic, self.cfg.data.batch_size, t.grad_accumulation, self.ctx.size).global_batch
@@ -445,6 +471,7 @@ class Trainer:
     def _commit(self, state: ElasticTrainingState, checkpoint: bool = False) -> None:
         """Ledger (rank 0), in-memory commit, optional checkpoint, then the host-update check (may raise)."""
         self.services.write_ledger(self.step_log)
+        self.balancer.apply_pending(step=self.counters.step, epoch=self.sampler.epoch, rank_hosts=self.rank_hosts)
         state.save()
         self.services.events.emit(
             Commit(
@@ -471,6 +498,7 @@ class Trainer:
             global_batch=e.global_batch_size if e.policy == "global" else None,
             per_worker_batch=self.cfg.data.batch_size * self.cfg.training.grad_accumulation,
         )
+        self.balancer.observe(rows, self.rank_hosts, self._global_batch())
 
     def checkpoint(self, wait: bool) -> bool:
         """Rank 0: checkpoint the *committed* state, labelled with the committed step (not the live one).

@@ -14,6 +14,9 @@ every rank's figures at the same commit, and no collective is added to a step.
   predicted faster without it: throughput (samples/s) at ``N - slots`` workers (the measured step time scaled by the
   slowest remaining worker's per-sample work x its new share) above throughput at ``N`` with it; never below
   ``min_np``, counting only hosts that are not already leaving.
+- With ``elastic.stragglers: balance`` each host's share follows its speed (:mod:`.shares`), and the prediction
+  gives every host the share it would have then (:func:`predicted_balanced_samples_per_sec`): a slow host is drained
+  only when even its smallest share (``share_min_per_worker``) holds the others back.
 - :class:`StragglerMonitor`: fed at every commit on every rank (so a new rank 0 keeps the history); rank 0 writes
   the ``straggler`` and ``eviction`` events and asks its :class:`Evictor` to drain (in the background: training
   never waits on etcd). The registry refuses a drain that would leave the hosts discovery lists as ready with fewer
@@ -133,11 +136,13 @@ def host_entry(figures: Sequence[Figures]) -> Entry | None:
 @dataclass(frozen=True, slots=True)
 class StragglerPolicy:
     mode: str
-    """``off`` | ``report`` | ``evict``."""
+    """``off`` | ``report`` | ``evict`` | ``balance``."""
     slow_ratio: float = 1.3
     window_steps: int = 100
     cooldown_seconds: float = 300.0
     min_np: int = 1
+    min_share: int = 1
+    """``balance``: samples each worker gets at least (``elastic.share_min_per_worker``)."""
 
     @classmethod
     def from_config(cls, elastic: ElasticConfig, env: Mapping[str, str]) -> StragglerPolicy:
@@ -152,6 +157,7 @@ class StragglerPolicy:
             window_steps=elastic.window_steps,
             cooldown_seconds=elastic.straggler_cooldown_seconds,
             min_np=max(elastic.min_np, launched),
+            min_share=elastic.share_min_per_worker,
         )
 
     @property
@@ -237,6 +243,34 @@ def predicted_samples_per_sec(
     return batch / step if step > 0 else 0.0
 
 
+def predicted_balanced_samples_per_sec(
+    windows: dict[str, HostWindow],
+    hosts: Sequence[str],
+    *,
+    global_batch: int | None,
+    per_worker_batch: int,
+    min_share: int,
+) -> float:
+    """As :func:`predicted_samples_per_sec`, with shares that follow speed (``balance``): each worker of ``hosts``
+    takes a part of the batch in proportion to its speed (1 / its per-sample time), at least ``min_share``; the
+    critical work is then the largest share x per-sample time."""
+    workers = sum(windows[h].slots for h in hosts)
+    if workers == 0:
+        return 0.0
+    batch = global_batch if global_batch is not None else per_worker_batch * workers
+    per_sample = {h: windows[h].median("compute_per_sample") + windows[h].median("data_per_sample") for h in windows}
+    if not all(per_sample[h] > 0 for h in hosts):
+        return predicted_samples_per_sec(windows, hosts, global_batch=global_batch, per_worker_batch=per_worker_batch)
+    now_step = _median([windows[h].median("step_seconds") for h in windows])
+    now_work = max(per_sample[h] * windows[h].median("samples_per_step") for h in windows)
+    if not now_work > 0:
+        return 0.0
+    speed = sum(windows[h].slots / per_sample[h] for h in hosts)
+    work = max(max(float(min_share), batch / per_sample[h] / speed) * per_sample[h] for h in hosts)
+    step = now_step * work / now_work
+    return batch / step if step > 0 else 0.0
+
+
 def plan_eviction(
     windows: dict[str, HostWindow],
     slow: str,
@@ -251,9 +285,17 @@ def plan_eviction(
     on their way out, e.g. drained before), hold at least ``policy.min_np`` slots."""
     hosts = sorted(windows)
     world = sum(windows[h].slots for h in hosts if h not in leaving)
-    now = predicted_samples_per_sec(windows, hosts, global_batch=global_batch, per_worker_batch=per_worker_batch)
     rest = [h for h in hosts if h != slow]
-    without = predicted_samples_per_sec(windows, rest, global_batch=global_batch, per_worker_batch=per_worker_batch)
+    if policy.mode == "balance":
+        now, without = (
+            predicted_balanced_samples_per_sec(
+                windows, group, global_batch=global_batch, per_worker_batch=per_worker_batch, min_share=policy.min_share
+            )
+            for group in (hosts, rest)
+        )
+    else:
+        now = predicted_samples_per_sec(windows, hosts, global_batch=global_batch, per_worker_batch=per_worker_batch)
+        without = predicted_samples_per_sec(windows, rest, global_batch=global_batch, per_worker_batch=per_worker_batch)
     if world - windows[slow].slots < policy.min_np:
         left = world - windows[slow].slots
         return EvictionPlan("keep", f"draining it would leave {left} < min_np {policy.min_np}", now, without)
@@ -338,7 +380,7 @@ class StragglerMonitor:
                 self._emit_straggler(j, first_rank, False, step, epoch, world)
             last = self.decided.get(host)
             again = last is None or (last[0] == "keep" and j.ratio >= 1.1 * last[1])
-            if host in self.named and again and self.policy.mode == "evict":
+            if host in self.named and again and self.policy.mode in ("evict", "balance"):
                 drained = {h for h, (action, _) in self.decided.items() if action == "drain"}
                 plan = plan_eviction(
                     self.windows,
