@@ -82,6 +82,12 @@ default."""
 CONTENDERS = ("elastictrain", "horovod", "torchrun", "torchft", TORCHFT_TUNED)
 PEER_ENV_CONTENDERS = ("torchrun", "torchft", TORCHFT_TUNED)
 """The contenders that run from ``.peers-venv``."""
+LOSSY_BY_DOCS = {
+    name: "its train_ddp.py shards data per replica group 'with the assumption that the majority of groups will be "
+    "available so few batches will be dropped'"
+    for name in ("torchft", TORCHFT_TUNED)
+}
+"""Contenders whose own documentation says their sampler may drop samples, and where it says so."""
 RESTART_BY_DESIGN = ("torchrun",)
 """Contenders whose design restarts every worker on a fault (the others promise that survivors go on)."""
 NUM_SAMPLES = 15_360  # bench/peers/task.py
@@ -123,14 +129,29 @@ class Line:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Begin:
+    """A process's begin line: the start of a step (its line's ``t0``) and the ids it trains on."""
+
+    writer: str
+    t0: float
+    ids: tuple[int, ...]
+
+    @classmethod
+    def parse(cls, writer: str, obj: dict[str, Any]) -> Begin:
+        return cls(writer=writer, t0=float(obj["begin"]), ids=tuple(int(i) for i in obj["ids"]))
+
+
 class StepLogReader:
     """Reads a step-log folder incrementally (only what was appended since the last call); a torn last line of
-    a process that is still writing or was killed is read again next time, or never."""
+    a process that is still writing or was killed is read again next time, or never. Step lines go to
+    :attr:`lines`, begin lines to :attr:`begins`."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self.offsets: dict[Path, int] = {}
         self.lines: list[Line] = []
+        self.begins: list[Begin] = []
 
     def read(self) -> list[Line]:
         for path in sorted(self.folder.glob("*.jsonl")):
@@ -140,8 +161,12 @@ class StepLogReader:
             end = data.rfind(b"\n") + 1
             self.offsets[path] = self.offsets.get(path, 0) + end
             for text in data[:end].decode(errors="replace").splitlines():
-                with contextlib.suppress(ValueError, KeyError, TypeError):
-                    self.lines.append(Line.parse(path.stem, json.loads(text)))
+                with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
+                    obj = json.loads(text)
+                    if "begin" in obj:
+                        self.begins.append(Begin.parse(path.stem, obj))
+                    else:
+                        self.lines.append(Line.parse(path.stem, obj))
         return self.lines
 
 
@@ -404,27 +429,60 @@ def samples_per_second(lines: Iterable[Line], t_from: float, t_to: float) -> flo
     return sum(len(ln.ids) for ln in kept) / (last - t_from) if last > t_from else None
 
 
-def audit(lines: Iterable[Line], num_samples: int) -> dict[int, dict[str, int]]:
-    """Per completed epoch (a kept line of a later epoch exists): ids trained, ids never trained, duplicates, and
+def unended(lines: Iterable[Line], begins: Iterable[Begin]) -> dict[int, list[Begin]]:
+    """Begin lines whose step line was never written (the process died in the step), by the step they began: one
+    more than their writer's last line before them (a process's first step has no such line and is left out)."""
+    mine: dict[str, list[Line]] = {}
+    for ln in lines:
+        mine.setdefault(ln.writer, []).append(ln)
+    ends = {w: sorted(v, key=lambda x: x.t1) for w, v in mine.items()}
+    ended = {(ln.writer, ln.t0) for ln in lines}
+    out: dict[int, list[Begin]] = {}
+    for b in begins:
+        if (b.writer, b.t0) in ended:
+            continue
+        before = [ln for ln in ends.get(b.writer, []) if ln.t1 <= b.t0]
+        if before:
+            out.setdefault(before[-1].step + 1, []).append(b)
+    return out
+
+
+def audit(lines: Iterable[Line], num_samples: int, begins: Iterable[Begin] = ()) -> dict[int, dict[str, int]]:
+    """Per completed epoch (a kept line of a later epoch exists): ids trained, ids never trained, duplicates,
     ``unlogged``: processes that took part in a kept step (its lines say a world larger than their number) and wrote
-    no line for it. A process writes its line after its optimizer step, so one killed between its gradients' sum
-    and its line took part (a collective of that world needs every member) but its ids are not in the log: they
-    count as missing, and ``unlogged`` says how many batches may explain them."""
+    no line for it, and ``recovered``: how many of those left a begin line. A process writes its step line after its
+    optimizer step, so one killed between its gradients' sum and that line took part (a collective of that world
+    needs every member); its begin line, written before the step, gives its ids, which count as trained. Unlogged
+    batches without a begin line count as missing."""
+    lines = list(lines)
     kept = replay(lines).kept
+    orphans = unended(lines, begins)
     last_epoch = max((ln.epoch for ln in kept), default=0)
     out: dict[int, dict[str, int]] = {}
     for epoch in sorted({ln.epoch for ln in kept if ln.epoch < last_epoch}):
         of_epoch = [ln for ln in kept if ln.epoch == epoch]
         ids = [i for ln in of_epoch for i in ln.ids]
-        distinct = set(ids)
         per_step: dict[int, list[Line]] = {}
         for ln in of_epoch:
             per_step.setdefault(ln.step, []).append(ln)
+        unlogged = recovered = 0
+        for step, ls in per_step.items():
+            short = max(ln.world for ln in ls) - len(ls)
+            if short <= 0:
+                continue
+            unlogged += short
+            writers, end = {ln.writer for ln in ls}, max(ln.t1 for ln in ls)
+            found = sorted((b for b in orphans.get(step, []) if b.writer not in writers and b.t0 <= end),
+                           key=lambda b: b.t0)[-short:]  # fmt: skip
+            recovered += len(found)
+            ids += [i for b in found for i in b.ids]
+        distinct = set(ids)
         out[epoch] = {
             "seen": len(ids),
             "missing": len(set(range(num_samples)) - distinct),
             "duplicated": len(ids) - len(distinct),
-            "unlogged": sum(max(0, max(ln.world for ln in ls) - len(ls)) for ls in per_step.values()),
+            "unlogged": unlogged,
+            "recovered": recovered,
         }
     return out
 
@@ -950,7 +1008,7 @@ def goodput_run(name: str, workdir: Path, hosts: list[str], quick: bool, log: Ca
         nxt = first_step_after(lines, k["ts"])
         per_kill.append({**k, "t": k["ts"] - t_start, "recovery_seconds": nxt.t1 - k["ts"] if nxt else None, **lost})
     _with_survival(lines, per_kill, t_end)
-    epochs = audit(lines, NUM_SAMPLES)
+    epochs = audit(lines, NUM_SAMPLES, job.reader.begins)
     once = bool(epochs) and all(e["missing"] == 0 and e["duplicated"] == 0 for e in epochs.values())
     step_seconds = steady_step_seconds(lines)
     value = goodput(lines, t_start, t_end, step_seconds)
@@ -1008,6 +1066,15 @@ def survives_in_words(name: str, kills: list[dict[str, Any]]) -> str:
     return f"partly: survivors went on in {lived} of {len(judged)} kills"
 
 
+def once_in_words(g: dict[str, Any]) -> str:
+    """The exactly-once audit of one contender in words: epochs clean of all audited, and its documented loss."""
+    epochs = g.get("epochs_audited") or {}
+    clean = sum(1 for e in epochs.values() if e["missing"] == 0 and e["duplicated"] == 0)
+    words = f"{clean} of {len(epochs)} epochs" if epochs else "no completed epoch"
+    lossy = g.get("sampler_documented_lossy")
+    return f"{words}; lossy by its docs: {lossy}" if lossy else words
+
+
 def summarize(name: str, trials: list[dict], good: dict) -> dict[str, Any]:
     """One contender's figures from its trials and its goodput run (the JSON's ``per_contender``)."""
     ok = [t for t in trials if "error" not in t]
@@ -1036,6 +1103,8 @@ def summarize(name: str, trials: list[dict], good: dict) -> dict[str, Any]:
         "goodput_as_measured": good.get("goodput"),
         "steady_step_seconds": good.get("steady_step_seconds"),
         "exactly_once": good.get("exactly_once"),
+        "epochs_audited": good.get("epochs_audited"),
+        "sampler_documented_lossy": LOSSY_BY_DOCS.get(name),
         "errors": [t["error"] for t in [*trials, good] if "error" in t],
     }
 
@@ -1125,6 +1194,8 @@ def run(ctx: BenchContext) -> Result:
             Metric(f"{n}: survives a kill? {g['survives_kills']}", None, ""),
             Metric(f"{n}: goodput" + (" — none: it did not survive a kill" if g["never_survived"] else ""),
                    g["goodput"], ""),
+            Metric(f"{n}: every sample exactly once per completed epoch, from the step and begin lines "
+                   f"({once_in_words(g)})", float(bool(g["exactly_once"])), ""),
             Metric(f"{n}: every kill's SIGKILL → next step (s) p50 / p95 / max = {_triple(k['recovery'], '.2f')}; "
                    f"redone p50 / p95 / max = {_triple(k['redone'], 'g')}; thrown away max "
                    f"{_triple(k['thrown_away'], 'g').rsplit(' / ', 1)[-1]} (n = {k['redone']['n']})",

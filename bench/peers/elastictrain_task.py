@@ -46,8 +46,8 @@ def _loss(model: nn.Module, batch: Any) -> torch.Tensor:
     x, y, idx = batch
     log = _log()
     log.t0 = None
-    log.started()
     _ids[:] = [int(i) for i in idx]
+    log.started(_ids)
     return F.cross_entropy(model(x), y, reduction="none")
 
 

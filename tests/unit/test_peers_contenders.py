@@ -158,3 +158,16 @@ def test_a_second_kill_counts_as_survivors_only_the_processes_still_stepping():
     lines = together("abc", 1, 20, 0.0) + together("ab", 21, 5, 21.0, world=2) + steps("a", 26, 4, 27.0, world=1)
     got = survival(lines, 26.2, "b", 31.0)
     assert got == {"world_before": 2, "survivors": 1, "lived": 1, "steps_at_smaller_world": 4, "survived": True}
+
+
+def test_the_exactly_once_words_give_clean_epochs_and_a_sampler_its_own_docs_call_lossy():
+    from bench.peers import once_in_words, summarize
+
+    clean = {"missing": 0, "duplicated": 0}
+    audited = {0: clean, 1: {"missing": 32, "duplicated": 0}}
+    ft = summarize("torchft", [], {"goodput": 0.8, "kills": [], "exactly_once": False, "epochs_audited": audited})
+    assert once_in_words(ft).startswith("1 of 2 epochs; lossy by its docs: its train_ddp.py")
+    et = summarize(
+        "elastictrain", [], {"goodput": 0.9, "kills": [], "exactly_once": True, "epochs_audited": {0: clean}}
+    )
+    assert once_in_words(et) == "1 of 1 epochs"

@@ -10,6 +10,7 @@ import pytest
 
 from bench.peers import (
     PEERS_DIR,
+    Begin,
     Line,
     StepLogReader,
     audit,
@@ -19,6 +20,7 @@ from bench.peers import (
     pause,
     replay,
     samples_per_second,
+    unended,
 )
 
 
@@ -165,9 +167,9 @@ def test_audit_finds_missing_and_repeated_samples_per_completed_epoch():
         return Line("a", step, epoch, step, step + 1, 1, True, tuple(ids))
 
     once = [ln(1, 0, [0, 1]), ln(2, 0, [2, 3]), ln(3, 1, [1])]
-    assert audit(once, 4) == {0: {"seen": 4, "missing": 0, "duplicated": 0, "unlogged": 0}}
+    assert audit(once, 4) == {0: {"seen": 4, "missing": 0, "duplicated": 0, "unlogged": 0, "recovered": 0}}
     skipped = [ln(1, 0, [0, 1]), ln(2, 0, [1, 2]), ln(3, 1, [0])]
-    assert audit(skipped, 4) == {0: {"seen": 4, "missing": 1, "duplicated": 1, "unlogged": 0}}
+    assert audit(skipped, 4) == {0: {"seen": 4, "missing": 1, "duplicated": 1, "unlogged": 0, "recovered": 0}}
 
 
 def test_audit_counts_the_batch_of_a_process_that_died_after_its_step_was_summed_and_before_its_line():
@@ -180,7 +182,25 @@ def test_audit_counts_the_batch_of_a_process_that_died_after_its_step_was_summed
     lines = [ln(w, 1, 0, [i], 3) for w, i in (("a", 0), ("b", 1), ("c", 2))]
     lines += [ln("a", 2, 0, [3], 3), ln("b", 2, 0, [4], 3)]  # c died after the sum: no line, id 5 unlogged
     lines += [ln("a", 3, 1, [0], 2), ln("b", 3, 1, [1], 2)]
-    assert audit(lines, 6) == {0: {"seen": 5, "missing": 1, "duplicated": 0, "unlogged": 1}}
+    assert audit(lines, 6) == {0: {"seen": 5, "missing": 1, "duplicated": 0, "unlogged": 1, "recovered": 0}}
+    # its begin line, written before the step, still gives the ids it trained on: the epoch is exactly once
+    begins = [Begin("c", 1.6, (5,))]
+    assert audit(lines, 6, begins) == {0: {"seen": 6, "missing": 0, "duplicated": 0, "unlogged": 1, "recovered": 1}}
+
+
+def test_a_begin_line_whose_step_was_not_kept_at_that_world_is_not_counted():
+    """Stock Horovod: c dies in step 2 before the sum; a and b roll back and redo step 2 at world 2. c's begin line
+    of step 2 was never trained on: the kept step 2 says world 2, so nothing is unlogged and the line is ignored."""
+
+    def ln(writer: str, step: int, epoch: int, ids: list[int], world: int, t: float) -> Line:
+        return Line(writer, step, epoch, t, t + 0.5, world, True, tuple(ids))
+
+    lines = [ln(w, 1, 0, [i], 3, 1.0) for w, i in (("a", 0), ("b", 1), ("c", 2))]
+    lines += [ln("a", 2, 0, [3, 5], 2, 5.0), ln("b", 2, 0, [4], 2, 5.0)]
+    lines += [ln("a", 3, 1, [0], 2, 6.0), ln("b", 3, 1, [1], 2, 6.0)]
+    got = audit(lines, 6, [Begin("c", 1.6, (5,))])
+    assert got == {0: {"seen": 6, "missing": 0, "duplicated": 0, "unlogged": 0, "recovered": 0}}
+    assert unended(lines, [Begin("c", 1.6, (5,)), Begin("a", 1.0, (0,))]) == {2: [Begin("c", 1.6, (5,))]}
 
 
 def test_samples_per_second_counts_kept_samples_after_the_window_start():
@@ -196,9 +216,14 @@ def test_the_writer_of_bench_peers_writes_what_the_reader_parses(tmp_path: Path)
     spec.loader.exec_module(module)
     writer = module.StepLogWriter(tmp_path, "host-1")
     for step in (1, 2):
-        writer.started()
+        writer.started([step, step + 10])
         writer.ended(step=step, epoch=0, world=2, ids=[step, step + 10])
-    lines = StepLogReader(tmp_path).read()
+    writer.started([3, 13])  # killed in step 3: only its begin line
+    reader = StepLogReader(tmp_path)
+    lines = reader.read()
+    assert [(b.writer, b.ids) for b in reader.begins] == [("host-1", (1, 11)), ("host-1", (2, 12)), ("host-1", (3, 13))]
+    assert [b.t0 for b in reader.begins[:2]] == [ln.t0 for ln in lines]
+    assert unended(lines, reader.begins) == {3: [reader.begins[2]]}
     assert [(ln.writer, ln.step, ln.ids, ln.world) for ln in lines] == [
         ("host-1", 1, (1, 11), 2),
         ("host-1", 2, (2, 12), 2),
