@@ -32,6 +32,7 @@ from elastictrain.rundir.events import (
     Failure,
     Metrics,
     Reset,
+    Shares,
     Start,
     Straggler,
     lifecycle,
@@ -68,6 +69,23 @@ def straggler_summary(events: Sequence[Event]) -> dict[str, object]:
         elif isinstance(e, Eviction):
             decisions.append({"event": e.name, "step": e.step, **e.fields()})
     return {"slowest": slowest, "named": named, "decisions": decisions}
+
+
+def shares_summary(events: Sequence[Event]) -> dict[str, object] | None:
+    """Each host's share of a step by the last ``shares`` event (``elastic.stragglers: balance``), or None when the
+    run has none (equal shares): ``{"step", "global_batch", "shares": {host: samples per step}, "speeds"}``."""
+    last = next((e for e in reversed(events) if isinstance(e, Shares) and e.shares), None)
+    if last is None:
+        return None
+    return {"step": last.step, "global_batch": last.global_batch, "shares": last.shares, "speeds": last.speeds}
+
+
+def format_shares(summary: object) -> str:
+    """``h1 20, h2 20, h3 8 of 48 (step 120)`` or ``equal``: one line for ``status`` and ``report``."""
+    if not isinstance(summary, dict) or not isinstance(summary.get("shares"), dict):
+        return "equal"
+    parts = ", ".join(f"{h} {n}" for h, n in sorted(summary["shares"].items()))
+    return f"{parts} of {summary.get('global_batch')} (step {summary.get('step')})"
 
 
 def format_slowest(summary: dict[str, object]) -> str:
@@ -229,6 +247,7 @@ def summarize(events: Sequence[Event]) -> dict[str, Any]:
         },
         "marks": {str(k): v for k, v in marks.items()},
         "stragglers": straggler_summary(events),
+        "shares": shares_summary(events),
     }
 
 
@@ -327,6 +346,7 @@ def format_table(summary: dict[str, Any]) -> str:
         ),
         ("final loss", _fmt(summary["final_loss"])),
         ("slowest host", format_slowest(summary["stragglers"]) if "stragglers" in summary else "-"),
+        ("shares (samples per step)", format_shares(summary.get("shares"))),
     ]
     width = max(len(name) for name, _ in rows)
     lines = [f"{name:<{width}}  {value}" for name, value in rows]

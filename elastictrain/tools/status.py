@@ -41,7 +41,7 @@ from elastictrain.rundir.events import (
     read_events,
 )
 from elastictrain.rundir.launch import checked_state
-from elastictrain.rundir.report import format_slowest, straggler_summary
+from elastictrain.rundir.report import format_shares, format_slowest, shares_summary, straggler_summary
 
 
 class StatusError(ToolError):
@@ -116,6 +116,7 @@ def summarize_status(events: Sequence[Event], checkpoint: dict[str, Any] | None,
         elif isinstance(ev, Checkpoint):
             last_ckpt_event = ev
     out["stragglers"] = straggler_summary(events)
+    out["shares"] = shares_summary(events)
     if events:
         last = events[-1]
         out["step"], out["epoch"], out["world_size"] = last.step, last.epoch, last.world_size
@@ -219,6 +220,7 @@ def format_status(st: dict[str, Any]) -> str:
         ("failures", str(st["failures"])),
         ("resets", str(len(st["resets"]))),
         ("slowest host", format_slowest(st["stragglers"]) if "stragglers" in st else "-"),
+        ("shares", format_shares(st.get("shares"))),
     ]
     ck = st.get("checkpoint")
     if ck:

@@ -192,3 +192,16 @@ def test_balance_keeps_a_host_that_pays_for_itself_and_drains_one_whose_smallest
     # evict (equal shares) would have drained the half-speed host
     equal = {h: window(0.01, 16, 0.32) for h in "abc"} | {"d": window(0.02, 16, 0.32)}
     assert plan_eviction(equal, "d", evict, global_batch=64, per_worker_batch=16).action == "drain"
+
+
+# ------------------------------------------------------------------------------------------- status and report
+def test_status_and_the_report_show_each_hosts_share_from_the_last_shares_event():
+    from elastictrain.rundir.report import format_shares, shares_summary
+
+    def shares_at(step: int, split: dict[str, int]) -> Shares:
+        return Shares(step=step, epoch=0, world_size=3, global_batch=48, shares=split, speeds={}, reason="r")
+
+    assert shares_summary([]) is None and format_shares(None) == "equal"
+    summary = shares_summary([shares_at(10, {"a": 16, "b": 16, "c": 16}), shares_at(40, {"a": 20, "b": 20, "c": 8})])
+    assert summary is not None and summary["shares"] == {"a": 20, "b": 20, "c": 8}
+    assert format_shares(summary) == "a 20, b 20, c 8 of 48 (step 40)"
