@@ -25,7 +25,7 @@ Behaviour:
   if the cordon was what drained it (an operator's ``undrain`` in between already did). A node that cannot
   be read keeps the last answer, logged once per new error;
 - with ``--preemption-notice {auto,aws,gcp,azure}``: watches the instance's metadata service
-  (``discovery/notice.py``, in threads of its own); a notice marks the host ``draining`` at once, with the
+  (``discovery/noticewatch.py``, in threads of its own); a notice marks the host ``draining`` at once, with the
   notice and the time the cloud ends the instance in its record (``notice``, ``notice_time``), keeps its lease
   (the record stays until the machine is gone) and holds the drain for the agent's life (an operator's ``undrain``
   is undone at the next cycle, an uncordon or an eviction's cool-down readmits nothing);
@@ -53,7 +53,7 @@ from types import FrameType
 from typing import Any
 
 from discovery import endpoints
-from discovery import notice as notices
+from discovery import noticewatch as notices
 from discovery.nodewatch import NodeReader, NodeWatchError, in_cluster
 from discovery.notice import Notice
 from discovery.record import (

@@ -65,8 +65,8 @@ def format_state(record: HostRecord, now: float) -> str:
     agent, at ``drain_until``) and its eviction count; for a host with a preemption notice, the notice and the time
     left until the cloud ends the instance."""
     if record.notice:
-        left = math.ceil(record.notice_time - now)
-        return f"{record.state} ({record.notice}, {f'ends in {format_age(left)}' if left > 0 else 'ending'})"
+        ends = math.ceil(record.notice_time - now)
+        return f"{record.state} ({record.notice}, {f'ends in {format_age(ends)}' if ends > 0 else 'ending'})"
     if not record.evicted:
         return record.state
     left = record.drain_until - now

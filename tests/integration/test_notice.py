@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from discovery.notice import NoticeError, NoticeWatch, build, http_request, probe
+from discovery.notice import NoticeError
+from discovery.noticewatch import NoticeWatch, build, http_request, probe
 from discovery.registry import EtcdRegistry
 from tests.fixtures.etcd import EtcdServer
 from tests.fixtures.metadata_server import MODES, MetadataServer

@@ -11,24 +11,17 @@ import pytest
 
 from discovery.agent import Action, Agent, AgentState, Observation, decide, main
 from discovery.notice import (
-    Answer,
-    AwsSource,
-    AzureSource,
     CheckpointPlan,
-    GcpSource,
     Notice,
     NoticeError,
-    NoticeWatch,
-    build,
-    endpoint,
     parse_aws_instance_action,
     parse_aws_rebalance,
     parse_azure_events,
     parse_gcp_maintenance,
     parse_gcp_preempted,
     plan_checkpoint,
-    probe,
 )
+from discovery.noticewatch import Answer, AwsSource, AzureSource, GcpSource, NoticeWatch, build, endpoint, probe
 from discovery.record import DRAINING, READY, HostRecord, MalformedRecord
 from discovery.registry import InMemoryRegistry, evict, set_state
 from tests.fixtures.agent import agent_config as cfg
