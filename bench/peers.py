@@ -136,10 +136,17 @@ class Begin:
     writer: str
     t0: float
     ids: tuple[int, ...]
+    epoch: int | None = None
 
     @classmethod
     def parse(cls, writer: str, obj: dict[str, Any]) -> Begin:
-        return cls(writer=writer, t0=float(obj["begin"]), ids=tuple(int(i) for i in obj["ids"]))
+        epoch = obj.get("epoch")
+        return cls(
+            writer=writer,
+            t0=float(obj["begin"]),
+            ids=tuple(int(i) for i in obj["ids"]),
+            epoch=None if epoch is None else int(epoch),
+        )
 
 
 class StepLogReader:
@@ -447,8 +454,14 @@ def unended(lines: Iterable[Line], begins: Iterable[Begin]) -> dict[int, list[Be
     return out
 
 
+def _host(writer: str) -> str:
+    """The logical host of a writer (``<host>-<pid>``)."""
+    return writer.rsplit("-", 1)[0]
+
+
 def audit(lines: Iterable[Line], num_samples: int, begins: Iterable[Begin] = ()) -> dict[int, dict[str, int]]:
-    """Per completed epoch (a kept line of a later epoch exists): ids trained, ids never trained, duplicates,
+    """Per completed epoch (a kept line of a later epoch exists, and no host that trained in it went on in it after
+    that line began: a TorchFT replica group keeps an epoch of its own): ids trained, ids never trained, duplicates,
     ``unlogged``: processes that took part in a kept step (its lines say a world larger than their number) and wrote
     no line for it, and ``recovered``: how many of those left a begin line. A process writes its step line after its
     optimizer step, so one killed between its gradients' sum and that line took part (a collective of that world
@@ -457,32 +470,45 @@ def audit(lines: Iterable[Line], num_samples: int, begins: Iterable[Begin] = ())
     lines = list(lines)
     kept = replay(lines).kept
     orphans = unended(lines, begins)
-    last_epoch = max((ln.epoch for ln in kept), default=0)
+    ids: dict[int, list[int]] = {}
+    later: dict[str, int] = {}
+    hosts_of: dict[int, set[str]] = {}
+    per_step: dict[int, list[Line]] = {}
+    for ln in kept:
+        ids.setdefault(ln.epoch, []).extend(ln.ids)
+        later[_host(ln.writer)] = max(later.get(_host(ln.writer), ln.epoch), ln.epoch)
+        hosts_of.setdefault(ln.epoch, set()).add(_host(ln.writer))
+        per_step.setdefault(ln.step, []).append(ln)
+    unlogged: dict[int, int] = {}
+    recovered: dict[int, int] = {}
+    for step, ls in per_step.items():
+        short = max(ln.world for ln in ls) - len(ls)
+        if short <= 0:
+            continue
+        epoch = min(ln.epoch for ln in ls)
+        unlogged[epoch] = unlogged.get(epoch, 0) + short
+        writers, end = {ln.writer for ln in ls}, max(ln.t1 for ln in ls)
+        found = sorted((b for b in orphans.get(step, []) if b.writer not in writers and b.t0 <= end),
+                       key=lambda b: b.t0)[-short:]  # fmt: skip
+        for b in found:
+            e = epoch if b.epoch is None else b.epoch
+            recovered[e] = recovered.get(e, 0) + 1
+            ids.setdefault(e, []).extend(b.ids)
     out: dict[int, dict[str, int]] = {}
-    for epoch in sorted({ln.epoch for ln in kept if ln.epoch < last_epoch}):
-        of_epoch = [ln for ln in kept if ln.epoch == epoch]
-        ids = [i for ln in of_epoch for i in ln.ids]
-        per_step: dict[int, list[Line]] = {}
-        for ln in of_epoch:
-            per_step.setdefault(ln.step, []).append(ln)
-        unlogged = recovered = 0
-        for step, ls in per_step.items():
-            short = max(ln.world for ln in ls) - len(ls)
-            if short <= 0:
-                continue
-            unlogged += short
-            writers, end = {ln.writer for ln in ls}, max(ln.t1 for ln in ls)
-            found = sorted((b for b in orphans.get(step, []) if b.writer not in writers and b.t0 <= end),
-                           key=lambda b: b.t0)[-short:]  # fmt: skip
-            recovered += len(found)
-            ids += [i for b in found for i in b.ids]
-        distinct = set(ids)
+    last_end: dict[str, float] = {}
+    for ln in kept:
+        last_end[_host(ln.writer)] = max(last_end.get(_host(ln.writer), ln.t1), ln.t1)
+    for epoch in sorted(hosts_of):
+        next_start = min((ln.t0 for ln in kept if ln.epoch > epoch), default=None)
+        if next_start is None or any(later[h] <= epoch and last_end[h] > next_start for h in hosts_of[epoch]):
+            continue  # no later epoch yet, or a host still in this one (it left no later line but went on after)
+        distinct = set(ids[epoch])
         out[epoch] = {
-            "seen": len(ids),
+            "seen": len(ids[epoch]),
             "missing": len(set(range(num_samples)) - distinct),
-            "duplicated": len(ids) - len(distinct),
-            "unlogged": unlogged,
-            "recovered": recovered,
+            "duplicated": len(ids[epoch]) - len(distinct),
+            "unlogged": unlogged.get(epoch, 0),
+            "recovered": recovered.get(epoch, 0),
         }
     return out
 

@@ -47,7 +47,7 @@ def _loss(model: nn.Module, batch: Any) -> torch.Tensor:
     log = _log()
     log.t0 = None
     _ids[:] = [int(i) for i in idx]
-    log.started(_ids)
+    log.started(_ids, _epoch)
     return F.cross_entropy(model(x), y, reduction="none")
 
 

@@ -37,7 +37,7 @@ def main() -> int:
     def train(state: Any) -> None:
         while True:
             for batch_idx, (x, y, idx) in enumerate(loader):
-                log.started(idx.tolist())
+                log.started(idx.tolist(), state.epoch)
                 optimizer.zero_grad()
                 F.cross_entropy(model(x), y).backward()
                 optimizer.step()

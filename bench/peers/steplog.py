@@ -20,8 +20,9 @@ JSON object a line, written when a step ends:
   which a healing group moves to its peers' step even when the commit fails);
 - ``ids``: the sample indices this process trained on in the step.
 
-Before a step, a process also writes a begin line, ``{"begin": T0, "ids": [...]}`` (``T0`` is the step line's
-``t0``): the audit reads the ids of a process that took part in a kept step but was killed before its step line.
+Before a step, a process also writes a begin line, ``{"begin": T0, "epoch": E, "ids": [...]}`` (``T0`` is the
+step line's ``t0``): the audit reads the ids of a process that took part in a kept step but was killed before
+its step line.
 
 The rule (``replay``), the same for every contender, reads each process's own counter: committed lines of one
 step that overlap in time (a collective joins them) are one completion of that step. A line whose step is one
@@ -66,14 +67,14 @@ class StepLogWriter:
         self._f = open(self.path, "a", buffering=1)  # noqa: SIM115 - one line per step, closed by the process's end
         self.t0: float | None = None
 
-    def started(self, ids: Sequence[int] | None = None) -> None:
+    def started(self, ids: Sequence[int] | None = None, epoch: int | None = None) -> None:
         """Mark the step's start (only the first call per step counts, so a loss called per micro-batch may). With
-        ``ids``, first write a begin line, ``{"begin": T0, "ids": [...]}``: a process killed after its gradients were
-        summed and before its step line still leaves the ids it trained on."""
+        ``ids``, first write a begin line, ``{"begin": T0, "epoch": E, "ids": [...]}``: a process killed after its
+        gradients were summed and before its step line still leaves the ids it trained on."""
         if self.t0 is None:
             self.t0 = time.time()
         if ids is not None:
-            begin = {"begin": self.t0, "ids": [int(i) for i in ids]}
+            begin = {"begin": self.t0, "epoch": epoch, "ids": [int(i) for i in ids]}
             self._f.write(json.dumps(begin, separators=(",", ":")) + "\n")
 
     def ended(self, *, step: int, epoch: int, world: int, ids: Sequence[int], committed: bool = True) -> None:

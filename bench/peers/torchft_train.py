@@ -118,7 +118,7 @@ def main() -> int:
         sampler.set_epoch(epoch)
         shard = list(sampler)[done * BATCH_PER_WORKER :]
         for x, y, idx in DataLoader(Subset(dataset, shard), batch_size=BATCH_PER_WORKER):
-            log.started(idx.tolist())
+            log.started(idx.tolist(), epoch)
             outcome.last = None
             # must be called at the beginning of each train loop; the quorum is computed meanwhile
             optimizer.zero_grad()

@@ -63,7 +63,7 @@ def main() -> int:
         loader = DataLoader(Subset(dataset, shard), batch_size=BATCH_PER_WORKER)
         done_in_epoch = skip
         for x, y, idx in loader:
-            log.started(idx.tolist())
+            log.started(idx.tolist(), epoch)
             optimizer.zero_grad()
             F.cross_entropy(ddp(x), y).backward()
             optimizer.step()

@@ -171,3 +171,20 @@ def test_the_exactly_once_words_give_clean_epochs_and_a_sampler_its_own_docs_cal
         "elastictrain", [], {"goodput": 0.9, "kills": [], "exactly_once": True, "epochs_audited": {0: clean}}
     )
     assert once_in_words(et) == "1 of 1 epochs"
+
+
+def test_a_torchft_group_still_in_its_epoch_holds_that_epoch_open_and_a_dead_host_does_not():
+    from bench.peers import audit
+
+    def ln(writer: str, step: int, epoch: int, ids: list[int], t: float, world: int = 2) -> Line:
+        return Line(writer, step, epoch, t, t + 0.5, world, True, tuple(ids))
+
+    # each group its own shard of 4 samples (a: 0-1, b: 2-3), 1 id a step; b restarted and lags one step behind
+    lines = [ln("a-1", 1, 0, [0], 1.0), ln("b-2", 1, 0, [2], 1.0), ln("a-1", 2, 0, [1], 2.0), ln("b-9", 2, 0, [2], 2.0)]
+    lines.append(ln("a-1", 3, 1, [0], 3.0))
+    assert audit([*lines, ln("b-9", 3, 0, [3], 3.0)], 4) == {}  # b is still in epoch 0: not complete
+    done = [*lines, ln("b-9", 3, 0, [3], 3.0), ln("a-1", 4, 1, [1], 4.0), ln("b-9", 4, 1, [2], 4.0)]
+    assert audit(done, 4) == {0: {"seen": 5, "missing": 0, "duplicated": 1, "unlogged": 0, "recovered": 0}}
+    # a host that died in epoch 0 and never came back does not hold it open
+    gone = [ln("a-1", 1, 0, [0, 1], 1.0), ln("c-3", 1, 0, [2, 3], 1.0), ln("a-1", 2, 1, [0], 3.0, world=1)]
+    assert audit(gone, 4) == {0: {"seen": 4, "missing": 0, "duplicated": 0, "unlogged": 0, "recovered": 0}}
