@@ -188,3 +188,45 @@ def test_a_torchft_group_still_in_its_epoch_holds_that_epoch_open_and_a_dead_hos
     # a host that died in epoch 0 and never came back does not hold it open
     gone = [ln("a-1", 1, 0, [0, 1], 1.0), ln("c-3", 1, 0, [2, 3], 1.0), ln("a-1", 2, 1, [0], 3.0, world=1)]
     assert audit(gone, 4) == {0: {"seen": 4, "missing": 0, "duplicated": 0, "unlogged": 0, "recovered": 0}}
+
+
+def test_the_run_puts_every_kill_and_the_words_in_the_table(monkeypatch, tmp_path):
+    """``run`` with each contender's jobs replaced by their results: the markdown table names, per contender, whether
+    it survives a kill, its goodput or why none, and every kill's p50 / p95 / max."""
+    from bench import peers
+    from bench.core import BenchContext, markdown_table
+    from elastictrain.launcher import hosts as hosts_module
+
+    def fake_trial(name: str, *_a: object) -> dict:
+        crashed = name == "torchft"
+        return _trial(_kill(not crashed, 5.0 if crashed else 1.0, 535 if crashed else 0), _kill(not crashed))
+
+    def fake_goodput(name: str, *_a: object) -> dict:
+        audited = {0: {"missing": 0, "duplicated": 0}}
+        return {"goodput": 0.5, "kills": [_kill(name != "torchft")], "exactly_once": True, "epochs_audited": audited}
+
+    monkeypatch.setattr(hosts_module, "local_logical_hosts", lambda: ["h1", "h2", "h3", "h4"])
+    monkeypatch.setattr(peers, "trial", fake_trial)
+    monkeypatch.setattr(peers, "goodput_run", fake_goodput)
+    monkeypatch.setattr(peers, "peers_blocked", lambda: None)
+    monkeypatch.setattr(peers, "peer_versions", lambda: {"torch": "2.14.1", "torchft": "torchft-nightly==2026.10.26"})
+    result = peers.run(BenchContext(quick=True, workdir=tmp_path, progress=lambda _m: None))
+    per = result.detail["per_contender"]
+    assert per["torchft"]["goodput"] is None and per["torchft-hb1s"]["goodput"] == 0.5
+    assert [k["phase"] for k in per["torchft"]["per_kill"]] == ["trial", "trial", "goodput"]
+    report = {
+        "machine": {},
+        "load_average": {},
+        "mode": "quick",
+        "date": "2026-12-06",
+        "wall_seconds": 1.0,
+        "measurements": {"peers": result.to_dict()},
+    }
+    table = markdown_table(report)
+    assert "torchft: goodput — none: it did not survive a kill" in table
+    assert "torchft: survives a kill? no: in none of 3 kills" in table
+    assert "torchft: every kill's SIGKILL → next step (s) p50 / p95 / max = 1.00 / 5.00 / 5.00" in table
+    assert "redone p50 / p95 / max = 0 / 535 / 535" in table
+    assert "torchrun: survives a kill? restarts every worker by design" in table
+    assert "torchft-hb1s: survives a kill? yes" in table
+    assert "lossy by its docs" in table
