@@ -15,6 +15,7 @@ Contract:
 from __future__ import annotations
 
 import calendar
+import datetime
 import email.utils
 import json
 import time
@@ -146,7 +147,10 @@ def parse_azure_time(value: object, now: float) -> float:
     if not isinstance(value, str) or len(value) > 40:
         raise NoticeError(f"azure scheduled event NotBefore: expected an RFC 1123 time, got {ascii(value)[:40]}")
     try:
-        return check_time("azure scheduled event NotBefore", email.utils.parsedate_to_datetime(value).timestamp())
+        when = email.utils.parsedate_to_datetime(value)
+        if when.tzinfo is None:  # "-0000": RFC 5322's UTC with no zone information
+            when = when.replace(tzinfo=datetime.timezone.utc)
+        return check_time("azure scheduled event NotBefore", when.timestamp())
     except (TypeError, ValueError, OverflowError):
         raise NoticeError(
             f"azure scheduled event NotBefore: expected an RFC 1123 time, got {ascii(value)[:40]}"

@@ -28,7 +28,6 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -390,10 +389,21 @@ def probe(
     env: Mapping[str, str] = os.environ, timeout_seconds: float = 1.0, request: Request = http_request
 ) -> str | None:
     """The cloud whose metadata service answers as that cloud's does (aws, gcp, azure in that order), or None.
-    The three are asked at once, so ``auto`` costs one ``timeout_seconds`` off-cloud."""
-    with ThreadPoolExecutor(len(CLOUDS)) as pool:
-        answers = list(pool.map(lambda c: _answers_as(c, env, timeout_seconds, request), CLOUDS))
-    return next((c for c, ok in zip(CLOUDS, answers, strict=True) if ok), None)
+    The three are asked at once, each in a daemon thread, and a question not answered by ``timeout_seconds`` (plus
+    a little) counts as no: a name lookup (``metadata.google.internal`` off-cloud) is not bounded by the request's
+    deadline, and must delay neither the start nor the exit."""
+    answers: dict[str, bool] = {}
+
+    def ask(cloud: str) -> None:
+        answers[cloud] = _answers_as(cloud, env, timeout_seconds, request)
+
+    threads = [threading.Thread(target=ask, args=(c,), name=f"probe-{c}", daemon=True) for c in CLOUDS]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout_seconds + 0.5
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return next((c for c in CLOUDS if answers.get(c)), None)
 
 
 def build(

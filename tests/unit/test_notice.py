@@ -506,3 +506,26 @@ def test_hosts_list_shows_the_notice_and_the_time_left() -> None:
     assert format_state(host("a", notice=T0), T0 - 95) == "draining (aws-spot-terminate, ends in 95s)"
     assert format_state(host("a", notice=T0), T0 + 1) == "draining (aws-spot-terminate, ending)"
     assert format_state(host("a"), T0) == "ready"
+
+
+def test_an_azure_time_without_a_zone_is_utc() -> None:
+    event = azure_event(NotBefore="Sun, 06 Dec 2026 06:20:00 -0000")
+    assert parse_azure_events(azure_events(event), "vm-1", T0 - 60) == Notice("azure", "preempt", T0)
+
+
+def test_auto_is_not_held_by_a_question_that_never_returns() -> None:
+    import threading
+    import time
+
+    release = threading.Event()
+
+    def stuck(method: str, url: str, headers: Mapping[str, str], timeout: float) -> Answer:
+        release.wait(30)  # a name lookup that the request's deadline does not bound
+        raise NoticeError("no answer")
+
+    start = time.monotonic()
+    try:
+        assert probe({}, timeout_seconds=0.2, request=stuck) is None
+        assert time.monotonic() - start < 5.0, "0.2 s and a little, whatever the machine's load"
+    finally:
+        release.set()
