@@ -70,6 +70,8 @@ AZURE_API_VERSION = "2020-07-01"
 
 @dataclass(frozen=True, slots=True)
 class Answer:
+    """A metadata service's answer, read whole within its bounds."""
+
     status: int
     headers: Mapping[str, str]
     """Header names in lower case."""
@@ -104,7 +106,8 @@ def http_request(method: str, url: str, headers: Mapping[str, str], timeout: flo
     except (OSError, http.client.HTTPException) as e:  # timeouts, refusals, resets, bad status lines
         if expired.is_set() or isinstance(e, TimeoutError):
             raise NoticeError(f"{what}: no complete answer within {timeout:g}s") from None
-        raise NoticeError(f"{what}: {type(e).__name__}: {str(e)[:120]}") from None
+        shown = "".join(c if c.isprintable() else "?" for c in str(e)[:120])  # what the server sent, printed safely
+        raise NoticeError(f"{what}: {type(e).__name__}: {shown}") from None
     finally:
         timer.cancel()
         conn.close()
@@ -176,7 +179,8 @@ class AwsSource(Source):
 
     def poll(self) -> Notice | None:
         answer = self._get("/latest/meta-data/spot/instance-action")
-        notice = parse_aws_instance_action(answer.body) if answer.status == 200 else None
+        if answer.status == 200:
+            return parse_aws_instance_action(answer.body)  # a notice wins: the rebalance read cannot lose it
         rebalance = self._get("/latest/meta-data/events/recommendations/rebalance")
         if rebalance.status == 200:
             at = parse_aws_rebalance(rebalance.body)
@@ -187,7 +191,7 @@ class AwsSource(Source):
                     "(not drained: no interruption notice yet)",
                     notice_time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at)),
                 )
-        return notice
+        return None
 
 
 @dataclass

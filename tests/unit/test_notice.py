@@ -162,6 +162,7 @@ def test_aws_takes_a_session_token_first_and_sends_it_with_every_read() -> None:
     ], "one token for many reads"
     notice.update(action="terminate", time=T0_ISO)
     assert src.poll() == Notice("aws", "spot-terminate", T0)
+    assert req.sent[-1][1].endswith("/spot/instance-action"), "a notice is returned before the rebalance is read"
 
 
 def test_aws_takes_a_new_token_after_a_401_and_at_half_its_life() -> None:
