@@ -87,16 +87,22 @@ def allocate(
     def split(x: Fraction) -> list[Fraction]:
         return [min(max(x * w[i], Fraction(lo[i])), Fraction(hi[i])) for i in range(n)]
 
-    # f(x) = sum(split(x)) is piecewise linear and non-decreasing: find the piece where it reaches total
-    points = sorted({Fraction(0)} | {Fraction(b) / w[i] for i in range(n) if w[i] for b in (lo[i], hi[i])})
-    x, reached = points[0], sum(split(points[0]))
-    for p in points[1:]:
-        at = sum(split(p))
-        if at >= total:
-            slope = sum(w[i] for i in range(n) if w[i] and lo[i] < (x + p) / 2 * w[i] < hi[i])
-            x = x + (total - reached) / slope if slope else p
-            break
-        x, reached = p, at
+    if not any(lo) and all(h == total for h in hi):  # unbounded: one proportion (the planner's every step)
+        x = Fraction(total) / sum(w)
+    else:  # f(x) = sum(split(x)) is piecewise linear and non-decreasing: find the piece where it reaches total
+        points = sorted({Fraction(0)} | {Fraction(b) / w[i] for i in range(n) if w[i] for b in (lo[i], hi[i])})
+        below, above = 0, len(points) - 1  # f(points[above]) >= total (caps hold it); bisect to adjacent points
+        if sum(split(points[0])) >= total:
+            above = 0
+        while above - below > 1:
+            mid = (below + above) // 2
+            below, above = (below, mid) if sum(split(points[mid])) >= total else (mid, above)
+        x = points[above]
+        if above > 0:
+            a, b = points[below], points[above]
+            slope = sum(w[i] for i in range(n) if w[i] and lo[i] < (a + b) / 2 * w[i] < hi[i])
+            if slope:
+                x = a + (total - sum(split(a))) / slope
     quota = split(x)
     out = [int(q) for q in quota]
     extra = total - sum(out)
@@ -145,7 +151,12 @@ class ExactlyOncePlanner:
         assert weights is None or len(weights) == world_size, "one weight per rank"
         count = min(global_batch, self.num_samples - state.cursor)
         assert count > 0, "plan() called at the end of an epoch"
-        sizes = shares(count, world_size) if weights is None else allocate(count, weights)
+        if weights is None:
+            sizes = shares(count, world_size)
+        elif sum(weights) == count and all(float(w).is_integer() for w in weights):
+            sizes = [int(w) for w in weights]  # a full step under the balancer's shares
+        else:
+            sizes = allocate(count, weights)
         offset = state.cursor + sum(sizes[:rank])
         ids = self.permutation(state.epoch)[offset : offset + sizes[rank]]
         micro = [ids[i : i + micro_batch] for i in range(0, len(ids), micro_batch)]

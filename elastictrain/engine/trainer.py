@@ -250,7 +250,7 @@ class Trainer:
             members = self.collective.allgather_object(self.member(), name="hosts")
         self.rank_hosts = [str(m[0]) for m in members]
         self.hosts = sorted(set(self.rank_hosts))
-        if self.balancer.weights(self.rank_hosts, 1) is not None:  # the shares, re-split over this world
+        if self.balancer.uneven:  # the shares, re-split over this world
             self.balancer.announce(
                 step=c.step,
                 epoch=self.sampler.epoch,
@@ -598,8 +598,9 @@ class Trainer:
         )
 
     def publish_report(self) -> None:
-        """Rank 0, after training: the timeline PNG and summary into run_dir and MLflow (never fails the job)."""
-        if not self.ctx.is_rank0:
+        """Rank 0, after training: the timeline PNG and summary into run_dir and MLflow (never fails the job). Not with
+        ``elastic.outputs: etcd``: the run log is in the launcher's run_dir (``elastictrain report`` there)."""
+        if not self.ctx.is_rank0 or self.services.outbox is not None:
             return
         try:
             from elastictrain.rundir.report import report

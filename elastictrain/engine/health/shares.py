@@ -225,6 +225,11 @@ class Balancer:
     version: int = 0
     """Counts applied changes and syncs: a planner that planned under another version re-plans."""
 
+    @property
+    def uneven(self) -> bool:
+        """Whether shares are applied (else every worker has an equal share)."""
+        return self.policy is not None and bool(self.state.applied)
+
     def weights(self, rank_hosts: Sequence[str], global_batch: int) -> list[float] | None:
         """Per-rank shares for the planner (integers summing to ``global_batch``), or None for equal shares."""
         if self.policy is None or not self.state.applied:
