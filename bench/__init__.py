@@ -52,6 +52,8 @@ MEASUREMENTS: dict[str, str] = {
     "scale-up N-1 -> N, start-up, the parts of each pause, PSS per worker hot vs cold, growth 32 / 4",
     "stragglers": "a worker 50% slower in 4: steps until named, seconds until drained, samples/s before / during / "
     "after vs fault-free 3 and 4 workers; SIGSTOP -> next completed step",
+    "signals": "the workers' signals in etcd: write_beat for the caller (vs files), a beat's Put, etcd ops/s per "
+    "worker while training and while judging a hang",
     "peers": "elastictrain vs stock Horovod elastic, torchrun and TorchFT on one task: samples/s, SIGKILL recovery, "
     "scale-up pause, steps redone, goodput, exactly once (torchrun and TorchFT need `make peers-env`)",
 }
