@@ -205,3 +205,43 @@ def test_status_and_the_report_show_each_hosts_share_from_the_last_shares_event(
     summary = shares_summary([shares_at(10, {"a": 16, "b": 16, "c": 16}), shares_at(40, {"a": 20, "b": 20, "c": 8})])
     assert summary is not None and summary["shares"] == {"a": 20, "b": 20, "c": 8}
     assert format_shares(summary) == "a 20, b 20, c 8 of 48 (step 40)"
+
+
+# ------------------------------------------------------------------------------------------- part of the committed state
+def committed_state(shares: ShareState):
+    import torch
+    from torch import nn
+
+    from elastictrain.engine.policy import ScaleRamp
+    from elastictrain.engine.sampler import SamplerState, StepLog
+    from elastictrain.engine.state import Counters, make_state
+
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    args = (SamplerState(), Counters(), ScaleRamp(1, 1, 0, 0), StepLog(0), shares)
+    return make_state("commit", model, opt, sched, None, *args)
+
+
+def test_a_rollback_and_a_resume_bring_back_the_shares_of_the_commit_they_return_to():
+    hosts = ["a", "b"]
+    shares = ShareState()
+    b = Balancer(POLICY, shares, lambda e: None)
+    st = committed_state(shares)
+    b.observe([row(100, 1.0), row(100, 4.0)], hosts, 60)
+    b.apply_pending(step=10, epoch=0, rank_hosts=hosts)
+    st.save()  # the commit at which they apply
+    at_commit = b.weights(hosts, 60)
+    assert at_commit == [48.0, 12.0]
+    b.observe([row(100, 1.0), row(100, 1.0)], hosts, 60)
+    b.apply_pending(step=20, epoch=0, rank_hosts=hosts)  # applied, then a failure before the commit's save
+    assert b.weights(hosts, 60) == [30.0, 30.0]
+    st.restore()
+    assert b.weights(hosts, 60) == at_commit, "a rollback replays the split of the steps it replays"
+    checkpoint = st.full_state()
+    fresh = ShareState()
+    committed_state(fresh).load_full_state(checkpoint)
+    assert fresh == shares and Balancer(POLICY, fresh, lambda e: None).weights(hosts, 60) == at_commit
+    without = committed_state(ShareState())
+    without.load_full_state({k: v for k, v in checkpoint.items() if k != "shares"})  # written before balancing
+    assert without.shares == ShareState()
