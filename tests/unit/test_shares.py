@@ -207,7 +207,7 @@ def test_status_and_the_report_show_each_hosts_share_from_the_last_shares_event(
     assert format_shares(summary) == "a 20, b 20, c 8 of 48 (step 40)"
 
 
-# ------------------------------------------------------------------------------------------- part of the committed state
+# ------------------------------------------------------------------------------------ part of the committed state
 def committed_state(shares: ShareState):
     import torch
     from torch import nn
