@@ -54,6 +54,9 @@ MEASUREMENTS: dict[str, str] = {
     "after vs fault-free 3 and 4 workers; SIGSTOP -> next completed step",
     "signals": "the workers' signals in etcd: write_beat for the caller (vs files), a beat's Put, etcd ops/s per "
     "worker while training and while judging a hang",
+    "hetero": "4 workers, one under a CPU quota at 50% then 25% of its speed, then lifted: samples/s of report "
+    "(equal shares), evict and balance vs the ideal (sum of the hosts' speeds), shares' settling in steps, audit "
+    "(quick: about 12 min, full: about 25)",
     "peers": "elastictrain vs stock Horovod elastic, torchrun and TorchFT on one task: samples/s, SIGKILL recovery, "
     "scale-up pause, steps redone, goodput, exactly once (torchrun and TorchFT need `make peers-env`)",
 }

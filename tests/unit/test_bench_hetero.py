@@ -1,0 +1,62 @@
+"""``bench/hetero``'s pure figures on synthetic events: the ideal, the quota for a speed, when shares settled, and
+which policies run. Nothing here starts a job or times anything."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench import hetero
+from elastictrain.rundir.events import Metrics, Shares
+
+
+def shares(ts: float, step: int, slow: int) -> Shares:
+    return Shares(ts=ts, step=step, epoch=0, world_size=4, global_batch=64, shares={"a": 64 - slow, "vm": slow})
+
+
+def test_the_ideal_is_three_hosts_at_the_uniform_pace_and_one_at_its_own_speed() -> None:
+    assert hetero.ideal_rate(400.0, 0.5) == pytest.approx(350.0)
+    assert hetero.ideal_rate(400.0, 0.25) == pytest.approx(325.0)
+    assert hetero.ideal_rate(400.0, 1.0) == pytest.approx(400.0)
+
+
+def test_a_speed_is_a_share_of_the_cpu_the_worker_used_at_full_speed_never_below_the_kernels_floor() -> None:
+    assert hetero.cpu_quota_for(0.5, 0.6) == pytest.approx(0.3)
+    assert hetero.cpu_quota_for(0.25, 0.02) == hetero.faults.MIN_CPU_FRACTION
+
+
+def test_shares_settle_at_the_first_event_after_which_the_slow_hosts_share_stays_near_its_last() -> None:
+    events = [
+        Metrics(ts=100.0, step=200, epoch=0, world_size=4),
+        shares(90.0, 190, 16),  # before the span: not counted
+        shares(105.0, 210, 12),
+        shares(110.0, 220, 9),  # within 1 sample of the last (10% of 8 rounds up to 1): settled here
+        shares(115.0, 230, 8),
+        shares(130.0, 260, 8),
+        shares(200.0, 400, 16),  # after the span
+    ]
+    s = hetero.share_settled(events, 100.0, 150.0, "vm")
+    assert s is not None
+    assert (s["start_step"], s["step"], s["steps"], s["share"], s["changes"]) == (200, 220, 20, 8, 4)
+    assert s["seconds"] == pytest.approx(10.0)
+    assert hetero.share_settled(events, 140.0, 150.0, "vm") is None  # nothing moved in the span
+    assert hetero.share_settled(events, 100.0, 150.0, "other") is None
+
+
+def test_a_share_that_swings_back_late_settles_late() -> None:
+    events = [shares(101.0, 202, 8), shares(102.0, 204, 16), shares(103.0, 206, 8)]
+    s = hetero.share_settled(events, 100.0, 110.0, "vm")
+    assert s is not None and s["step"] == 206
+
+
+def test_the_policies_are_those_the_config_accepts_and_each_job_config_names_its_own() -> None:
+    names = hetero.policies()
+    assert names[:2] == ["report", "evict"] and set(names) <= {"report", "evict", "balance"}
+    cfg = hetero.job_config(Path("/r"), "j", "evict")
+    assert cfg["elastic"]["stragglers"] == "evict" and cfg["audit"]["sample_ledger"] is True
+    assert cfg["elastic"]["straggler_cooldown_seconds"] >= 3600  # a drained host stays out for the run
+
+
+def test_a_phases_throughput_is_read_over_its_second_half() -> None:
+    assert hetero.Phase("speed 0.5", 0.5, 100.0, 180.0).steady() == (140.0, 180.0)
