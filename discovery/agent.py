@@ -108,7 +108,7 @@ class AgentConfig:
     """Kubernetes node whose cordon drains this host (``--drain-when-cordoned``); None: no node watch."""
     preemption_notice: str = "none"
     """Which cloud's preemption notice drains this host (``--preemption-notice``): none, auto, aws, gcp, azure."""
-    notice_poll_seconds: float = 2.0
+    notice_poll_seconds: float = 1.0
     """Interval between two reads of the metadata service (AWS, Azure; GCP's reads wait for a change)."""
 
     def __post_init__(self) -> None:
@@ -689,9 +689,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--notice-poll",
         type=number(float),
-        default=2.0,
+        default=1.0,
         metavar="SECONDS",
-        help="interval between two reads of the metadata service (default 2; GCP's reads wait for a change)",
+        help="interval between two reads of the metadata service (default 1; GCP's reads wait for a change)",
     )
     p.add_argument(
         "--warm-config",

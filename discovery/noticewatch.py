@@ -415,7 +415,7 @@ def build(
     *,
     env: Mapping[str, str] = os.environ,
     timeout_seconds: float = 2.0,
-    poll_seconds: float = 2.0,
+    poll_seconds: float = 1.0,
     log: Any = None,
 ) -> NoticeWatch | None:
     """The watch ``--preemption-notice choice`` asks for (not started), or None (``none``, or ``auto`` off-cloud).
