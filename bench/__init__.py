@@ -41,7 +41,8 @@ MEASUREMENTS: dict[str, str] = {
     "elastic_overhead": "samples/s of elastictrain train vs a plain Horovod loop, 2 workers",
     "commit": "commit cost as % of step time; CommittedState.save() vs stock TorchState.save()",
     "scaling": "samples/s at world size 1 and 2 (report only)",
-    "checkpoint_stall": "async checkpoint stall vs synchronous torch.save (256 MiB); step time during a write",
+    "checkpoint_stall": "async checkpoint stall vs synchronous torch.save (256 MiB); step time during a write; the "
+    "same stall vs a synchronous save to an S3 store (moto_server on loopback)",
     "recovery": "SIGKILL and drain to the first step at the new size, steps rolled back; rollback none and commit "
     "vs stock Horovod elastic",
     "scale_up": "pause of the running workers at a scale-up 2 -> 3, cold start vs hot join (warm zygote)",

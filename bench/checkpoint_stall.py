@@ -15,23 +15,37 @@ Measured side by side, alternating which goes first in each repeat, on the same 
 
 Goals: stall at most 5% of the synchronous save (``stall_ratio <= 0.05``, >= 20x), and step
 time during a write at most 10% above steady state (``step_time_rise <= 0.10``).
+
+The object-store variant (``python -m bench.checkpoint_stall --store s3 [state_mb] [repeats]``; in ``run`` when
+moto is installed) does the same against a real S3 API server on loopback (moto's ``moto_server``, a process of
+its own): ``sync_save_s`` is a synchronous :func:`~elastictrain.checkpoint.format.write_checkpoint` to the store
+(``torch.save`` streamed as a multipart upload, manifest, ``latest``), ``async_stall_s`` what
+``Checkpointer.save`` to the same store costs the training thread. Goal: ``stall_ratio <= 0.05``. It runs in a
+child process with dummy AWS credentials, so that the writer's fork server starts with them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
 import os
+import secrets
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from bench.core import BenchContext, Goal, Metric, Result
 from elastictrain.checkpoint.checkpointer import Checkpointer
+from elastictrain.checkpoint.format import write_checkpoint
 from elastictrain.checkpoint.storage import LocalStorage
 from elastictrain.rundir.events import Checkpoint, Event, checkpoint_event, of_kind
 
@@ -49,18 +63,27 @@ def run(ctx: BenchContext) -> Result:
         f"async stall {r['async_stall_s'] * 1e3:.1f} ms vs sync torch.save {r['sync_save_s'] * 1e3:.0f} ms "
         f"({r['speedup']:.1f}x); step time +{100 * r['step_time_rise']:.1f}% during a write"
     )
-    return Result(
-        NAME,
-        metrics=[
-            Metric("stall ÷ sync torch.save", r["stall_ratio"], "", GOAL_RATIO, note=f"{r['speedup']:.1f}x less"),
-            Metric("step-time rise during a write", r["step_time_rise"], "", GOAL_RISE),
-        ],
-        contenders={
-            "async_stall": {"median": r["async_stall_s"] * 1e3, "max": r["async_stall_max_s"] * 1e3, "unit": "ms"},
-            "sync_torch_save": {"median": r["sync_save_s"] * 1e3, "unit": "ms"},
-        },
-        detail=r,
-    )
+    metrics = [
+        Metric("stall ÷ sync torch.save", r["stall_ratio"], "", GOAL_RATIO, note=f"{r['speedup']:.1f}x less"),
+        Metric("step-time rise during a write", r["step_time_rise"], "", GOAL_RISE),
+    ]
+    contenders: dict[str, Any] = {
+        "async_stall": {"median": r["async_stall_s"] * 1e3, "max": r["async_stall_max_s"] * 1e3, "unit": "ms"},
+        "sync_torch_save": {"median": r["sync_save_s"] * 1e3, "unit": "ms"},
+    }
+    detail: dict[str, Any] = dict(r)
+    if importlib.util.find_spec("moto") is not None and importlib.util.find_spec("s3fs") is not None:
+        ctx.progress(f"object store (S3 on moto_server): {STATE_MB} MiB state, {max(2, repeats // 2)} pairs")
+        s = run_store_variant(STATE_MB, max(2, repeats // 2))
+        ctx.progress(
+            f"S3: async stall {s['async_stall_s'] * 1e3:.1f} ms vs sync save {s['sync_save_s'] * 1e3:.0f} ms "
+            f"(ratio {s['stall_ratio']:.4f})"
+        )
+        metrics.append(Metric("S3 store: stall ÷ sync save to the store", s["stall_ratio"], "", GOAL_RATIO))
+        contenders["s3_async_stall"] = {"median": s["async_stall_s"] * 1e3, "unit": "ms"}
+        contenders["s3_sync_save"] = {"median": s["sync_save_s"] * 1e3, "unit": "ms"}
+        detail["s3"] = s
+    return Result(NAME, metrics=metrics, contenders=contenders, detail=detail)
 
 
 def _make_state(state_mb: int, device: str = "cpu") -> dict[str, Any]:
@@ -210,6 +233,133 @@ def bench_checkpoint_stall(
     }
 
 
+_DUMMY_AWS = {
+    "AWS_ACCESS_KEY_ID": "bench",
+    "AWS_SECRET_ACCESS_KEY": "bench-not-a-secret",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+
+
+def run_store_variant(state_mb: int, repeats: int) -> dict[str, Any]:
+    """The object-store variant in a child process (dummy AWS credentials in its environment from the start)."""
+    env = {**os.environ, **_DUMMY_AWS}
+    env.pop("AWS_PROFILE", None)
+    repo = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.checkpoint_stall", "--store", "s3", str(state_mb), str(repeats)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
+        check=False,
+    )
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"the S3 variant exited {proc.returncode}: {tail}")
+    result: dict[str, Any] = json.loads(proc.stdout)
+    return result
+
+
+@contextlib.contextmanager
+def _moto_server() -> Iterator[str]:
+    """``moto_server`` (a process of its own) on a free loopback port; its endpoint URL. Killed by pid after."""
+    import urllib.request
+
+    from elastictrain.launcher.processes import free_port
+
+    port = free_port()
+    exe = Path(sys.executable).with_name("moto_server")
+    proc = subprocess.Popen(
+        [str(exe), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1):
+                    break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError(f"moto_server did not answer on {endpoint}") from None
+                time.sleep(0.2)
+        yield endpoint
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def bench_checkpoint_stall_store(state_mb: int = 256, repeats: int = 3) -> dict[str, Any]:
+    """Async stall vs a synchronous save, both to one S3 store (moto_server on loopback). Needs AWS credentials
+    in the environment before the first checkpointer of the process (dummy ones do for moto)."""
+    import boto3
+
+    from elastictrain.checkpoint.location import parse_object_location
+    from elastictrain.checkpoint.objectstore import FsspecStorage
+
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    state = _make_state(state_mb)
+    state_bytes = sum(t.numel() * t.element_size() for t in _tensors(state))
+    sync_s: list[float] = []
+    stall_s: list[float] = []
+    write_s: list[float] = []
+    events: list[Event] = []
+    with _moto_server() as endpoint:
+        bucket = f"bench-{secrets.token_hex(4)}"
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+        location = parse_object_location(f"s3://{bucket}/checkpoint-stall")
+        storage = FsspecStorage(location, endpoint_url=endpoint)
+        ckpt = Checkpointer(
+            storage,
+            keep_last=1,
+            writer="process",
+            on_event=lambda name, fields: events.append(checkpoint_event(name, fields, step=0, epoch=0, world_size=1)),
+        )
+        step = 0
+        try:
+            ckpt.save(state, step=step, epoch=0, world_size=1, config_hash="bench")  # buffers, writer, connection
+            ckpt.wait()
+            for r in range(repeats):
+                for which in ("sync", "async") if r % 2 == 0 else ("async", "sync"):
+                    step += 1
+                    if which == "sync":
+                        t0 = time.perf_counter()
+                        write_checkpoint(storage, state, step=step, epoch=0, world_size=1, config_hash="b", keep_last=1)
+                        sync_s.append(time.perf_counter() - t0)
+                        continue
+                    stall_s.append(ckpt.save(state, step=step, epoch=0, world_size=1, config_hash="bench"))
+                    ckpt.wait()
+                    ok = [e for e in of_kind(events, Checkpoint) if e.step == step and e.write_seconds is not None]
+                    if ok:
+                        write_s.append(float(ok[0].write_seconds or 0.0))
+            stats = ckpt.stats
+        finally:
+            ckpt.close()
+            torch.set_num_threads(old_threads)
+    stall, sync = statistics.median(stall_s), statistics.median(sync_s)
+    return {
+        "store": "s3 (moto_server on loopback)",
+        "state_mb": round(state_bytes / 2**20, 1),
+        "repeats": repeats,
+        "cpu_count": os.cpu_count(),
+        "load_average": os.getloadavg()[0],
+        "async_stall_s": stall,
+        "async_stall_max_s": max(stall_s),
+        "async_write_s": statistics.median(write_s) if write_s else float("nan"),
+        "sync_save_s": sync,
+        "sync_save_all_s": sync_s,
+        "async_stall_all_s": stall_s,
+        "stall_ratio": stall / sync,
+        "speedup": sync / stall,
+        "failures": stats.failures,
+        "skipped": stats.skipped,
+        "goal_stall_ratio_le_0_05": stall / sync <= 0.05,
+    }
+
+
 def _tensors(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         return [obj]
@@ -221,12 +371,15 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m bench.checkpoint_stall [state_mb] [repeats]``: the measurement alone, its result as JSON."""
+    """``python -m bench.checkpoint_stall [--store s3] [state_mb] [repeats]``: the measurement alone, as JSON."""
     from elastictrain.logconf import configure_logging
 
     configure_logging()  # log lines go to stderr, the JSON result alone to stdout
     args = sys.argv[1:] if argv is None else argv
-    result = bench_checkpoint_stall(*(int(a) for a in args[:2]))
+    if args[:2] == ["--store", "s3"]:
+        result = bench_checkpoint_stall_store(*(int(a) for a in args[2:4]))
+    else:
+        result = bench_checkpoint_stall(*(int(a) for a in args[:2]))
     sys.stdout.write(json.dumps(result, indent=1) + "\n")
 
 
