@@ -400,6 +400,7 @@ _NOT_FINGERPRINTED = (
     "tracking",
     "checkpoint.writer",
     "checkpoint.resume",
+    "checkpoint.location",
     "data.loader_workers",
 )
 """Config keys :meth:`JobConfig.digest` leaves out: runtime endpoints and knobs, not the training."""
@@ -456,7 +457,7 @@ class JobConfig:
 
         The resolved config less where and how the run is hosted: ``run_dir``, the ``discovery`` and
         ``tracking`` sections (etcd endpoints such as the embedded etcd's random port, the MLflow URI),
-        ``checkpoint.writer``/``checkpoint.resume`` and ``data.loader_workers``. Two launches of the
+        ``checkpoint.writer``/``resume``/``location`` and ``data.loader_workers``. Two launches of the
         same training therefore share a fingerprint.
         """
         d = self.to_dict()
