@@ -36,6 +36,7 @@ from elastictrain.rundir.events import (
     Lifecycle,
     Metrics,
     Reset,
+    Shares,
     Start,
     Stopped,
     Straggler,
@@ -79,6 +80,8 @@ class LiveState:
     """(host, ratio) of the last ``metrics`` that judged one (see :mod:`elastictrain.engine.health.stragglers`)."""
     stragglers: tuple[str, ...] = ()
     """Hosts named slow by ``straggler`` events and not cleared since."""
+    shares: tuple[tuple[str, int], ...] = ()
+    """(host, samples per step) of the last ``shares`` event (``elastic.stragglers: balance``); empty: equal."""
 
     def update(self, e: Event) -> LiveState:
         """The state after ``e`` (events arrive in file order)."""
@@ -104,6 +107,8 @@ class LiveState:
                 rate_to=here,
                 slowest=(e.slowest_host, e.slowest_ratio) if e.slowest_host and e.slowest_ratio else s.slowest,
             )
+        elif isinstance(e, Shares) and e.shares:
+            s = dataclasses.replace(s, shares=tuple(sorted(e.shares.items())))
         elif isinstance(e, Straggler) and e.host:
             named = tuple(h for h in s.stragglers if h != e.host) + ((e.host,) if e.slow else ())
             s = dataclasses.replace(s, stragglers=named)
@@ -176,6 +181,7 @@ def view(s: LiveState, now: float, *, epochs: int | None = None, max_steps: int 
         "last_reset": last,
         "slowest_host": None if s.slowest is None else {"host": s.slowest[0], "ratio": s.slowest[1]},
         "stragglers": list(s.stragglers),
+        "shares": dict(s.shares) or None,
     }
 
 
@@ -206,6 +212,8 @@ def status_line(v: dict[str, Any]) -> str:
     if slow:
         named = " STRAGGLER" if slow["host"] in v.get("stragglers", ()) else ""
         parts.append(f"slowest {slow['host']} {slow['ratio']:.2f}x{named}")
+    if v.get("shares"):
+        parts.append("shares " + "/".join(f"{h} {n}" for h, n in v["shares"].items()))
     r = v["last_reset"]
     if r is None:
         parts.append("no reset")

@@ -245,3 +245,13 @@ def test_a_rollback_and_a_resume_bring_back_the_shares_of_the_commit_they_return
     without = committed_state(ShareState())
     without.load_full_state({k: v for k, v in checkpoint.items() if k != "shares"})  # written before balancing
     assert without.shares == ShareState()
+
+
+def test_the_live_view_shows_the_last_shares():
+    from elastictrain.tools.live_view import fold, status_line, view
+
+    s = fold([Shares(step=5, epoch=0, world_size=2, global_batch=32, shares={"b": 12, "a": 20}, speeds={}, reason="")])
+    assert s.shares == (("a", 20), ("b", 12))
+    v = view(s, now=0.0, epochs=None, max_steps=None)
+    assert v["shares"] == {"a": 20, "b": 12} and "shares a 20/b 12" in status_line(v)
+    assert view(fold([]), now=0.0, epochs=None, max_steps=None)["shares"] is None
