@@ -132,6 +132,7 @@ def test_a_cordoned_node_drains_the_agent_which_may_read_its_node() -> None:
     pod = ds["spec"]["template"]["spec"]
     args = container(pod, "agent")["args"]
     assert flag(args, "--drain-when-cordoned") == "$(NODE_NAME)" == flag(args, "--host")
+    assert flag(args, "--preemption-notice") == "auto", "a spot node drains on its cloud's notice"
     env = {e["name"]: e for e in container(pod, "agent")["env"]}
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     account = pod["serviceAccountName"]
