@@ -160,6 +160,20 @@ FIRST_STEP_HANG_SECONDS = 1800.0
 """The default of ``elastic.first_step_hang_seconds`` (also the hang detector's when it is built without a config)."""
 
 
+def etcd_transport(key: str, choice: str, environ: Mapping[str, str]) -> str:
+    """``files`` or ``etcd`` for a transport setting ``key`` (``auto``, ``files`` or ``etcd``) in a worker whose
+    environment is ``environ`` (``ELASTICTRAIN_ETCD`` names the job's etcd, as ``launch`` sets it). Raises
+    :class:`ConfigError` for ``etcd`` without an endpoint, or an unknown choice."""
+    from elastictrain import envnames
+
+    has_etcd = bool(environ.get(envnames.ETCD, "").strip())
+    if choice not in ("auto", "files", "etcd"):
+        raise ConfigError(f"{key} must be one of auto, files, etcd, got {choice!r}")
+    if choice == "etcd" and not has_etcd:
+        raise ConfigError(f"{key} is etcd but {envnames.ETCD} is not set (run under elastictrain launch)")
+    return "etcd" if choice == "etcd" or (choice == "auto" and has_etcd) else "files"
+
+
 @dataclass(kw_only=True, frozen=True, slots=True)
 class ElasticConfig:
     policy: Literal["per_worker", "global"] = "per_worker"
@@ -227,6 +241,11 @@ class ElasticConfig:
     ``run_dir/.elastic/`` (every node must share the run_dir to judge peers on other machines); ``etcd``: under the
     job's prefix in the etcd the launcher names (``ELASTICTRAIN_ETCD``; no shared disk); ``auto``: etcd when the job
     has one, else files."""
+    outputs: Literal["auto", "files", "etcd"] = "files"
+    """How what the workers write for the launcher (events, the sample ledger, worker errors, the resolved config)
+    reaches its run_dir. ``files``: written into ``run_dir`` (shared by every node); ``etcd``: put under the job's
+    prefix and written into the launcher's run_dir by the launcher (no shared disk); ``auto``: etcd when the job has
+    one, else files."""
 
     def __post_init__(self) -> None:
         _check(self.base_world_size >= 1, "elastic.base_world_size", f"must be >= 1, got {self.base_world_size}")

@@ -29,6 +29,7 @@ from elastictrain.logconf import get_logger
 from elastictrain.rundir import layout
 from elastictrain.rundir.events import EventSink, NullEventLog, TrackingClosed, open_event_log
 from elastictrain.rundir.ledger import SampleLedger
+from elastictrain.rundir.outbox import Outbox, open_outbox
 
 log = get_logger("elastictrain.engine.worker")
 
@@ -59,6 +60,8 @@ class Rank0Services:
         self.tracker: Tracker = NullTracker()
         self.checkpointer: Checkpointer | None = None
         self.ledger: SampleLedger | None = None
+        self.outbox: Outbox | None = None
+        """What rank 0 writes for the launcher goes through it when the workers share no disk (``elastic.outputs``)."""
         self.progress: Progress = NullProgress()
         self.ledger_written = -1
         """Highest step this process (as rank 0) has written to the ledger."""
@@ -77,7 +80,8 @@ class Rank0Services:
             return
         cfg = self.cfg
         self.is_open = True
-        self.events = open_event_log(cfg.run_path, 0)
+        self.outbox = open_outbox(cfg.elastic.outputs)  # elastic.outputs: None = the run_dir's files
+        self.events = open_event_log(cfg.run_path, 0, self.outbox)
         self.tracker, self._early_tracker = self._early_tracker or make_tracker(cfg, 0), None
         if cfg.checkpoint.enabled:
             self.checkpointer = Checkpointer(
@@ -95,6 +99,7 @@ class Rank0Services:
                 f"{os.getpid()}",
                 num_samples=self.planner.num_samples,
                 drop_last=cfg.data.drop_last,
+                outbox=self.outbox,
             )
             self.ledger_written = -1
         self.progress = make_progress(
@@ -104,6 +109,8 @@ class Rank0Services:
         config_file = cfg.run_path / layout.CONFIG  # the resolved config, next to the run and in MLflow
         config_file.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(config_file, cfg.to_yaml(), durable=False)
+        if self.outbox is not None:
+            self.outbox.append(layout.CONFIG, cfg.to_yaml().encode())
         self.tracker.log_artifact(config_file)
         self.tracker.set_tags({"elastictrain.job": cfg.job, **self.versions})
         wait = cfg.tracking.open_wait_seconds

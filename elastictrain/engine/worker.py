@@ -36,9 +36,11 @@ def main(argv: list[str]) -> int:
         return 2
     from elastictrain.engine.health.hang import announce
     from elastictrain.engine.health.signals import STARTUP, open_signals
+    from elastictrain.rundir.outbox import open_outbox
 
     try:
         signals = open_signals(cfg)  # elastic.signals: the run_dir's files or the job's etcd
+        outbox = open_outbox(cfg.elastic.outputs)  # elastic.outputs: None = the run_dir's files
     except ConfigError as e:
         return report_config_error(e)
     announce(signals, STARTUP)  # before torch, horovod and hvd.init
@@ -51,8 +53,8 @@ def main(argv: list[str]) -> int:
     try:
         return compose.run(cfg)
     except ConfigError as e:
-        record_worker_error(cfg.run_path, e)
+        record_worker_error(cfg.run_path, e, outbox)
         return report_config_error(e)
     except Exception as e:
-        record_worker_error(cfg.run_path, e)
+        record_worker_error(cfg.run_path, e, outbox)
         raise

@@ -63,6 +63,7 @@ from typing import Any
 import psutil
 
 from discovery import endpoints as etcd_endpoints
+from discovery.kv import EtcdKeyValue
 from discovery.record import READY
 from discovery.registry import EtcdRegistry, RegistryError
 from elastictrain import envnames
@@ -73,7 +74,7 @@ from elastictrain.commands import (
     horovodrun_command,
     launch_env,
 )
-from elastictrain.config import JobConfig
+from elastictrain.config import JobConfig, etcd_transport
 from elastictrain.errors import LaunchError
 from elastictrain.fileio import write_atomic
 from elastictrain.launcher.decisions import (
@@ -95,13 +96,21 @@ from elastictrain.launcher.processes import (
     set_child_subreaper,
     terminate,
 )
+from elastictrain.logconf import get_logger
 from elastictrain.rundir import layout
 from elastictrain.rundir.events import training_completed_in
+from elastictrain.rundir.outbox import Collector, OutboxStateError, outbox_prefix
 from elastictrain.rundir.worker_error import WorkerError, first_cause, read_worker_errors
 from elastictrain.tools.live_view import LiveView
 
+log = get_logger("elastictrain.launcher.supervisor")
+
+
 POLL_SECONDS = 0.2
 REGISTRY_POLL_SECONDS = 1.0
+COLLECT_SECONDS = 10.0
+"""After horovodrun exits, how long the launcher keeps taking the workers' last records from etcd
+(``elastic.outputs: etcd``) before it reads the run log."""
 ETCD_START_SECONDS = 30.0
 """How long the embedded etcd may take to answer ``/health``."""
 ETCD_RETRY_SECONDS = 5.0
@@ -142,6 +151,8 @@ class Launcher:
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
         self.hvd_proc: subprocess.Popen[bytes] | None = None
         self.registry: EtcdRegistry | None = None
+        self.collector: Collector | None = None
+        """Writes what the workers put in etcd into this run_dir (``elastic.outputs: etcd``); None with files."""
         self.attempt = 0
         self.worker_error: WorkerError | None = None
         """Why the job failed, when a worker of the last attempt raised (:mod:`elastictrain.rundir.worker_error`)."""
@@ -183,6 +194,22 @@ class Launcher:
             timeout_seconds=2.0,
             access=self.opts.etcd_access,
         )
+        if etcd_transport("elastic.outputs", self.cfg.elastic.outputs, {envnames.ETCD: self.etcd_endpoint}) == "etcd":
+            try:
+                self.collector = Collector(
+                    EtcdKeyValue(
+                        self.etcd_endpoint,
+                        self.cfg.job,
+                        self.cfg.discovery.prefix,
+                        timeout_seconds=2.0,
+                        access=self.opts.etcd_access,
+                    ),
+                    outbox_prefix(self.cfg.discovery.prefix, self.cfg.job),
+                    self.run_dir,
+                )
+            except OutboxStateError as e:
+                self.out(f"error: {e}")
+                return EXIT_USAGE
         relaunches = 0
         while True:
             if not self._wait_for_hosts():
@@ -194,6 +221,7 @@ class Launcher:
                 return EXIT_HOSTS_TIMEOUT
             self.attempt = relaunches
             returncode, watch = self._run_attempt()
+            self._collect(until_empty=COLLECT_SECONDS)  # the workers' last records, before the run log is read
             if returncode != 0 and not self.stopping:
                 self._settle(watch)
             decision = decide_after_exit(
@@ -340,6 +368,21 @@ class Launcher:
         write_atomic(self.run_dir / layout.LAUNCH_STATE, json.dumps(state, indent=2) + "\n", durable=False)
 
     # -- hosts
+    def _collect(self, until_empty: float = 0.0) -> None:
+        """Apply what the workers put in etcd to this run_dir (no-op with ``elastic.outputs: files``); with
+        ``until_empty``, pass after pass until a pass finds nothing, for at most that many seconds."""
+        if self.collector is None:
+            return
+        deadline = time.monotonic() + until_empty
+        while True:
+            try:
+                applied = self.collector.collect()
+            except (RegistryError, OSError) as e:
+                log.warning("outbox_collect_failed", error=str(e)[:200])
+                applied = 0
+            if not applied or time.monotonic() >= deadline:
+                return
+
     def _listing(self) -> list[Any] | None:
         assert self.registry is not None
         try:
@@ -440,6 +483,7 @@ class Launcher:
                     terminate(self.hvd_proc)
                     break
                 next_poll = now + REGISTRY_POLL_SECONDS
+                self._collect()
             self.live.tick()
             time.sleep(POLL_SECONDS)
         rc = self.hvd_proc.wait() if self.hvd_proc.poll() is not None else -1

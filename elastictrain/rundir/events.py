@@ -38,11 +38,14 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 from elastictrain.errors import InputError
 from elastictrain.logconf import get_logger
 from elastictrain.rundir import layout
+
+if TYPE_CHECKING:
+    from elastictrain.rundir.outbox import Outbox
 
 log = get_logger("elastictrain.rundir.events")
 
@@ -527,9 +530,39 @@ class NullEventLog:
         pass
 
 
-def open_event_log(run_dir: str | os.PathLike[str], rank: int) -> EventLog | NullEventLog:
-    """``EventLog(run_dir/events.jsonl)`` on rank 0, a :class:`NullEventLog` on every other rank."""
-    return EventLog(Path(run_dir) / layout.EVENTS) if rank == 0 else NullEventLog()
+class OutboxEventLog:
+    """The event log of rank 0 when the workers share no disk with the launcher: each line goes to the process's
+    :class:`~elastictrain.rundir.outbox.Outbox` (whose thread puts it in etcd; :meth:`emit` returns at once), and
+    the launcher's collector appends it to its ``events.jsonl``."""
+
+    def __init__(self, outbox: Outbox) -> None:
+        self.outbox = outbox
+        self._closed = False
+
+    def emit(self, event: Event) -> None:
+        if self._closed:
+            log.debug("event_after_close", event_name=event.name)
+            return
+        self.outbox.append(layout.EVENTS, encode(event))
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return self.outbox.flush(timeout)
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Wait (at most ``timeout``) until every line is in etcd; the outbox itself stays open for the others."""
+        self._closed = True
+        if not self.outbox.flush(timeout):
+            log.warning("events_close_timed_out", transport="etcd")
+
+
+def open_event_log(
+    run_dir: str | os.PathLike[str], rank: int, outbox: Outbox | None = None
+) -> EventLog | OutboxEventLog | NullEventLog:
+    """Rank 0's event log (``run_dir/events.jsonl``, or through ``outbox`` when given); a :class:`NullEventLog` on
+    every other rank."""
+    if rank != 0:
+        return NullEventLog()
+    return OutboxEventLog(outbox) if outbox is not None else EventLog(Path(run_dir) / layout.EVENTS)
 
 
 # ------------------------------------------------------------------------------------------------ reader

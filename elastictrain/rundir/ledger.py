@@ -24,11 +24,16 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, TYPE_CHECKING, Any
 
 from elastictrain.errors import InputError
+from elastictrain.rundir import layout
+
+if TYPE_CHECKING:
+    from elastictrain.rundir.outbox import Outbox
 
 LEDGER_PREFIX = "tenure-"
 """Ledger files are ``tenure-<sequence>-<name>.jsonl``; the sequence orders them (see :func:`ledger_files`)."""
@@ -48,10 +53,26 @@ def ledger_files(ledger_dir: str | Path) -> list[Path]:
     """
 
     def key(path: Path) -> tuple[int, str]:
-        m = _TENURE.match(path.name)
-        return (int(m.group(1)) if m else -1, path.name)
+        return (tenure_seq(path.name) if _TENURE.match(path.name) else -1, path.name)
 
     return sorted(Path(ledger_dir).glob("*.jsonl"), key=key)
+
+
+def tenure_name(seq: int, name: str) -> str:
+    """The file name of the ``seq``-th rank-0 tenure of process ``name``."""
+    return f"{LEDGER_PREFIX}{seq:06d}-{name}.jsonl"
+
+
+def tenure_seq(file_name: str) -> int:
+    """The tenure number in a ledger file name; 0 for a name of the older format."""
+    m = _TENURE.match(file_name)
+    return int(m.group(1)) if m else 0
+
+
+def next_tenure_seq(ledger_dir: str | Path, taken: Iterable[str] = ()) -> int:
+    """One more than the highest tenure number in ``ledger_dir`` and among the file names ``taken``."""
+    names = [p.name for p in Path(ledger_dir).glob("*.jsonl")] + [Path(t).name for t in taken]
+    return 1 + max((tenure_seq(n) for n in names), default=0)
 
 
 class SampleLedger:
@@ -63,18 +84,32 @@ class SampleLedger:
     """
 
     def __init__(
-        self, root: str | Path, name: str, *, num_samples: int | None = None, drop_last: bool | None = None
+        self,
+        root: str | Path,
+        name: str,
+        *,
+        num_samples: int | None = None,
+        drop_last: bool | None = None,
+        outbox: Outbox | None = None,
     ) -> None:
         self.dir = Path(root)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        seq = 1 + max((int(m.group(1)) for p in self.dir.glob("*.jsonl") if (m := _TENURE.match(p.name))), default=0)
-        self.path = self.dir / f"{LEDGER_PREFIX}{seq:06d}-{name}.jsonl"
-        self._f = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+        self._outbox = outbox
+        self._f: IO[str] | None = None
+        if outbox is not None:  # the launcher's collector numbers the tenure (:mod:`elastictrain.rundir.outbox`)
+            self.stream = f"{layout.LEDGER}/{name}.jsonl"
+        else:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self.path = self.dir / tenure_name(next_tenure_seq(self.dir), name)
+            self._f = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed in close()
         if num_samples is not None:
             self._write({"kind": "meta", "num_samples": num_samples, "drop_last": bool(drop_last)})
 
     def _write(self, obj: dict[str, Any]) -> None:
-        self._f.write(json.dumps(obj, separators=(",", ":")) + "\n")
+        line = json.dumps(obj, separators=(",", ":")) + "\n"
+        if self._outbox is not None:
+            self._outbox.append(self.stream, line.encode())
+        elif self._f is not None:
+            self._f.write(line)
 
     def record(self, step: int, epoch: int, ids: list[int]) -> None:
         self._write({"kind": "step", "step": step, "epoch": epoch, "ids": ids})
@@ -83,10 +118,12 @@ class SampleLedger:
         self._write({"kind": "restore", "step": step})
 
     def flush(self) -> None:
-        self._f.flush()
+        if self._f is not None:
+            self._f.flush()
 
     def close(self) -> None:
-        self._f.close()
+        if self._f is not None:
+            self._f.close()
 
 
 @dataclass(slots=True)

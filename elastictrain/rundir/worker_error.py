@@ -22,13 +22,16 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from discovery.record import check_name
 from elastictrain import envnames
 from elastictrain.errors import one_line
 from elastictrain.fileio import write_atomic
 from elastictrain.rundir import layout
+
+if TYPE_CHECKING:
+    from elastictrain.rundir.outbox import Outbox
 
 MAX_RECORD_BYTES = 16 << 10
 MAX_TEXT = 500
@@ -110,14 +113,24 @@ def _int(value: str | None, default: int | None) -> int | None:
         return default
 
 
-def record_worker_error(run_dir: str | os.PathLike[str], e: BaseException) -> Path | None:
-    """Write the record of ``e`` for this worker; None (and nothing raised) when it cannot be written: a failing
-    worker must exit with its own error, not one about the run_dir."""
+OUTBOX_FLUSH_SECONDS = 3.0
+"""How long a failing worker waits for its record to reach etcd (``elastic.outputs: etcd``) before it exits."""
+
+
+def record_worker_error(run_dir: str | os.PathLike[str], e: BaseException, outbox: Outbox | None = None) -> Path | None:
+    """Write the record of ``e`` for this worker (through ``outbox`` to the launcher's run_dir when given); the
+    record's run_dir path, or None (and nothing raised) when it cannot be written: a failing worker must exit with
+    its own error, not one about the run_dir."""
     err = WorkerError.from_exception(e)
-    path = Path(run_dir) / layout.WORKER_ERRORS / f"{err.host}-{err.slot}-{err.pid}.json"
+    name = f"{layout.WORKER_ERRORS}/{err.host}-{err.slot}-{err.pid}.json"
+    data = json.dumps(dataclasses.asdict(err)) + "\n"
+    path = Path(run_dir) / name
     try:
+        if outbox is not None:
+            outbox.append(name, data.encode())
+            return path if outbox.flush(OUTBOX_FLUSH_SECONDS) else None
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps(dataclasses.asdict(err)) + "\n", durable=False)
+        write_atomic(path, data, durable=False)
     except (OSError, ValueError):
         return None
     return path
