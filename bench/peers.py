@@ -367,7 +367,8 @@ def survival(lines: Iterable[Line], kill_ts: float, killed: str, until: float) -
     Survivors: the other writers of the last step completed before the kill (its world is the world before).
     ``lived``: those that wrote a committed line begun after the kill (the same writer, so the same pid) up to
     ``until``; ``steps_at_smaller_world``: steps they committed at a smaller world, before the first step back at
-    the world before (the killed one's return). ``survived``: every survivor lived and took such a step."""
+    the world before (the killed one's return; none when another host joined during the recovery). ``survived``:
+    every survivor lived."""
     lines = [ln for ln in lines if ln.committed]
     done = [ln for ln in lines if ln.t1 <= kill_ts]
     last = max(done, key=lambda x: x.t1, default=None)
@@ -383,7 +384,7 @@ def survival(lines: Iterable[Line], kill_ts: float, killed: str, until: float) -
         "survivors": len(spared),
         "lived": len(lived),
         "steps_at_smaller_world": len(smaller),
-        "survived": bool(spared) and len(lived) == len(spared) and bool(smaller),
+        "survived": bool(spared) and len(lived) == len(spared),
     }
 
 
@@ -1086,7 +1087,8 @@ def survives_in_words(name: str, kills: list[dict[str, Any]]) -> str:
     if name in RESTART_BY_DESIGN:
         return f"restarts every worker by design (survivors lived through {lived} of {len(judged)} kills)"
     if lived == len(judged):
-        return f"yes: survivors kept their pids and stepped at the smaller world in all {len(judged)} kills"
+        smaller = sum(1 for v in judged if v["steps_at_smaller_world"])
+        return f"yes: survivors kept their pids in all {len(judged)} kills ({smaller} with steps at the smaller world)"
     if lived == 0:
         return f"no: in none of {len(judged)} kills did the survivors go on (they restarted or stopped)"
     return f"partly: survivors went on in {lived} of {len(judged)} kills"

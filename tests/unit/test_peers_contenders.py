@@ -128,7 +128,7 @@ def _kill(survived: bool, recovery: float = 1.0, redone: int = 0) -> dict:
         "recovery_seconds": recovery,
         "redone": redone,
         "thrown_away": 0,
-        "survival": {"survivors": 2, "lived": 2 if survived else 0, "survived": survived},
+        "survival": {"survivors": 2, "lived": 2 if survived else 0, "steps_at_smaller_world": 3, "survived": survived},
     }
 
 
@@ -230,3 +230,10 @@ def test_the_run_puts_every_kill_and_the_words_in_the_table(monkeypatch, tmp_pat
     assert "torchrun: survives a kill? restarts every worker by design" in table
     assert "torchft-hb1s: survives a kill? yes" in table
     assert "lossy by its docs" in table
+
+
+def test_survivors_that_go_on_while_another_host_returns_survived_without_a_smaller_world():
+    # b was down; c is killed at 20.2 just as b's host returns: a and b2 go on at world 2, never smaller
+    lines = together("ac", 1, 20, 0.0, world=2) + together(("a", "b2"), 21, 5, 21.0, world=2)
+    got = survival(lines, KILL, "c", 26.0)
+    assert got == {"world_before": 2, "survivors": 1, "lived": 1, "steps_at_smaller_world": 0, "survived": True}
