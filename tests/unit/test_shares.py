@@ -87,6 +87,17 @@ def test_a_capped_host_gives_what_it_cannot_hold_to_the_others():
     assert measured == [30, 15, 15] and sum(measured) == 60
 
 
+def test_a_share_at_most_doubles_the_largest_share_its_host_was_measured_at():
+    hosts = ["a", "b", "c"]
+    seen = {"a": 10, "b": 10, "c": 10}
+    d = decide(ShareState(), {"a": 1000.0, "b": 100.0, "c": 100.0}, hosts, 30, POLICY, seen=seen)
+    assert d.state.largest == seen
+    assert rank_shares(d.state, hosts, 30, POLICY) == [20, 5, 5], "a's speed is not trusted beyond 2 x 10"
+    d = decide(d.state, {"a": 1000.0, "b": 100.0, "c": 100.0}, hosts, 30, POLICY, seen={"a": 20, "b": 5, "c": 5})
+    assert d.state.largest == {"a": 20, "b": 10, "c": 10}
+    assert rank_shares(d.state, hosts, 30, POLICY) == [25, 3, 2]
+
+
 def test_caps_that_cannot_hold_the_batch_are_dropped_rather_than_losing_samples():
     hosts = ["a", "b"]
     tight = SharePolicy(warmup_intervals=1, max_share=10)

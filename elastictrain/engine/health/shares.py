@@ -9,16 +9,19 @@ The API (pure functions over a :class:`ShareState`; the trainer holds one :class
 - :func:`measured_speeds` ``(rows, rank_hosts)``: one commit's speed of each host from the gathered figures (rows in
   :data:`~elastictrain.engine.health.stragglers.FIGURES` order); the slowest rank of a host speaks for it; a host
   that processed nothing this interval is left out (its speed stays as it was).
-- :func:`decide` ``(state, measured, rank_hosts, global_batch, policy, caps)`` -> :class:`ShareDecision`: the next
+- :func:`measured_shares` ``(rows, rank_hosts)``: the samples per step one worker of each host processed.
+- :func:`decide` ``(state, measured, rank_hosts, global_batch, policy, caps, seen)`` -> :class:`ShareDecision`: the next
   state. Speeds are smoothed (EMA, ``policy.smoothing``); the applied weights move to the speeds only when some
   host's fraction of the step would change by more than ``policy.threshold`` of its current fraction (hysteresis:
   noise never makes shares oscillate), and only once every host of the ring has ``policy.warmup_intervals``
   measurements (a host without one is given the mean speed meanwhile).
 - :func:`rank_shares` ``(state, rank_hosts, global_batch, policy, caps)``: per-rank integer shares of a full step,
   summing exactly to ``global_batch``: in proportion to the applied weights, each at least ``policy.min_share``
-  and at most its host's cap (``caps[host]``: the smaller of ``elastic.share_max_per_worker`` and a measured cap,
-  per worker; 0 makes a host's share zero: a host that only catches up). A host the state does not know (it
-  joined) gets the mean weight; hosts that left are forgotten at the next decision.
+  and at most its host's cap, per worker: the smallest of ``elastic.share_max_per_worker``, ``caps[host]`` (a cap
+  measured elsewhere, e.g. memory; 0 makes a host's share zero: a host that only catches up) and the measured one,
+  ``policy.growth`` x the largest share the host has been measured at (``ShareState.largest``: a speed measured at
+  one share is not trusted far beyond it, so a share at most doubles per change). A host the state does not know
+  (it joined) gets the mean weight; hosts that left are forgotten at the next decision.
 - :class:`Balancer`: when to call what. ``observe`` at the commit's gather (every rank, same rows, same result),
   ``apply_pending`` at the next commit before the state is saved (so a rollback or a resume replays the same split
   as the steps it replays), ``discard_pending`` after every sync; ``weights`` for the planner.
@@ -52,6 +55,8 @@ class SharePolicy:
     """Samples one worker gets at most per step (``elastic.share_max_per_worker``); None: no cap."""
     warmup_intervals: int = 2
     """Commit intervals a host is measured before its speed counts (its first holds the first, slower, step)."""
+    growth: float = 2.0
+    """A worker's share is at most this many times the largest share its host has been measured at."""
 
     @classmethod
     def from_config(cls, elastic: ElasticConfig) -> SharePolicy:
@@ -70,9 +75,16 @@ class ShareState:
     speeds: dict[str, float] = field(default_factory=dict)
     intervals: dict[str, int] = field(default_factory=dict)
     applied: dict[str, float] = field(default_factory=dict)
+    largest: dict[str, int] = field(default_factory=dict)
+    """The largest share (samples per step of one worker) each host has been measured at."""
 
     def state_dict(self) -> dict[str, Any]:
-        return {"speeds": dict(self.speeds), "intervals": dict(self.intervals), "applied": dict(self.applied)}
+        return {
+            "speeds": dict(self.speeds),
+            "intervals": dict(self.intervals),
+            "applied": dict(self.applied),
+            "largest": dict(self.largest),
+        }
 
     def load_state_dict(self, d: Mapping[str, Any] | None) -> None:
         """Load a committed or checkpointed state (None: none yet); entries that are not a host name with a finite
@@ -81,9 +93,7 @@ class ShareState:
         self.speeds = _positive(d.get("speeds"), float)
         self.intervals = {h: int(v) for h, v in _positive(d.get("intervals"), int).items()}
         self.applied = _positive(d.get("applied"), float)
-
-    def copy(self) -> ShareState:
-        return ShareState(dict(self.speeds), dict(self.intervals), dict(self.applied))
+        self.largest = {h: int(v) for h, v in _positive(d.get("largest"), int).items()}
 
 
 def _positive(value: object, kind: type) -> dict[str, Any]:
@@ -124,6 +134,18 @@ def measured_speeds(rows: Sequence[Sequence[float]], rank_hosts: Sequence[str]) 
     return out
 
 
+def measured_shares(rows: Sequence[Sequence[float]], rank_hosts: Sequence[str]) -> dict[str, int]:
+    """Samples per step one worker of each host processed over one commit interval (its largest rank's)."""
+    out: dict[str, int] = {}
+    if len(rows) != len(rank_hosts):
+        return out
+    for row, host in zip(rows, rank_hosts, strict=True):
+        f = Figures.from_row(row)
+        if f is not None and f.samples >= 1:
+            out[host] = max(out.get(host, 0), f.samples // f.steps)
+    return out
+
+
 def rank_weights(state: ShareState, rank_hosts: Sequence[str]) -> list[float] | None:
     """Each rank's weight from the applied per-worker weights (a host not in them: their mean); None when nothing
     is applied (equal shares)."""
@@ -143,13 +165,17 @@ def rank_shares(
 ) -> list[int]:
     """Per-rank integer shares of a full step (see the module): they sum to ``global_batch`` exactly."""
     weights = rank_weights(state, rank_hosts) or [1.0] * len(rank_hosts)
-    return allocate(global_batch, weights, floor=policy.min_share, caps=_rank_caps(rank_hosts, policy, caps))
+    limits = _rank_caps(state, rank_hosts, policy, caps)
+    return allocate(global_batch, weights, floor=policy.min_share, caps=limits)
 
 
-def _rank_caps(rank_hosts: Sequence[str], policy: SharePolicy, caps: Mapping[str, int] | None) -> list[int | None]:
+def _rank_caps(
+    state: ShareState, rank_hosts: Sequence[str], policy: SharePolicy, caps: Mapping[str, int] | None
+) -> list[int | None]:
     out: list[int | None] = []
     for h in rank_hosts:
-        limits = [c for c in (policy.max_share, (caps or {}).get(h)) if c is not None]
+        grown = int(policy.growth * state.largest[h]) if h in state.largest else None
+        limits = [c for c in (policy.max_share, (caps or {}).get(h), grown) if c is not None]
         out.append(min(limits) if limits else None)
     return out
 
@@ -167,11 +193,17 @@ def decide(
     global_batch: int,
     policy: SharePolicy,
     caps: Mapping[str, int] | None = None,
+    seen: Mapping[str, int] | None = None,
 ) -> ShareDecision:
-    """The next state after one commit's measurements (pure; see the module for the rules)."""
+    """The next state after one commit's measurements (pure; see the module for the rules): ``measured`` speeds
+    and the shares they were ``seen`` at (:func:`measured_speeds`, :func:`measured_shares`)."""
     hosts = sorted(set(rank_hosts))
     speeds = {h: v for h, v in state.speeds.items() if h in hosts}
     intervals = {h: n for h, n in state.intervals.items() if h in hosts}
+    largest = {h: n for h, n in state.largest.items() if h in hosts}
+    for h, n in (seen or {}).items():
+        if h in hosts and n > largest.get(h, 0):
+            largest[h] = n
     for h in hosts:
         m = measured.get(h)
         if m is None or not (math.isfinite(m) and m > 0):
@@ -181,7 +213,7 @@ def decide(
         intervals[h] = intervals.get(h, 0) + 1
     applied = {h: w for h, w in state.applied.items() if h in hosts}
     warm = {h: speeds[h] for h in hosts if h in speeds and intervals.get(h, 0) >= policy.warmup_intervals}
-    keep = ShareState(speeds, intervals, applied)
+    keep = ShareState(speeds, intervals, applied, largest)
     if len(hosts) < 2:
         return ShareDecision(keep, False, "one host: nothing to balance")
     if len(warm) < len(hosts):
@@ -196,7 +228,7 @@ def decide(
     if worst is None or moved[worst] <= policy.threshold:
         note = f"{worst} would move {moved[worst]:.0%}" if worst else "nothing measured"
         return ShareDecision(keep, False, f"shares kept ({note}, threshold {policy.threshold:.0%})")
-    new = ShareState(speeds, intervals, target)
+    new = ShareState(speeds, intervals, target, largest)
     shares = rank_shares(new, rank_hosts, global_batch, policy, caps)
     if shares == rank_shares(keep, rank_hosts, global_batch, policy, caps):
         return ShareDecision(keep, False, f"shares kept ({worst} moves less than one sample)")
@@ -241,7 +273,8 @@ class Balancer:
         apply at the next commit (:meth:`apply_pending`)."""
         if self.policy is None or len(rows) != len(rank_hosts):
             return
-        d = decide(self.state, measured_speeds(rows, rank_hosts), rank_hosts, global_batch, self.policy, self.caps)
+        speeds, seen = measured_speeds(rows, rank_hosts), measured_shares(rows, rank_hosts)
+        d = decide(self.state, speeds, rank_hosts, global_batch, self.policy, self.caps, seen)
         self.pending = (d, global_batch)
 
     def apply_pending(self, *, step: int, epoch: int, rank_hosts: Sequence[str]) -> bool:
@@ -252,6 +285,7 @@ class Balancer:
             return False
         d, global_batch = pending
         self.state.speeds, self.state.intervals = dict(d.state.speeds), dict(d.state.intervals)
+        self.state.largest = dict(d.state.largest)
         if not d.changed:
             return False
         self.state.applied = dict(d.state.applied)
