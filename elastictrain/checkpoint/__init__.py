@@ -2,7 +2,7 @@
 
 No Horovod here: the worker calls this as plain code.
 
-    storage = LocalStorage.for_run_dir(run_dir)
+    storage = storage_for(cfg.checkpoint.location, run_dir)  # run_dir/checkpoints, a path, or s3://, gs://, az://
     resumed = load_latest(storage)                       # None on a fresh run
     ckpt = Checkpointer(storage, keep_last=3, on_event=events.emit)
     stall_s = ckpt.save(state, step=..., epoch=..., world_size=..., config_hash=...)
@@ -30,7 +30,9 @@ if TYPE_CHECKING:
         verify_checkpoint,
         write_checkpoint,
     )
+    from elastictrain.checkpoint.location import storage_for, storage_for_run_dir
     from elastictrain.checkpoint.manifest import CheckpointDamaged, latest_manifest, read_latest
+    from elastictrain.checkpoint.objectstore import FsspecStorage
     from elastictrain.checkpoint.storage import CheckpointStorage, LatestIsNewer, LocalStorage, checkpoint_name
 
 _HOMES = {
@@ -46,7 +48,9 @@ _HOMES = {
         "verify_checkpoint",
         "write_checkpoint",
     ),
+    "location": ("storage_for", "storage_for_run_dir"),
     "manifest": ("CheckpointDamaged", "latest_manifest", "read_latest"),
+    "objectstore": ("FsspecStorage",),
     "storage": ("CheckpointStorage", "LatestIsNewer", "LocalStorage", "checkpoint_name"),
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
@@ -57,6 +61,7 @@ __all__ = [
     "CheckpointStorage",
     "Checkpointer",
     "EventCallback",
+    "FsspecStorage",
     "LatestIsNewer",
     "LoadedCheckpoint",
     "LocalStorage",
@@ -70,6 +75,8 @@ __all__ = [
     "prune",
     "read_latest",
     "rollback_latest",
+    "storage_for",
+    "storage_for_run_dir",
     "verify_checkpoint",
     "write_checkpoint",
 ]

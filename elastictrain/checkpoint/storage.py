@@ -6,7 +6,9 @@ storage maps them onto its own namespace (a folder, a bucket prefix). The checkp
 atomicity property: a file written through :meth:`CheckpointStorage.open_write` is either absent or
 complete and durable under its final name, never partial.
 
-Writing a new backend (an object store, say) means subclassing :class:`CheckpointStorage` and providing:
+Two backends: :class:`LocalStorage` (a folder) and :class:`~elastictrain.checkpoint.objectstore.FsspecStorage`
+(``s3://``, ``gs://``, ``az://``); :func:`elastictrain.checkpoint.location.storage_for` chooses. A backend
+subclasses :class:`CheckpointStorage` and provides:
 
 - ``open_write(path)``: a context manager yielding a binary writable file; on clean exit the object
   appears atomically and durably under ``path`` (object stores: buffer to a local temp file, then one

@@ -293,3 +293,22 @@ def test_a_location_whose_package_is_missing_names_the_extra(monkeypatch):
 def test_the_default_and_a_path_are_local_storage(tmp_path):
     assert storage_for("", tmp_path).describe() == str(tmp_path / "checkpoints")
     assert isinstance(storage_for(str(tmp_path / "elsewhere"), tmp_path), LocalStorage)
+
+
+def test_the_cli_exits_2_with_one_line_for_a_bad_location_and_never_echoes_a_secret(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "job.yaml"
+    path.write_text("job: demo\nrun_dir: /tmp/x\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "elastictrain.cli", "config", "show", "--config", str(path), "--set",
+         "checkpoint.location=s3://AKIA:hunter2@bucket/x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "checkpoint.location" in lines[0] and "carries credentials" in lines[0]
+    assert "hunter2" not in proc.stderr + proc.stdout
