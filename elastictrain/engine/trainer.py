@@ -250,14 +250,6 @@ class Trainer:
             members = self.collective.allgather_object(self.member(), name="hosts")
         self.rank_hosts = [str(m[0]) for m in members]
         self.hosts = sorted(set(self.rank_hosts))
-        if self.balancer.uneven:  # the shares, re-split over this world
-            self.balancer.announce(
-                step=c.step,
-                epoch=self.sampler.epoch,
-                rank_hosts=self.rank_hosts,
-                global_batch=self._global_batch(),
-                reason="start" if plan.starting else "the world changed",
-            )
         ring = gathered_members(members)
         if ring is not None:
             self.watchdog.set_members(self.ctx.rank, ring)
@@ -274,6 +266,14 @@ class Trainer:
                     run_id=self.services.tracker.run_id,
                     attempt=self.attempt,
                 )
+            )
+        if self.balancer.uneven:  # the shares, re-split over this world (after the start event)
+            self.balancer.announce(
+                step=c.step,
+                epoch=self.sampler.epoch,
+                rank_hosts=self.rank_hosts,
+                global_batch=self._global_batch(),
+                reason="start" if plan.starting else "the world changed",
             )
         log.info(
             "training",
