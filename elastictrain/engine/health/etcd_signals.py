@@ -228,11 +228,14 @@ class EtcdSignals:
             self.store.close()
 
     def _run(self) -> None:
+        logged = -math.inf
         while not self._stop.is_set():
             try:
                 self.pump()
             except Exception:  # the thread must outlive any surprise: it is best effort, not a dependency
-                log.exception("etcd signals cycle failed")
+                if time.monotonic() - logged >= 60.0:  # once a minute, not on every cycle
+                    logged = time.monotonic()
+                    log.exception("etcd signals cycle failed")
             self._wake.wait(self.poll_seconds)
             self._wake.clear()
         with contextlib.suppress(Exception):
