@@ -5,7 +5,7 @@ holds every other worker in the next collective, and nothing in Horovod or Gloo 
 the kernel keeps its TCP connections open and even acknowledges them while the process is stopped. So:
 
 * **Heartbeats.** Each worker's watchdog thread writes a heartbeat about once a second through the job's
-  signals (:mod:`~elastictrain.engine.health.signals`; today ``run_dir/.elastic/heartbeats/<host>-<slot>.json``):
+  signals (:mod:`~elastictrain.engine.health.signals`: ``run_dir/.elastic/heartbeats/`` or the job's etcd):
   its pid, machine (boot id and PID namespace), the time, and where its step stands: ``local`` (taking its batch,
   computing: work only it can finish), ``waiting`` (its gradients are ready; from here it waits on the others), or
   ``idle`` (between steps, validation, a reset). A stopped process, or a machine that hangs, writes none; a live process
@@ -26,7 +26,7 @@ the kernel keeps its TCP connections open and even acknowledges them while the p
   at least ``first_step_seconds`` (:func:`first_step_bound`), and its own work only after ``first_step_hang_seconds``
   (``elastic.first_step_hang_seconds``, 30 min by default): a joiner's loader start-up, cudnn autotune or cold cache
   cannot be told from a stuck one, and nothing in the ring times out meanwhile. A member with no heartbeat here (the
-  run_dir is not shared with its machine) is never judged.
+  run_dir is not shared with its machine and the signals are not in etcd) is never judged.
 * **In a rendezvous** (:func:`silent_in_rendezvous`, pure): a survivor whose reset has waited ``min(hang_seconds,
   first_step_seconds)`` in its rendezvous judges every heartbeat of the run written on this machine: the process
   that wrote it (same pid and start time, a worker of the job: :func:`job_worker_runs`) still exists but has not beaten
