@@ -46,23 +46,26 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil
+import yaml
 
 from chaos import faults
 from chaos.jobs import LAUNCH_FLAGS, LaunchedJob
-from chaos.procs import JobRef
+from chaos.procs import REPO, JobRef
 from elastictrain import envnames
 from elastictrain.commands import agent_command
 from elastictrain.errors import ScenarioError
 from elastictrain.fileio import write_atomic
 from elastictrain.launcher.etcd import EtcdServer
+from elastictrain.launcher.processes import free_port
 from elastictrain.rundir.events import Reset, of_kind
 
 SUBNET = "169.254.77.0/24"
@@ -82,6 +85,17 @@ STATE_DIR = Path("/run/elastictrain-netns")
 NETNS_ETC = Path("/etc/netns")
 """``ip netns exec NS`` bind-mounts ``/etc/netns/NS/*`` over ``/etc/*`` (iproute2's convention)."""
 NODE_READY_SECONDS = 60.0
+PRIVATE_ROOT = Path("/var/tmp")
+"""Where a share-nothing tier keeps its files: not ``/tmp``, which every node replaces with a disk of its own."""
+STORE_BUCKET = "elastictrain-tier"
+"""The bucket a share-nothing tier's object store holds (a fresh store per tier)."""
+STORE_CHAIN = {
+    "AWS_ACCESS_KEY_ID": "tier",
+    "AWS_SECRET_ACCESS_KEY": "tier-secret",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+"""The AWS chain's variables for the tier's own S3 server (dummy keys; never an instance role)."""
 
 
 class TierUnavailable(ScenarioError):
@@ -220,13 +234,34 @@ def etc_hosts(names: TierNames, i: int) -> str:
     )
 
 
-def boot_command(names: TierNames, i: int, argv: list[str]) -> list[str]:
-    """``argv`` on node ``i``: in its network namespace, in a UTS namespace of its own named after the node."""
+def boot_command(names: TierNames, i: int, argv: list[str], mounts: Sequence[str] = ()) -> list[str]:
+    """``argv`` on node ``i``: in its network namespace, in a UTS namespace of its own named after the node, and with
+    ``mounts`` (:func:`node_mounts`) in a mount namespace of its own."""
+    script = " && ".join(['hostname "$0"', *mounts, 'exec "$@"'])
+    private = ["--mount", "--propagation", "private"] if mounts else []
     return [
         "ip", "netns", "exec", names.netns(i),  # execs: the pid stays the one of argv in the end
-        "unshare", "--uts",
-        "sh", "-c", 'hostname "$0" && exec "$@"', names.netns(i), *argv,
+        "unshare", "--uts", *private,
+        "sh", "-c", script, names.netns(i), *argv,
     ]  # fmt: skip
+
+
+def node_mounts(*, disk: Path, code: Path, run_dir: Path, home: Path, hidden: Path) -> list[str]:
+    """Shell commands giving a node a disk of its own (``disk``'s ``tmp``, ``cache`` and ``run``): its own ``/tmp``,
+    ``~/.cache`` and run_dir (at the launcher's run_dir path), the code and its venv read-only as in an image, and
+    ``hidden`` (the tier's disks) covered, so no node sees another's disk."""
+    q = shlex.quote
+    cache = home / ".cache"
+    return [
+        f"mount --bind {q(str(disk / 'tmp'))} /tmp",
+        f"mkdir -p {q(str(cache))}",
+        f"mount --bind {q(str(disk / 'cache'))} {q(str(cache))}",
+        f"mount --bind {q(str(code))} {q(str(code))}",
+        f"mount -o remount,bind,ro {q(str(code))}",
+        f"mkdir -p {q(str(run_dir))}",
+        f"mount --bind {q(str(disk / 'run'))} {q(str(run_dir))}",
+        f"mount -t tmpfs -o size=1m,mode=0700 tmpfs {q(str(hidden))}",
+    ]
 
 
 def ssh_config(*, names: TierNames, identity: Path, port: int = SSH_PORT) -> str:
@@ -430,11 +465,12 @@ def clean_stale() -> list[str]:
                 continue
             if _recorded(state, "owner") is not None:
                 continue
-            etcd = _recorded(state, "etcd")  # the one process of a tier outside its namespaces
-            if etcd is not None:
-                with contextlib.suppress(psutil.Error):
-                    etcd.kill()
-                    etcd.wait(10)
+            for what in ("etcd", "store"):  # the processes of a tier outside its namespaces
+                proc = _recorded(state, what)
+                if proc is not None:
+                    with contextlib.suppress(psutil.Error):
+                        proc.kill()
+                        proc.wait(10)
             destroy(names)
             tmp = state.get("tmp")
             if tmp and Path(tmp).name.startswith("elastictrain-netns-"):
@@ -442,6 +478,25 @@ def clean_stale() -> list[str]:
             path.unlink(missing_ok=True)
             cleaned.append(names.token)
     return cleaned
+
+
+def _boto_keys() -> dict[str, str]:
+    return {
+        "aws_access_key_id": STORE_CHAIN["AWS_ACCESS_KEY_ID"],
+        "aws_secret_access_key": STORE_CHAIN["AWS_SECRET_ACCESS_KEY"],
+    }
+
+
+def _stop(proc: subprocess.Popen[bytes] | None, timeout: float = 10.0) -> None:
+    """SIGTERM ``proc``, SIGKILL it after ``timeout`` seconds."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=5)
 
 
 def _wait(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.1) -> None:
@@ -481,6 +536,7 @@ class Cluster:
         prefix: str = "/elastictrain",
         drain_grace_seconds: float = 2.0,
         out: Callable[[str], None] = print,
+        share_nothing_run_dir: Path | None = None,
     ) -> None:
         from elastictrain.config import DiscoveryConfig
 
@@ -499,6 +555,13 @@ class Cluster:
         self.procs: list[psutil.Process] = []
         """Every process the tier started (etcd, each sshd and agent), for the final check."""
         self.leftovers: list[str] = []
+        self.run_dir = share_nothing_run_dir.resolve() if share_nothing_run_dir is not None else None
+        """Set: the tier shares nothing but the network. Each node has a disk of its own (its /tmp, caches and a
+        run_dir at this path; :func:`node_mounts`), the code read-only, and the tier runs an S3 server on the bridge
+        (:attr:`store`) for the checkpoints; the launcher's run_dir (this path, here) is the only one that lasts."""
+        self.store: subprocess.Popen[bytes] | None = None
+        self.store_endpoint = ""
+        self.provisioned: list[Path] = []
 
     # -- life
     def __enter__(self) -> Cluster:
@@ -528,7 +591,9 @@ class Cluster:
         for token in clean_stale():
             self.out(f"multi-node tier: removed a stale tier etn{token} (its owner is gone)")
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix="elastictrain-netns-"))
+        self.tmp = Path(
+            tempfile.mkdtemp(prefix="elastictrain-netns-", dir=PRIVATE_ROOT if self.share_nothing else None)
+        )
         with _state_lock():
             self.names = TierNames.new(self.nodes, choose_octet(used_octets()))
             self.state_file = STATE_DIR / f"{self.names.token}.json"
@@ -541,6 +606,10 @@ class Cluster:
             self._make_node(i)
         self._keys()
         self._start_etcd()
+        if self.share_nothing:
+            for i in range(self.nodes):
+                self.wipe_disk(i)
+            self._start_store()
         for i in range(self.nodes):
             self.start_node(i)
         for i in range(self.nodes):
@@ -558,6 +627,9 @@ class Cluster:
         if self.etcd is not None:
             etcd = psutil.Process(self.etcd.pid)
             state.update(etcd_pid=etcd.pid, etcd_started=etcd.create_time())
+        if self.store is not None:
+            store = psutil.Process(self.store.pid)
+            state.update(store_pid=store.pid, store_started=store.create_time())
         state["tmp"] = str(self.tmp)
         write_atomic(self.state_file, json.dumps(state) + "\n")
 
@@ -605,6 +677,82 @@ class Cluster:
         (bin_dir / "ssh").chmod(0o755)
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege-separation dir (Debian's path)
 
+    @property
+    def share_nothing(self) -> bool:
+        return self.run_dir is not None
+
+    def disk(self, i: int) -> Path:
+        """Node ``i``'s own disk (a folder of this machine that only node ``i`` mounts)."""
+        assert self.tmp is not None
+        return self.tmp / "disks" / f"n{i}"
+
+    def wipe_disk(self, i: int) -> None:
+        """Node ``i``'s disk, empty (a new machine's): its ``tmp``, ``cache`` and ``run``, and the provisioned files."""
+        disk = self.disk(i)
+        shutil.rmtree(disk, ignore_errors=True)
+        for sub in ("tmp", "cache", "run"):
+            (disk / sub).mkdir(parents=True)
+        (disk / "tmp").chmod(0o1777)
+        for path in self.provisioned:
+            self._provision_one(i, path)
+
+    def provision(self, path: Path) -> None:
+        """Put ``path`` (a file under the launcher's run_dir: the job's config) on every node's disk, as an image or a
+        config map would, now and whenever a node boots with an empty disk."""
+        assert self.run_dir is not None
+        self.provisioned.append(path.resolve())
+        for i in range(self.nodes):
+            self._provision_one(i, path.resolve())
+
+    def _provision_one(self, i: int, path: Path) -> None:
+        assert self.run_dir is not None
+        target = self.disk(i) / "run" / path.relative_to(self.run_dir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, target)
+
+    def _mounts(self, i: int) -> list[str]:
+        if self.run_dir is None:
+            return []
+        assert self.tmp is not None
+        return node_mounts(
+            disk=self.disk(i), code=REPO, run_dir=self.run_dir, home=Path.home(), hidden=self.tmp / "disks"
+        )
+
+    def _start_store(self) -> None:
+        """An S3 server (moto's, as the tests' own) on the bridge, with an empty :data:`STORE_BUCKET`."""
+        import boto3
+
+        port = free_port(self.n.bridge_address)
+        self.store_endpoint = f"http://{self.n.bridge_address}:{port}"
+        moto = shutil.which("moto_server", path=os.path.dirname(os.path.realpath(sys.executable)))
+        if moto is None:
+            raise TierUnavailable("share-nothing tier: moto_server is not installed (make setup installs it)")
+        with (self.log_dir / "store.log").open("ab") as log:
+            self.store = subprocess.Popen(
+                [moto, "-H", self.n.bridge_address, "-p", str(port)],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        self._track(self.store.pid)
+        self._write_state()
+        client = boto3.client("s3", endpoint_url=self.store_endpoint, region_name="us-east-1", **_boto_keys())
+
+        def created() -> bool:
+            if self.store is not None and self.store.poll() is not None:
+                raise TierUnavailable(f"share-nothing tier: the S3 server exited; see {self.log_dir}/store.log")
+            try:
+                client.create_bucket(Bucket=STORE_BUCKET)
+            except Exception:
+                return False
+            return True
+
+        _wait(created, 30, "the tier's S3 server")
+
+    def store_env(self) -> dict[str, str]:
+        """The AWS chain's variables that reach the tier's S3 server (empty without one)."""
+        if not self.store_endpoint:
+            return {}
+        return {"AWS_ENDPOINT_URL_S3": self.store_endpoint, **STORE_CHAIN}
+
     def _start_etcd(self) -> None:
         assert self.tmp is not None
         self.etcd = EtcdServer(self.tmp / "etcd", self.log_dir / "etcd.log", host=self.n.bridge_address)
@@ -619,7 +767,7 @@ class Cluster:
     def launcher_env(self) -> dict[str, str]:
         """For ``elastictrain launch``: the ssh wrapper first on PATH; one thread per worker (they share the cores)."""
         assert self.tmp is not None
-        return {"PATH": f"{self.tmp / 'bin'}:{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1"}
+        return {"PATH": f"{self.tmp / 'bin'}:{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1", **self.store_env()}
 
     def hosts(self) -> list[str]:
         return [self.n.address(i) for i in range(self.nodes)]
@@ -628,7 +776,7 @@ class Cluster:
     def _spawn(self, i: int, argv: list[str], log_name: str, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
         with (self.log_dir / log_name).open("ab") as log:
             proc = subprocess.Popen(
-                boot_command(self.n, i, argv),
+                boot_command(self.n, i, argv, self._mounts(i)),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -727,6 +875,8 @@ class Cluster:
         steps: list[tuple[str, Callable[[], object]]] = [("stop agents", self.stop_agents)]
         if self.etcd is not None:
             steps.append(("stop etcd", self.etcd.stop))
+        if self.store is not None:
+            steps.append(("stop the S3 server", lambda: _stop(self.store)))
         if self.names is not None:
             steps.append(("remove namespaces and links", lambda: destroy(self.n)))
         for what, step in steps:
@@ -761,6 +911,13 @@ class ClusterRun(LaunchedJob):
     def __init__(self, run_dir: Path, cfg: dict[str, Any], cluster: Cluster) -> None:
         super().__init__(run_dir, cfg, flags=(*LAUNCH_FLAGS, *cluster.launch_flags()), env=cluster.launcher_env())
         self.cluster = cluster
+
+    def start(self) -> LaunchedJob:
+        if self.cluster.share_nothing:  # every node gets the job's config on its own disk, as from an image
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.config_path.write_text(yaml.safe_dump(self.cfg, sort_keys=False))
+            self.cluster.provision(self.config_path)
+        return super().start()
 
     def stop_restarted_agents(self) -> None:
         super().stop_restarted_agents()

@@ -109,6 +109,9 @@ class Scenario:
     nodes: int = 0
     """0: the local tier (logical hosts of this machine, embedded etcd). N: the multi-node tier, N network
     namespaces with sshd and an agent each (:mod:`chaos.netns`)."""
+    share_nothing: bool = False
+    """On the multi-node tier: nodes share nothing but the network (each its own disk; checkpoints in the tier's S3
+    server, the workers' signals and records through etcd; :class:`chaos.netns.Cluster`)."""
     must_reset: frozenset[str] = frozenset()
     """Fault actions that must be followed by a reset in this scenario beyond :data:`chaos.invariants.RESET_EXPECTED`
     (a freeze longer than the Gloo timeout, a slowdown under ``elastic.stragglers: evict``)."""
@@ -483,6 +486,56 @@ def _node_killed(r: LaunchedJob, quick: bool) -> None:
     run.log.log("host-returns", job=run.job_name, host=host, node=i)
 
 
+def _share_nothing_config(quick: bool) -> dict[str, Any]:
+    """The multi-node job with nothing on a shared disk: the workers' signals and records through etcd, checkpoints
+    in the tier's S3 server, no MLflow store (it would be a file on rank 0's disk; a tracking server is the way)."""
+    cfg = _multi_node_config(quick)
+    cfg["elastic"].update(outputs="etcd", signals="etcd")
+    cfg["checkpoint"]["location"] = f"s3://{netns.STORE_BUCKET}/checkpoints"
+    cfg["tracking"]["mlflow"] = False
+    return cfg
+
+
+SHARE_NOTHING_KEYS = (("elastic", "outputs"), ("elastic", "signals"), ("checkpoint", "location"))
+"""Where a share-nothing job's records go, not what it trains: its reference run leaves them at their defaults."""
+
+
+def same_training(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` with its records where a local run keeps them (:data:`SHARE_NOTHING_KEYS` dropped): the fault-free
+    reference of a share-nothing scenario runs on the local tier."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg.items()}
+    for section, key in SHARE_NOTHING_KEYS:
+        if isinstance(out.get(section), dict):
+            out[section].pop(key, None)
+    return out
+
+
+@scenario(
+    "node-rank0-killed",
+    "multi-node, sharing nothing: rank 0's node SIGKILLed whole and its disk lost; a new machine boots in its place",
+    ci=False,
+    nodes=MULTI_NODE_NODES,
+    share_nothing=True,
+    cfg=_share_nothing_config,
+)
+def _node_rank0_killed(r: LaunchedJob, quick: bool) -> None:
+    """Kill rank 0's node mid-epoch and empty its disk; once the job has recovered, the node boots on an empty disk."""
+    if not isinstance(r, ClusterRun) or not r.cluster.share_nothing:
+        raise ScenarioError("node-rank0-killed needs the multi-node tier, sharing nothing (chaos/netns.py)")
+    r.wait_step(20)
+    rank0 = r.job().rank0()
+    i = r.cluster.n.node_of(rank0.host) if rank0 is not None else None
+    if rank0 is None or i is None:
+        raise ScenarioError("rank 0 is not on a node of the tier")
+    record = r.cluster.kill_node(i, r.log, r.job())
+    r.cluster.wipe_disk(i)
+    r.log.log("disk-lost", job=r.job_name, host=rank0.host, node=i)
+    r.wait_reset_after(float(record["ts"]))
+    r.cluster.start_node(i)
+    r.cluster.wait_node_ready(i)
+    r.log.log("host-returns", job=r.job_name, host=rank0.host, node=i)
+
+
 @multi_node_scenario("node-partitioned", "a node cut off the bridge for 15 s, then back")
 def _node_partitioned(r: LaunchedJob, quick: bool) -> None:
     """Cut a node (not rank 0's) off the bridge for 15 s; it comes back by itself when the link returns."""
@@ -517,10 +570,11 @@ def mlflow_run_ids(run_dir: Path) -> list[str] | None:
 
 def checkpoint_status(run_dir: Path) -> tuple[str | None, str | None, dict[str, str | None]]:
     """(latest, what load_latest loads, folder -> verification error or None)."""
-    from elastictrain.checkpoint import CheckpointDamaged, LocalStorage, list_checkpoints, load_latest
+    from elastictrain.checkpoint import CheckpointDamaged, list_checkpoints, load_latest
     from elastictrain.checkpoint import verify_checkpoint as verify
+    from elastictrain.checkpoint.location import storage_for_run_dir
 
-    storage = LocalStorage.for_run_dir(run_dir)
+    storage = storage_for_run_dir(run_dir)  # checkpoint.location as the run's config.yaml names it
     verified: dict[str, str | None] = {}
     for _, name in list_checkpoints(storage):
         try:
@@ -538,8 +592,10 @@ def check_run(
     reference: tuple[int, float] | None,
     leftovers: list[str],
     tier_leftovers: list[str] | None = None,
+    checkpoints: tuple[str | None, str | None, dict[str, str | None]] | None = None,
 ) -> Result:
-    """The invariant table of a finished run; ``tier_leftovers``: what the multi-node tier's teardown left."""
+    """The invariant table of a finished run; ``tier_leftovers``: what the multi-node tier's teardown left;
+    ``checkpoints``: :func:`checkpoint_status`, taken while the tier's store was still up (else read now)."""
     from elastictrain.rundir.ledger import committed_samples
     from elastictrain.rundir.report import summarize
     from elastictrain.tools.audit import audit_samples
@@ -555,13 +611,16 @@ def check_run(
         )
     checks.append(inv.check_exactly_once(audit))
     checks.append(inv.check_final_loss(inv.final_loss(events), reference))
-    latest, loaded, verified = checkpoint_status(run.run_dir)
+    latest, loaded, verified = checkpoints if checkpoints is not None else checkpoint_status(run.run_dir)
     ck = inv.check_checkpoints(latest, loaded, verified)
     checks.append(ck)
     file_run_id = None
     with contextlib.suppress(OSError):
         file_run_id = (run.run_dir / layout.MLFLOW_RUN_ID).read_text().strip()
-    checks.append(inv.check_one_mlflow_run(mlflow_run_ids(run.run_dir), file_run_id))
+    if run.cfg.get("tracking", {}).get("mlflow", True):
+        checks.append(inv.check_one_mlflow_run(mlflow_run_ids(run.run_dir), file_run_id))
+    else:
+        checks.append(inv.Check("one MLflow run", None, "MLflow off in this scenario"))
     checks.append(inv.check_no_leftovers(leftovers))
     if tier_leftovers is not None:
         checks.append(inv.check_no_leftovers(tier_leftovers, name="nothing of the multi-node tier left"))
@@ -655,7 +714,7 @@ def run_scenario(
     if tier_unavailable:
         raise ScenarioError(tier_unavailable)
     out(f"chaos: {name}: reference run (cached under {run_dir.parent / REFERENCE_DIR})")
-    reference = reference_loss(cfg, run_dir.parent, timeout=max(600.0, scenario.timeout))
+    reference = reference_loss(same_training(cfg), run_dir.parent, timeout=max(600.0, scenario.timeout))
     job = f"chaos-{name}-{os.urandom(3).hex()}"
     leftovers: list[str] = []
     with _tier(scenario, run_dir, {"job": job, **cfg}, out) as (run, tier):
@@ -669,7 +728,10 @@ def run_scenario(
             out(f"chaos: {name}: {e}")
         finally:
             leftovers = run.close()
-    result = check_run(scenario, run, reference, leftovers, tier.leftovers if tier is not None else None)
+        checkpoints = checkpoint_status(run.run_dir)  # while a share-nothing tier's store is still up
+    result = check_run(
+        scenario, run, reference, leftovers, tier.leftovers if tier is not None else None, checkpoints=checkpoints
+    )
     (run_dir / "chaos-result.txt").write_text(result.table + "\n")
     return result
 
@@ -698,9 +760,19 @@ def _tier(
         ttl_seconds=float(disc.get("ttl_seconds", 3)),
         heartbeat_seconds=float(disc.get("heartbeat_seconds", 0.5)),
         out=out,
+        share_nothing_run_dir=run_dir if scenario.share_nothing else None,
     )
     with cluster:
-        yield netns.ClusterRun(run_dir, cfg, cluster), cluster
+        saved = {k: os.environ.get(k) for k in cluster.store_env()} if scenario.share_nothing else {}
+        os.environ.update(cluster.store_env())  # this process reads the checkpoints from the tier's store too
+        try:
+            yield netns.ClusterRun(run_dir, cfg, cluster), cluster
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 def write_report(run_dir: Path) -> None:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -185,3 +189,48 @@ def test_a_multi_node_scenario_survives_one_lost_node_and_refuses_the_local_tier
 def test_the_scenarios_that_ci_runs_need_no_multi_node_tier() -> None:
     ci = [s for s in SCENARIOS.values() if s.ci]
     assert ci and all(scenarios._tier_unavailable(s) is None for s in ci)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="mount namespaces need root")
+def test_a_share_nothing_node_has_its_own_tmp_cache_and_run_dir_and_reads_the_code_only(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """The mounts of a share-nothing node, run for real in a mount namespace of their own: what the node writes
+    to /tmp, its cache and the run_dir lands on its own disk; the code is read-only; the tier's disks are hidden."""
+    # The tier's own files live outside /tmp (netns.PRIVATE_ROOT): a node's /tmp is its disk's. The run_dir and home
+    # here are under /tmp, as a pytest run_dir is: the node makes them on its own /tmp.
+    root = Path(tempfile.mkdtemp(prefix="elastictrain-netns-test-", dir=netns.PRIVATE_ROOT))
+    request.addfinalizer(lambda: shutil.rmtree(root, ignore_errors=True))
+    disk, code, hidden = root / "disks" / "n0", root / "code", root / "disks"
+    run_dir, home = tmp_path / "run", tmp_path / "home"
+    for d in (disk / "tmp", disk / "cache", disk / "run", code, run_dir, home):
+        d.mkdir(parents=True, exist_ok=True)
+    (run_dir / "events.jsonl").write_text("the launcher's\n")
+    (code / "train.py").write_text("code\n")
+    marker = f"elastictrain-node-{os.getpid()}"
+    mounts = netns.node_mounts(disk=disk, code=code, run_dir=run_dir, home=home, hidden=hidden)
+    probe = (
+        f"echo node > /tmp/{marker} && echo node > {run_dir}/events.jsonl && echo c > {home}/.cache/c"
+        f" && ! (echo x > {code}/train.py) 2>/dev/null && test ! -e {disk} && echo ok"
+    )
+    out = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", " && ".join([*mounts, probe])],
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    assert not Path(f"/tmp/{marker}").exists(), "the node's /tmp is its own"
+    assert (disk / "tmp" / marker).read_text() == "node\n"
+    assert (run_dir / "events.jsonl").read_text() == "the launcher's\n", "the launcher's run_dir is untouched"
+    assert (disk / "run" / "events.jsonl").read_text() == "node\n" and (disk / "cache" / "c").exists()
+    assert (code / "train.py").read_text() == "code\n"
+
+
+def test_a_share_nothing_references_trains_the_same_job_with_its_records_kept_locally() -> None:
+    cfg = scenarios.SCENARIOS["node-rank0-killed"].cfg(False)
+    assert cfg["elastic"]["outputs"] == "etcd" and cfg["checkpoint"]["location"].startswith("s3://")
+    local = scenarios.same_training(cfg)
+    assert "outputs" not in local["elastic"] and "signals" not in local["elastic"]
+    assert "location" not in local["checkpoint"] and cfg["elastic"]["outputs"] == "etcd", "the original is unchanged"
+    assert {k: v for k, v in local["elastic"].items()} == {
+        k: v for k, v in cfg["elastic"].items() if k not in ("outputs", "signals")
+    }
