@@ -217,9 +217,10 @@ class ElasticConfig:
     """How long an evicted host stays out (> 0); doubled for each earlier eviction of the same host (probation).
     Straggler drains and hung-host evictions use it; with ``stragglers: report`` or ``off`` no host is drained as a
     straggler."""
-    share_smoothing: float = 0.5
-    """``balance``: weight of the newest commit interval in a host's smoothed speed (0 < x <= 1; 1: none)."""
-    share_threshold: float = 0.1
+    share_halflife_steps: float = 10.0
+    """``balance``: half-life of a host's smoothed speed, in steps (> 0): a change of speed is half taken into
+    account after this many steps, whatever ``commit_every_steps`` is."""
+    share_threshold: float = 0.15
     """``balance``: shares move only when some host's fraction of a step would change by more than this part of
     it (>= 0), so that noise does not make them oscillate."""
     share_min_per_worker: int = 1
@@ -269,9 +270,9 @@ class ElasticConfig:
         _check(self.slow_ratio > 1.0, "elastic.slow_ratio", f"must be > 1, got {self.slow_ratio}")
         _check(self.window_steps >= 4, "elastic.window_steps", f"must be >= 4, got {self.window_steps}")
         _check(
-            0 < self.share_smoothing <= 1,
-            "elastic.share_smoothing",
-            f"must be > 0 and <= 1, got {self.share_smoothing:g}",
+            0 < self.share_halflife_steps < math.inf,
+            "elastic.share_halflife_steps",
+            f"must be > 0 and finite, got {self.share_halflife_steps:g}",
         )
         _check(
             0 <= self.share_threshold < math.inf,

@@ -8,24 +8,37 @@ import pytest
 from elastictrain.config import ElasticConfig
 from elastictrain.engine.health.shares import (
     Balancer,
+    Measurement,
+    ShareDecision,
     SharePolicy,
     ShareState,
-    decide,
     host_shares,
-    measured_speeds,
+    measure,
     rank_shares,
 )
+from elastictrain.engine.health.shares import decide as decide_measured
 from elastictrain.engine.health.stragglers import Entry as WindowEntry
 from elastictrain.engine.health.stragglers import HostWindow, StragglerPolicy, plan_eviction
 from elastictrain.errors import ConfigError
 from elastictrain.rundir.events import Event, Shares, parse_event
 
-POLICY = SharePolicy(smoothing=1.0, threshold=0.1, min_share=1, warmup_intervals=1)
+POLICY = SharePolicy(halflife_steps=1e-9, threshold=0.1, min_share=1, warmup_steps=1)
+"""No smoothing, no warm-up: each decision sees the speeds it is given."""
 
 
-def settled(speeds: dict[str, float], policy: SharePolicy = POLICY) -> ShareState:
-    """A state whose hosts were measured at ``speeds`` often enough to count."""
-    return ShareState(dict(speeds), dict.fromkeys(speeds, 5), {})
+def decide(
+    state: ShareState,
+    speeds: dict[str, float],
+    hosts: list[str],
+    global_batch: int,
+    policy: SharePolicy,
+    *,
+    seen: dict[str, int] | None = None,
+    steps: int = 10,
+) -> ShareDecision:
+    """:func:`decide_measured` over ``steps`` steps at ``speeds``, each host at share ``seen[host]`` (default 16)."""
+    measured = {h: Measurement(v, steps, (seen or {}).get(h, 16)) for h, v in speeds.items()}
+    return decide_measured(state, measured, hosts, global_batch, policy)
 
 
 def row(samples: int, seconds: float, steps: int = 10) -> list[float]:
@@ -36,7 +49,7 @@ def row(samples: int, seconds: float, steps: int = 10) -> list[float]:
 # ------------------------------------------------------------------------------------------- the pure decision
 def test_shares_are_proportional_to_speed_and_sum_to_the_global_batch():
     hosts = ["a", "b", "c", "d"]
-    d = decide(settled({}), {"a": 100.0, "b": 100.0, "c": 100.0, "d": 50.0}, hosts, 70, POLICY)
+    d = decide(ShareState(), {"a": 100.0, "b": 100.0, "c": 100.0, "d": 50.0}, hosts, 70, POLICY)
     assert d.changed, d.reason
     shares = rank_shares(d.state, hosts, 70, POLICY)
     assert shares == [20, 20, 20, 10] and sum(shares) == 70
@@ -67,21 +80,30 @@ def test_hysteresis_moves_shares_only_past_the_threshold_and_never_back_and_fort
     assert d.changed and rank_shares(d.state, hosts, 90, POLICY) == [45, 45]
 
 
-def test_smoothing_moves_a_speed_part_of_the_way_and_nothing_counts_before_warm_up():
-    policy = SharePolicy(smoothing=0.5, threshold=0.1, warmup_intervals=2)
+def test_smoothing_has_a_half_life_in_steps_and_the_warm_up_steps_are_forgotten():
+    policy = SharePolicy(halflife_steps=10, threshold=0.1, warmup_steps=20)
     hosts = ["a", "b"]
-    first = decide(ShareState(), {"a": 100.0, "b": 20.0}, hosts, 60, policy)
+    SEEN = {"a": 30, "b": 30}
+    first = decide(ShareState(), {"a": 100.0, "b": 20.0}, hosts, 60, policy, seen=SEEN)  # 10 steps: warming up
     assert not first.changed and "waiting for measurements" in first.reason
-    second = decide(first.state, {"a": 100.0, "b": 60.0}, hosts, 60, policy)
-    assert second.state.speeds == {"a": 100.0, "b": 40.0}  # 0.5 x 60 + 0.5 x 20
-    assert second.changed and rank_shares(second.state, hosts, 60, policy) == [43, 17]
+    second = decide(first.state, {"a": 100.0, "b": 60.0}, hosts, 60, policy, seen=SEEN)
+    assert second.state.speeds == {"a": 100.0, "b": 60.0}, "the warm-up's slower first steps are not averaged in"
+    assert second.changed and rank_shares(second.state, hosts, 60, policy) == [38, 22]
+    third = decide(second.state, {"a": 100.0, "b": 20.0}, hosts, 60, policy, seen=SEEN)  # one half-life at 20
+    assert third.state.speeds == {"a": 100.0, "b": 40.0}
+    assert third.changed and rank_shares(third.state, hosts, 60, policy) == [43, 17]
+    fewer = decide(
+        second.state, {"a": 100.0, "b": 20.0}, hosts, 60, policy, seen=SEEN, steps=2
+    )  # a short interval: less
+    assert fewer.state.speeds["b"] > 50.0
 
 
 def test_a_capped_host_gives_what_it_cannot_hold_to_the_others():
     hosts = ["fast", "mid", "slow"]
-    state = decide(ShareState(), {"fast": 400.0, "mid": 100.0, "slow": 100.0}, hosts, 60, POLICY).state
+    seen = dict.fromkeys(hosts, 20)  # measured at equal shares: at most 40 each
+    state = decide(ShareState(), {"fast": 400.0, "mid": 100.0, "slow": 100.0}, hosts, 60, POLICY, seen=seen).state
     assert rank_shares(state, hosts, 60, POLICY) == [40, 10, 10]
-    capped = SharePolicy(smoothing=1.0, threshold=0.1, warmup_intervals=1, max_share=25)
+    capped = SharePolicy(halflife_steps=1e-9, threshold=0.1, warmup_steps=1, max_share=25)
     assert rank_shares(state, hosts, 60, capped) == [25, 18, 17]
     measured = rank_shares(state, hosts, 60, POLICY, caps={"fast": 30})
     assert measured == [30, 15, 15] and sum(measured) == 60
@@ -100,7 +122,7 @@ def test_a_share_at_most_doubles_the_largest_share_its_host_was_measured_at():
 
 def test_caps_that_cannot_hold_the_batch_are_dropped_rather_than_losing_samples():
     hosts = ["a", "b"]
-    tight = SharePolicy(warmup_intervals=1, max_share=10)
+    tight = SharePolicy(warmup_steps=1, max_share=10)
     assert sum(rank_shares(ShareState(), hosts, 30, tight)) == 30
 
 
@@ -110,7 +132,7 @@ def test_a_share_may_be_zero_for_a_host_capped_at_zero_and_every_other_host_keep
     shares = rank_shares(state, hosts, 40, POLICY)
     assert shares[2] == 1, "a very slow host keeps min_share, so it stays measured"
     assert rank_shares(state, hosts, 40, POLICY, caps={"c": 0})[2] == 0
-    zero_floor = SharePolicy(smoothing=1.0, warmup_intervals=1, min_share=0)
+    zero_floor = SharePolicy(halflife_steps=1e-9, warmup_steps=1, min_share=0)
     assert rank_shares(state, hosts, 40, zero_floor) == [20, 20, 0]
 
 
@@ -128,17 +150,17 @@ def test_a_membership_change_re_splits_over_the_new_world():
     assert two == [20, 20, 10] and host_shares(["a", "a", "c"], two) == {"a": 40, "c": 10}
 
 
-def test_measured_speeds_take_the_slowest_rank_of_a_host_and_skip_unusable_rows():
+def test_a_measurement_takes_the_slowest_rank_of_a_host_and_skips_unusable_rows():
     rows = [row(100, 1.0), row(100, 2.0), row(0, 1.0), [float("nan")] * 5, row(10, 0.0)]
     hosts = ["a", "a", "b", "c", "d"]
-    assert measured_speeds(rows, hosts) == {"a": 50.0}
-    assert measured_speeds(rows[:2], hosts) == {}, "rows and hosts must match"
+    assert measure(rows, hosts) == {"a": Measurement(50.0, 10, 10)}
+    assert measure(rows[:2], hosts) == {}, "rows and hosts must match"
 
 
 def test_a_loaded_state_is_validated():
     s = ShareState()
-    s.load_state_dict({"speeds": {"a": 1.5, "b": -1, "c": float("inf"), 3: 2.0}, "applied": "junk", "intervals": None})
-    assert s.speeds == {"a": 1.5} and s.applied == {} and s.intervals == {}
+    s.load_state_dict({"speeds": {"a": 1.5, "b": -1, "c": float("inf"), 3: 2.0}, "applied": "junk", "steps": None})
+    assert s.speeds == {"a": 1.5} and s.applied == {} and s.steps == {}
     s.load_state_dict(None)
     assert s == ShareState()
     roundtrip = ShareState({"a": 2.0}, {"a": 3}, {"a": 2.0})
@@ -150,7 +172,7 @@ def test_a_loaded_state_is_validated():
 def test_config_values_are_checked():
     assert ElasticConfig(stragglers="balance").stragglers == "balance"
     assert SharePolicy.from_config(ElasticConfig(share_max_per_worker=8)).max_share == 8
-    for bad in ({"share_smoothing": 0.0}, {"share_threshold": -0.1}, {"share_min_per_worker": -1}):
+    for bad in ({"share_halflife_steps": 0.0}, {"share_threshold": -0.1}, {"share_min_per_worker": -1}):
         with pytest.raises(ConfigError, match=r"elastic\.share_"):
             ElasticConfig(**bad)
     with pytest.raises(ConfigError, match=r"elastic\.share_max_per_worker"):

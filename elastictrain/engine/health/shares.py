@@ -4,17 +4,18 @@ speeds every rank measures and gathers at a commit.
 The API (pure functions over a :class:`ShareState`; the trainer holds one :class:`Balancer`):
 
 - :class:`ShareState`: part of the committed state (checkpointed, synced, rolled back): each host's smoothed speed
-  (``speeds``, samples per second of one of its workers), how many commit intervals measured it (``intervals``), and
-  the ``applied`` weights the planner splits each step by (per worker of a host; empty: equal shares).
-- :func:`measured_speeds` ``(rows, rank_hosts)``: one commit's speed of each host from the gathered figures (rows in
-  :data:`~elastictrain.engine.health.stragglers.FIGURES` order); the slowest rank of a host speaks for it; a host
-  that processed nothing this interval is left out (its speed stays as it was).
-- :func:`measured_shares` ``(rows, rank_hosts)``: the samples per step one worker of each host processed.
-- :func:`decide` ``(state, measured, rank_hosts, global_batch, policy, caps, seen)`` -> :class:`ShareDecision`: the next
-  state. Speeds are smoothed (EMA, ``policy.smoothing``); the applied weights move to the speeds only when some
-  host's fraction of the step would change by more than ``policy.threshold`` of its current fraction (hysteresis:
-  noise never makes shares oscillate), and only once every host of the ring has ``policy.warmup_intervals``
-  measurements (a host without one is given the mean speed meanwhile).
+  (``speeds``, samples per second of one of its workers), the steps that measured it (``steps``), the largest share
+  it was measured at (``largest``), and the ``applied`` weights the planner splits each step by (per worker of a
+  host; empty: equal shares).
+- :func:`measure` ``(rows, rank_hosts)`` -> ``{host: Measurement(speed, steps, share)}``: one commit interval of
+  each host from the gathered figures (rows in :data:`~elastictrain.engine.health.stragglers.FIGURES` order); the
+  slowest rank of a host speaks for it; a host that processed nothing is left out (its speed stays as it was).
+- :func:`decide` ``(state, measured, rank_hosts, global_batch, policy, caps)`` -> :class:`ShareDecision`: the next
+  state. Speeds are smoothed with a half-life in steps (``policy.halflife_steps``, so the smoothing does not depend
+  on how often commits come); the applied weights move to the speeds only when some host's fraction of the step
+  would change by more than ``policy.threshold`` of its current fraction (hysteresis: noise does not make shares
+  oscillate), and only once every host of the ring has been measured over ``policy.warmup_steps`` (the first
+  steps after a start are slower).
 - :func:`rank_shares` ``(state, rank_hosts, global_batch, policy, caps)``: per-rank integer shares of a full step,
   summing exactly to ``global_batch``: in proportion to the applied weights, each at least ``policy.min_share``
   and at most its host's cap, per worker: the smallest of ``elastic.share_max_per_worker``, ``caps[host]`` (a cap
@@ -32,7 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from elastictrain.config import ElasticConfig
 from elastictrain.engine.health.stragglers import Figures
@@ -45,26 +46,27 @@ MAX_HOSTS = 4096
 
 @dataclass(frozen=True, slots=True)
 class SharePolicy:
-    smoothing: float = 0.5
-    """Weight of the newest interval in a host's smoothed speed (1: no smoothing)."""
-    threshold: float = 0.1
+    halflife_steps: float = 10.0
+    """Steps after which a change of a host's speed is half taken into account."""
+    threshold: float = 0.15
     """Shares move only when some host's fraction of a step would change by more than this part of it."""
     min_share: int = 1
     """Samples every worker gets at least (so a slow host stays measured), unless its cap is 0."""
     max_share: int | None = None
     """Samples one worker gets at most per step (``elastic.share_max_per_worker``); None: no cap."""
-    warmup_intervals: int = 2
-    """Commit intervals a host is measured before its speed counts (its first holds the first, slower, step)."""
+    warmup_steps: int = 20
+    """Steps a host is measured before its speed counts (the first steps after a start are slower)."""
     growth: float = 2.0
     """A worker's share is at most this many times the largest share its host has been measured at."""
 
     @classmethod
     def from_config(cls, elastic: ElasticConfig) -> SharePolicy:
         return cls(
-            smoothing=elastic.share_smoothing,
+            halflife_steps=elastic.share_halflife_steps,
             threshold=elastic.share_threshold,
             min_share=elastic.share_min_per_worker,
             max_share=elastic.share_max_per_worker,
+            warmup_steps=max(1, round(2 * elastic.share_halflife_steps)),
         )
 
 
@@ -73,7 +75,7 @@ class ShareState:
     """The committed part of balancing (see the module); plain values only, so a checkpoint loads it weights-only."""
 
     speeds: dict[str, float] = field(default_factory=dict)
-    intervals: dict[str, int] = field(default_factory=dict)
+    steps: dict[str, int] = field(default_factory=dict)
     applied: dict[str, float] = field(default_factory=dict)
     largest: dict[str, int] = field(default_factory=dict)
     """The largest share (samples per step of one worker) each host has been measured at."""
@@ -81,7 +83,7 @@ class ShareState:
     def state_dict(self) -> dict[str, Any]:
         return {
             "speeds": dict(self.speeds),
-            "intervals": dict(self.intervals),
+            "steps": dict(self.steps),
             "applied": dict(self.applied),
             "largest": dict(self.largest),
         }
@@ -91,7 +93,7 @@ class ShareState:
         positive number are dropped."""
         d = d if isinstance(d, Mapping) else {}
         self.speeds = _positive(d.get("speeds"), float)
-        self.intervals = {h: int(v) for h, v in _positive(d.get("intervals"), int).items()}
+        self.steps = {h: int(v) for h, v in _positive(d.get("steps"), int).items()}
         self.applied = _positive(d.get("applied"), float)
         self.largest = {h: int(v) for h, v in _positive(d.get("largest"), int).items()}
 
@@ -116,33 +118,32 @@ class ShareDecision:
     """A sentence: what was decided and why (logged, asserted in tests)."""
 
 
-def measured_speeds(rows: Sequence[Sequence[float]], rank_hosts: Sequence[str]) -> dict[str, float]:
-    """Samples per second of one worker of each host over one commit interval (compute and data-loading time): the
-    slowest of its ranks. Hosts whose ranks processed nothing or reported unusable figures are left out."""
-    out: dict[str, float] = {}
+class Measurement(NamedTuple):
+    """One commit interval of one host."""
+
+    speed: float
+    """Samples per second of one worker (compute and data-loading time)."""
+    steps: int
+    share: int
+    """Samples per step of one worker."""
+
+
+def measure(rows: Sequence[Sequence[float]], rank_hosts: Sequence[str]) -> dict[str, Measurement]:
+    """Each host's speed over one commit interval: its slowest rank's samples / (compute + data seconds). Hosts whose
+    ranks processed nothing or reported unusable figures are left out; rows and hosts must match."""
+    out: dict[str, Measurement] = {}
     if len(rows) != len(rank_hosts):
         return out
     for row, host in zip(rows, rank_hosts, strict=True):
         f = Figures.from_row(row)
-        if f is None or f.samples < 1:
+        seconds = f.compute_seconds + f.data_seconds if f is not None else 0.0
+        if f is None or f.samples < 1 or not seconds > 0:
             continue
-        seconds = f.compute_seconds + f.data_seconds
-        if not seconds > 0:
-            continue
-        speed = f.samples / seconds
-        out[host] = min(speed, out.get(host, math.inf))
-    return out
-
-
-def measured_shares(rows: Sequence[Sequence[float]], rank_hosts: Sequence[str]) -> dict[str, int]:
-    """Samples per step one worker of each host processed over one commit interval (its largest rank's)."""
-    out: dict[str, int] = {}
-    if len(rows) != len(rank_hosts):
-        return out
-    for row, host in zip(rows, rank_hosts, strict=True):
-        f = Figures.from_row(row)
-        if f is not None and f.samples >= 1:
-            out[host] = max(out.get(host, 0), f.samples // f.steps)
+        m = Measurement(f.samples / seconds, f.steps, f.samples // f.steps)
+        old = out.get(host)
+        out[host] = (
+            m if old is None else Measurement(min(m.speed, old.speed), min(m.steps, old.steps), max(m.share, old.share))
+        )
     return out
 
 
@@ -188,32 +189,32 @@ def _fractions(weights: Mapping[str, float], rank_hosts: Sequence[str]) -> dict[
 
 def decide(
     state: ShareState,
-    measured: Mapping[str, float],
+    measured: Mapping[str, Measurement],
     rank_hosts: Sequence[str],
     global_batch: int,
     policy: SharePolicy,
     caps: Mapping[str, int] | None = None,
-    seen: Mapping[str, int] | None = None,
 ) -> ShareDecision:
-    """The next state after one commit's measurements (pure; see the module for the rules): ``measured`` speeds
-    and the shares they were ``seen`` at (:func:`measured_speeds`, :func:`measured_shares`)."""
+    """The next state after one commit interval's :func:`measure` (pure; see the module for the rules)."""
     hosts = sorted(set(rank_hosts))
     speeds = {h: v for h, v in state.speeds.items() if h in hosts}
-    intervals = {h: n for h, n in state.intervals.items() if h in hosts}
+    steps = {h: n for h, n in state.steps.items() if h in hosts}
     largest = {h: n for h, n in state.largest.items() if h in hosts}
-    for h, n in (seen or {}).items():
-        if h in hosts and n > largest.get(h, 0):
-            largest[h] = n
     for h in hosts:
         m = measured.get(h)
-        if m is None or not (math.isfinite(m) and m > 0):
+        if m is None or not (math.isfinite(m.speed) and m.speed > 0 and m.steps >= 1):
             continue
         old = speeds.get(h)
-        speeds[h] = m if old is None else policy.smoothing * m + (1 - policy.smoothing) * old
-        intervals[h] = intervals.get(h, 0) + 1
+        if old is None or steps.get(h, 0) < policy.warmup_steps:
+            speeds[h] = m.speed  # still warming up: the latest interval only (the first steps are slower)
+        else:
+            keep_old = 0.5 ** (m.steps / policy.halflife_steps)
+            speeds[h] = keep_old * old + (1 - keep_old) * m.speed
+        steps[h] = min(steps.get(h, 0) + m.steps, 2**31)
+        largest[h] = max(largest.get(h, 0), m.share)
     applied = {h: w for h, w in state.applied.items() if h in hosts}
-    warm = {h: speeds[h] for h in hosts if h in speeds and intervals.get(h, 0) >= policy.warmup_intervals}
-    keep = ShareState(speeds, intervals, applied, largest)
+    warm = {h: speeds[h] for h in hosts if h in speeds and steps.get(h, 0) >= policy.warmup_steps}
+    keep = ShareState(speeds, steps, applied, largest)
     if len(hosts) < 2:
         return ShareDecision(keep, False, "one host: nothing to balance")
     if len(warm) < len(hosts):
@@ -228,7 +229,7 @@ def decide(
     if worst is None or moved[worst] <= policy.threshold:
         note = f"{worst} would move {moved[worst]:.0%}" if worst else "nothing measured"
         return ShareDecision(keep, False, f"shares kept ({note}, threshold {policy.threshold:.0%})")
-    new = ShareState(speeds, intervals, target, largest)
+    new = ShareState(speeds, steps, target, largest)
     shares = rank_shares(new, rank_hosts, global_batch, policy, caps)
     if shares == rank_shares(keep, rank_hosts, global_batch, policy, caps):
         return ShareDecision(keep, False, f"shares kept ({worst} moves less than one sample)")
@@ -273,8 +274,7 @@ class Balancer:
         apply at the next commit (:meth:`apply_pending`)."""
         if self.policy is None or len(rows) != len(rank_hosts):
             return
-        speeds, seen = measured_speeds(rows, rank_hosts), measured_shares(rows, rank_hosts)
-        d = decide(self.state, speeds, rank_hosts, global_batch, self.policy, self.caps, seen)
+        d = decide(self.state, measure(rows, rank_hosts), rank_hosts, global_batch, self.policy, self.caps)
         self.pending = (d, global_batch)
 
     def apply_pending(self, *, step: int, epoch: int, rank_hosts: Sequence[str]) -> bool:
@@ -284,7 +284,7 @@ class Balancer:
         if pending is None or self.policy is None:
             return False
         d, global_batch = pending
-        self.state.speeds, self.state.intervals = dict(d.state.speeds), dict(d.state.intervals)
+        self.state.speeds, self.state.steps = dict(d.state.speeds), dict(d.state.steps)
         self.state.largest = dict(d.state.largest)
         if not d.changed:
             return False
