@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.core import BenchContext, Goal, Metric, Result
-from elastictrain.engine.health.etcd_signals import EtcdSignals, EtcdSignalStore, signals_prefix
+from discovery.kv import EtcdKeyValue
+from elastictrain.engine.health.etcd_signals import EtcdSignals, signals_prefix
 from elastictrain.engine.health.signals import WAITING, Beat, FileSignals, Member
 from elastictrain.launcher.etcd import EtcdServer
 
@@ -27,7 +28,7 @@ OPS_GOAL = Goal("<=", 10.0)
 JOB = "bench-signals"
 
 
-class TimedStore(EtcdSignalStore):
+class TimedStore(EtcdKeyValue):
     """The etcd store, timing each Put of a heartbeat."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -18,8 +18,9 @@ import yaml
 
 from chaos.faults import target_worker
 from chaos.procs import JobRef
+from discovery.kv import EtcdKeyValue
 from elastictrain import envnames
-from elastictrain.engine.health.etcd_signals import BEATS, EtcdSignalStore, signals_prefix
+from elastictrain.engine.health.etcd_signals import BEATS, signals_prefix
 from elastictrain.engine.health.signals import Beat
 from elastictrain.launcher.hosts import local_logical_hosts
 from elastictrain.rundir import layout
@@ -54,7 +55,7 @@ def _config(tmp_path: Path) -> Path:
 
 
 def _beats_in_etcd(spec: str) -> list[Beat]:
-    with contextlib.closing(EtcdSignalStore(spec, JOB)) as store:
+    with contextlib.closing(EtcdKeyValue(spec, JOB)) as store:
         start = signals_prefix("/elastictrain", JOB) + BEATS
         rows = store.get_prefix(start, 100)
     return [b for _, value, _ in rows if (b := Beat.parse(value)) is not None]

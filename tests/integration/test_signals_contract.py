@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from chaos.procs import wait_until
-from elastictrain.engine.health.etcd_signals import BEATS, EtcdSignals, EtcdSignalStore, signals_prefix
+from discovery.kv import EtcdKeyValue
+from elastictrain.engine.health.etcd_signals import BEATS, EtcdSignals, signals_prefix
 from elastictrain.engine.health.signals import WAITING, Beat, FileSignals, Member, WorkerSignals
 from tests.fixtures.etcd import EtcdServer
 
@@ -33,7 +34,7 @@ class Pair:
 
 
 def _etcd(server: EtcdServer, *, lease_seconds: int = 300) -> EtcdSignals:
-    store = EtcdSignalStore(server.endpoint, JOB, timeout_seconds=1.0)
+    store = EtcdKeyValue(server.endpoint, JOB, timeout_seconds=1.0)
     return EtcdSignals(store, signals_prefix("/elastictrain", JOB), lease_seconds=lease_seconds, poll_seconds=0.05)
 
 
@@ -50,7 +51,7 @@ def pair(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Pair]:
         return
     server: EtcdServer = request.getfixturevalue("etcd_server")
     e1, e2 = _etcd(server).start(), _etcd(server).start()
-    raw = EtcdSignalStore(server.endpoint, JOB)
+    raw = EtcdKeyValue(server.endpoint, JOB)
     try:
         yield Pair(e1, e2, lambda name, value: raw.put(f"{e1.prefix}{BEATS}{name}", value))
     finally:

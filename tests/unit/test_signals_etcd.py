@@ -14,7 +14,7 @@ import pytest
 
 from discovery.registry import LeaseLost, RegistryUnavailable
 from elastictrain import envnames
-from elastictrain.config import load_config
+from elastictrain.config import etcd_transport, load_config
 from elastictrain.engine.health import signals as signals_module
 from elastictrain.engine.health.etcd_signals import (
     BEATS_REFRESH_SECONDS,
@@ -33,7 +33,6 @@ from elastictrain.engine.health.signals import (
     FileSignals,
     Member,
     open_signals,
-    signals_transport,
 )
 from elastictrain.errors import ConfigError
 from tests.fixtures.clock import FakeClock
@@ -281,12 +280,14 @@ def test_the_lease_outlives_every_silence_the_detectors_wait_for() -> None:
 
 def test_the_transport_is_chosen_by_elastic_signals_and_the_environment() -> None:
     with_etcd = {envnames.ETCD: "http://127.0.0.1:2379", envnames.JOB: "job"}
-    assert signals_transport("files", with_etcd) == "files"
-    assert signals_transport("etcd", with_etcd) == "etcd"
-    assert signals_transport("auto", with_etcd) == "etcd"
-    assert signals_transport("auto", {}) == "files"
+    assert etcd_transport("elastic.signals", "files", with_etcd) == "files"
+    assert etcd_transport("elastic.signals", "etcd", with_etcd) == "etcd"
+    assert etcd_transport("elastic.signals", "auto", with_etcd) == "etcd"
+    assert etcd_transport("elastic.signals", "auto", {}) == "files"
     with pytest.raises(ConfigError, match=r"^elastic.signals is etcd but ELASTICTRAIN_ETCD is not set"):
-        signals_transport("etcd", {})
+        etcd_transport("elastic.signals", "etcd", {})
+    with pytest.raises(ConfigError, match=r"^elastic.outputs must be one of auto, files, etcd, got 'disk'"):
+        etcd_transport("elastic.outputs", "disk", with_etcd)
 
 
 def test_a_bad_elastic_signals_value_is_refused_at_load(tmp_path: Path) -> None:

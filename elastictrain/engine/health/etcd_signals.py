@@ -20,7 +20,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from discovery.registry import EtcdRegistry, LeaseLost, RegistryError
+from discovery import kv
+from discovery.kv import KeyValue
+from discovery.registry import LeaseLost, RegistryError
 from discovery.wire import check_name
 from elastictrain.engine.health.signals import (
     MAX_BEAT_BYTES,
@@ -67,73 +69,15 @@ def lease_ttl(hang_seconds: float | None) -> int:
     return max(LEASE_SECONDS, math.ceil(2 * hang_seconds))
 
 
-class SignalStore(Protocol):
-    """The etcd operations the signals need (one round trip each); all raise ``RegistryError`` on failure."""
+class SignalStore(KeyValue, Protocol):
+    """The etcd operations the signals need: the plain keys (:class:`discovery.kv.KeyValue`) and the registry's
+    leases (one round trip each); all raise ``RegistryError`` on failure."""
 
     def grant_lease(self, ttl_seconds: int) -> int: ...
 
     def keep_alive(self, lease_id: int) -> float: ...
 
     def revoke_lease(self, lease_id: int) -> None: ...
-
-    def put(self, key: str, value: bytes, lease_id: int = 0) -> None:
-        """Put (with the lease when not 0)."""
-
-    def get_prefix(self, prefix: str, limit: int) -> list[tuple[str, bytes, int]]:
-        """Range over ``prefix``, at most ``limit`` keys: (key, value, mod_revision), by key."""
-
-    def get_keys(self, keys: Sequence[str]) -> dict[str, tuple[bytes, int]]:
-        """Txn of one Range per key: the keys that exist, as (value, mod_revision)."""
-
-    def delete_if(self, key: str, mod_revision: int) -> bool:
-        """Txn: delete ``key`` if its mod_revision is still ``mod_revision``."""
-
-    def close(self) -> None: ...
-
-
-class EtcdSignalStore(EtcdRegistry):
-    """:class:`SignalStore` on etcd: the registry's connection (endpoints, TLS, auth, timeouts, failover) and
-    leases, with the plain key operations the signals need."""
-
-    def put(self, key: str, value: bytes, lease_id: int = 0) -> None:
-        self._run(lambda c: c.put(key.encode(), value, lease=lease_id or None), "Put")
-
-    def get_prefix(self, prefix: str, limit: int) -> list[tuple[str, bytes, int]]:
-        from aetcd import rpc, utils
-
-        start = prefix.encode()
-        request = rpc.RangeRequest(key=start, range_end=utils.prefix_range_end(start), limit=limit)
-
-        async def get(c: Any) -> list[tuple[str, bytes, int]]:
-            await c.connect()
-            reply = await c.kvstub.Range(request, timeout=c._timeout, metadata=c.metadata)
-            return [(kv.key.decode(errors="replace"), bytes(kv.value), int(kv.mod_revision)) for kv in reply.kvs]
-
-        return self._run(get, "Range over prefix")
-
-    def get_keys(self, keys: Sequence[str]) -> dict[str, tuple[bytes, int]]:
-        async def txn(c: Any) -> dict[str, tuple[bytes, int]]:
-            _, replies = await c.transaction(
-                compare=[], success=[c.transactions.get(k.encode()) for k in keys], failure=[]
-            )
-            out = {}
-            for reply in replies:
-                for value, kv in reply:
-                    out[kv.key.decode(errors="replace")] = (bytes(value), int(kv.mod_revision))
-            return out
-
-        return self._run(txn, "Txn of Ranges")
-
-    def delete_if(self, key: str, mod_revision: int) -> bool:
-        async def txn(c: Any) -> bool:
-            ok, _ = await c.transaction(
-                compare=[c.transactions.mod(key.encode()) == mod_revision],
-                success=[c.transactions.delete(key.encode())],
-                failure=[],
-            )
-            return bool(ok)
-
-        return self._run(txn, "compare-and-delete Txn")
 
 
 @dataclass(slots=True)
@@ -190,14 +134,8 @@ class EtcdSignals:
     def from_env(cls, env: Mapping[str, str], *, hang_seconds: float | None = None) -> EtcdSignals:
         """The signals of the job the environment names (``ELASTICTRAIN_ETCD``, ``_JOB``, ``_ETCD_PREFIX`` and the
         TLS/auth variables, as discover.sh reads them). Raises ``ConfigError`` (one line) when they are unusable."""
-        from discovery.discover import DiscoverConfig
-        from elastictrain import envnames
-
-        cfg = DiscoverConfig.from_env(env)
-        store = EtcdSignalStore(
-            env[envnames.ETCD], cfg.job, cfg.prefix, timeout_seconds=TIMEOUT_SECONDS, access=cfg.access
-        )
-        return cls(store, signals_prefix(cfg.prefix, cfg.job), lease_seconds=lease_ttl(hang_seconds))
+        store, prefix, job = kv.from_env(env, timeout_seconds=TIMEOUT_SECONDS)
+        return cls(store, signals_prefix(prefix, job), lease_seconds=lease_ttl(hang_seconds))
 
     def beat_key(self, host: str, slot: int) -> str:
         return f"{self.prefix}{BEATS}{check_name('host', host)}-{int(slot)}"

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Protocol
 
 from discovery.wire import check_name
 from elastictrain import envnames
-from elastictrain.errors import ConfigError
 from elastictrain.fileio import write_atomic
 from elastictrain.rundir import layout
 
@@ -301,31 +300,17 @@ class FileSignals:
         return self.verdict.since(ts)
 
 
-SIGNALS_CHOICES = ("auto", "files", "etcd")
-"""``elastic.signals``: ``files`` (the run_dir), ``etcd`` (the job's etcd), ``auto`` (etcd when the job has one)."""
-
-
-def signals_transport(choice: str, environ: Mapping[str, str]) -> str:
-    """``files`` or ``etcd`` for ``elastic.signals`` = ``choice`` in a worker whose environment is ``environ``
-    (``ELASTICTRAIN_ETCD`` names the job's etcd, as ``launch`` sets it). Raises :class:`ConfigError` for ``etcd``
-    without an endpoint."""
-    has_etcd = bool(environ.get(envnames.ETCD, "").strip())
-    if choice == "etcd" and not has_etcd:
-        raise ConfigError(f"elastic.signals is etcd but {envnames.ETCD} is not set (run under elastictrain launch)")
-    if choice not in SIGNALS_CHOICES:
-        raise ConfigError(f"elastic.signals must be one of {', '.join(SIGNALS_CHOICES)}, got {choice!r}")
-    return "etcd" if choice == "etcd" or (choice == "auto" and has_etcd) else "files"
-
-
 _OPENED: dict[tuple[str, ...], WorkerSignals] = {}
 
 
 def open_signals(cfg: JobConfig, environ: Mapping[str, str] | None = None) -> WorkerSignals:
-    """This worker's signals for ``cfg`` (``elastic.signals``, :func:`signals_transport`): one object per process
-    and transport, so that the start-up's announcements and the detector share etcd's lease and thread. Raises
-    :class:`ConfigError` (one line) for an etcd the environment names badly."""
+    """This worker's signals for ``cfg`` (``elastic.signals``, :func:`~elastictrain.config.etcd_transport`): one
+    object per process and transport, so that the start-up's announcements and the detector share etcd's lease and
+    thread. Raises :class:`ConfigError` (one line) for an etcd the environment names badly."""
     env = os.environ if environ is None else environ
-    transport = signals_transport(cfg.elastic.signals, env)
+    from elastictrain.config import etcd_transport
+
+    transport = etcd_transport("elastic.signals", cfg.elastic.signals, env)
     if transport == "files":
         return FileSignals.of_run_dir(cfg.run_path)
     key = (transport, env.get(envnames.ETCD, ""), env.get(envnames.ETCD_PREFIX, ""), env.get(envnames.JOB, ""))
