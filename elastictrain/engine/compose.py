@@ -1,7 +1,8 @@
 """The worker under horovodrun: the engine's parts (:mod:`elastictrain.engine`) composed over Horovod.
 
 ``hvd.init``, the training parts from the config and its task, rank 0's services, the workers' signals (the
-run_dir's files or the job's etcd: ``elastic.signals``), the collective watchdog armed on the elastic state, a SIGTERM
+run_dir's files or the job's etcd: ``elastic.signals``), the collective watchdog armed on the elastic state, rank 0's
+reader of the preemption notices (:mod:`~elastictrain.engine.health.preemption`, when the worker has etcd), a SIGTERM
 handler, then :func:`~elastictrain.engine.trainer.run_trainer`. Exit 0 only when training is complete; 143 after
 SIGTERM (rank 0 checkpoints the last commit first).
 """
@@ -15,6 +16,7 @@ from elastictrain.config import JobConfig
 from elastictrain.engine.collective import Collective, HorovodCollective
 from elastictrain.engine.health.eviction import EtcdEvictor
 from elastictrain.engine.health.hang import HangDetector, announce, first_step_bound, gloo_timeout_seconds
+from elastictrain.engine.health.preemption import PreemptionWatch
 from elastictrain.engine.health.signals import RENDEZVOUS, open_signals
 from elastictrain.engine.trainer import Trainer, run_trainer
 from elastictrain.engine.watch import arm_watchdog
@@ -58,5 +60,8 @@ def compose(cfg: JobConfig, collective: Collective) -> Trainer:
             first_step_hang_seconds=cfg.elastic.first_step_hang_seconds,
         ),
     )
+    # Rank 0 reads the hosts' preemption notices (a just-in-time checkpoint when the job cannot survive them).
+    watch = PreemptionWatch.from_env(os.environ, min_np=policy.min_np, active=lambda: trainer.ctx.is_rank0)
+    trainer.preemption = watch.start() if watch is not None else None
     signal.signal(signal.SIGTERM, trainer.on_sigterm)
     return trainer

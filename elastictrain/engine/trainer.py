@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from horovod.common.exceptions import HostsUpdatedInterrupt
+
 from elastictrain import envnames
 from elastictrain.cliutil import EXIT_STOPPED
 from elastictrain.config import JobConfig
@@ -40,6 +42,7 @@ from elastictrain.engine.data import load_batches
 from elastictrain.engine.elastic_state import ElasticTrainingState, StopRequested
 from elastictrain.engine.gpus import collective_gpu
 from elastictrain.engine.health.hang import gathered_members
+from elastictrain.engine.health.preemption import PreemptionWatch, jit_action
 from elastictrain.engine.health.shares import Balancer, SharePolicy, ShareState
 from elastictrain.engine.health.stragglers import StragglerMonitor, StragglerPolicy
 from elastictrain.engine.health.watchdog import CollectiveWatchdog, NullWatchdog
@@ -63,6 +66,7 @@ from elastictrain.rundir.events import (
     EpochEnd,
     Failure,
     Metrics,
+    PreemptionCheckpoint,
     Reset,
     Start,
     Stopped,
@@ -147,6 +151,9 @@ class Trainer:
         self.last_loss: float | None = None
         self.last_val_accuracy: float | None = None
         self.metrics = MetricsWindow(parts.device)
+        self.preemption: PreemptionWatch | None = None
+        """Rank 0's reader of the hosts' preemption notices (set by the composition when the worker has etcd): a
+        just-in-time checkpoint at each commit while the notices leave the job unable to go on."""
 
     @classmethod
     def build(cls, cfg: JobConfig, collective: Collective) -> Trainer:
@@ -483,8 +490,51 @@ class Trainer:
         )
         if checkpoint:
             self.checkpoint(wait=False)
+        self._preemption_checkpoint()
         figures = self.profile.take() if self.profile.enabled else []
-        state.check_host_updates(figures, self._on_step_figures)
+        try:
+            state.check_host_updates(figures, self._on_step_figures)
+        except HostsUpdatedInterrupt:
+            # Noticed hosts drained: read the notices now, before the reset's rendezvous may wait for hosts that
+            # never come (the state is committed: this commit is the last one).
+            if self.preemption is not None and self.ctx.is_rank0:
+                self.preemption.refresh()
+                self._preemption_checkpoint()
+            raise
+
+    def _preemption_checkpoint(self) -> None:
+        """Rank 0, at a commit: the just-in-time checkpoint of the commit when the preemption notices leave the job
+        unable to go on (:mod:`elastictrain.engine.health.preemption`)."""
+        watch, ckpt = self.preemption, self.services.checkpointer
+        if watch is None or ckpt is None or not self.ctx.is_rank0:
+            return
+        plan, step = watch.plan, self.counters.step
+        action = jit_action(
+            plan,
+            now=watch.clock(),
+            committed_step=step,
+            durable_step=ckpt.stats.last_step if step != self.checkpointed_step else step,
+            in_flight_step=ckpt.in_flight_step,
+            near_seconds=watch.near_seconds,
+        )
+        if plan is None or action is None:
+            return
+        ok = self.checkpoint(wait=action.wait)
+        if not action.wait and ckpt.in_flight_step != step and ckpt.stats.last_step != step:
+            return  # the writer was busy with an earlier step: the next commit saves a newer one
+        self.services.events.emit(
+            PreemptionCheckpoint(
+                step=step,
+                epoch=self.sampler.epoch,
+                world_size=self.ctx.size,
+                hosts=list(plan.noticed),
+                deadline=plan.deadline,
+                seconds_left=round(action.seconds_left, 3),
+                slots_left=plan.slots_left,
+                waited=action.wait,
+                checkpointed=ok if action.wait else None,
+            )
+        )
 
     def _on_step_figures(self, rows: list[list[float]]) -> None:
         """Every rank's figures of this commit (see :mod:`elastictrain.engine.health.stragglers`)."""
@@ -630,6 +680,8 @@ class Trainer:
 
     def close(self, status: str) -> None:
         self.watchdog.stop()
+        if self.preemption is not None:
+            self.preemption.stop()
         self.services.close(status, step=self.counters.step, epoch=self.sampler.epoch, world_size=self.ctx.size)
 
 

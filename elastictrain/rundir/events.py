@@ -68,6 +68,7 @@ class EventKind(enum.StrEnum):
     STRAGGLER = "straggler"
     EVICTION = "eviction"
     SHARES = "shares"
+    PREEMPTION_CHECKPOINT = "preemption_checkpoint"
 
 
 def _doc(text: str) -> Any:
@@ -333,6 +334,22 @@ class Shares(Event):
     reason: str | None = _doc("why they changed")
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PreemptionCheckpoint(Event):
+    KIND = EventKind.PREEMPTION_CHECKPOINT
+    WHEN = (
+        "rank 0 read preemption notices in the host records that leave the job unable to go on (every host noticed,"
+        " or fewer than min_np slots left) and saved the last commit before the earliest notice's end: at each commit"
+        " while the notices stand, waiting for the save within 30 s of the end"
+    )
+    hosts: list[str] | None = field(default=None, metadata={"doc": "the hosts with a notice"})
+    deadline: float | None = _doc("Unix time of the earliest notice's end")
+    seconds_left: float | None = _doc("seconds until then, at this commit")
+    slots_left: int | None = _doc("slots on ready hosts with no notice (fewer than min_np)")
+    waited: bool | None = _doc("true: rank 0 waited for the save; false: it runs in the background")
+    checkpointed: bool | None = _doc("when waited: the commit is durable (the `checkpoint` event says when otherwise)")
+
+
 EVENT_TYPES: dict[EventKind, type[Event]] = {
     cls.KIND: cls
     for cls in (
@@ -351,6 +368,7 @@ EVENT_TYPES: dict[EventKind, type[Event]] = {
         Straggler,
         Eviction,
         Shares,
+        PreemptionCheckpoint,
     )
 }
 """Every event kind and its dataclass, in the order docs/events.md lists them."""
