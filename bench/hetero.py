@@ -4,13 +4,16 @@ One ``elastictrain launch`` job (embedded etcd and agents) per policy on 4 logic
 in one run; every job goes through the same schedule: a warm-up, a **uniform** phase (all hosts at full speed),
 one non-rank-0 worker's processes put under a CPU quota (:func:`chaos.faults.cpu_quota`, a cgroup) for **half**
 its speed, then for a **quarter**, then the quota lifted (**recovered**). A worker's speed is set by its quota as a
-share of the CPU that the same worker used per second in the uniform phase (on a shared machine a worker never
-has a whole core). Policies: ``report`` (equal shares), ``evict`` (drain a host when predicted faster without
-it; cool-down longer than the run), ``balance`` (each host's share follows its speed) when this checkout has it.
+share of the core its training thread got while it wanted one in the uniform phase (on a CPU / runnable, from its
+``schedstat``: on a shared machine a worker never has a whole core, and it idles while it waits for its peers).
+Policies: ``report`` (equal shares), ``evict`` (drain a host when predicted faster without it; cool-down longer
+than the run), ``balance`` (each host's share follows its speed) when this checkout has it.
 
 Measured per phase (throughput in the phase's second half, from ``metrics`` events): samples/s of each policy;
-the ideal, the sum of the hosts' own speeds = the job's uniform samples/s x (3 + f) / 4 at speed f (conservative on
-a shared machine: the three others also get the cores the slowed one leaves); with ``balance``, steps and seconds
+the slowed host's own speed f as the straggler profile measured it (1 / its ``slowest_ratio``; a quota is bursty,
+so f is often well below the nominal share of CPU); the ideal, the sum of the hosts' own speeds = the job's uniform
+samples/s x (3 + f) / 4 (on one shared machine the others also get the cores the slowed one leaves, and a drained
+worker's cores go to the rest, so ``evict`` can pass it); with ``balance``, steps and seconds
 from the quota's start and end to the ``shares`` event after which the slowed host's share stays within 10% of the
 phase's last one; steps until ``report`` names the host; every job's sample ledger audited (no sample twice).
 
@@ -20,6 +23,7 @@ Goals (issue 40): at half speed ``balance`` >= 0.9 x ideal, >= 1.25 x ``report``
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 import typing
@@ -37,7 +41,7 @@ from chaos.jobs import LaunchedJob
 from chaos.procs import JobRef
 from elastictrain.config import ElasticConfig
 from elastictrain.launcher.hosts import local_logical_hosts
-from elastictrain.rundir.events import Event, Eviction, Metrics, Reset, Shares, of_kind
+from elastictrain.rundir.events import Event, Eviction, Metrics, Reset, Shares, Straggler, of_kind
 from elastictrain.tools.audit import AuditError, audit_run_dir
 
 NAME = "hetero"
@@ -111,9 +115,28 @@ def ideal_rate(uniform_rate: float, speed: float, workers: int = WORKERS) -> flo
     return uniform_rate * (workers - 1 + speed) / workers
 
 
-def cpu_quota_for(speed: float, cpu_per_second: float) -> float:
-    """The quota (share of one core) that gives a worker ``speed`` of the CPU it used per second at full speed."""
-    return max(faults.MIN_CPU_FRACTION, speed * cpu_per_second)
+def measured_speed(events: Sequence[Event], t0: float, t1: float, host: str) -> float | None:
+    """``host``'s own speed relative to the others in ``[t0, t1]``, as the straggler profile measured it: 1 / the
+    median ``slowest_ratio`` of the ``metrics`` events that name it slowest, else 1 / the ratio of the last
+    ``eviction`` or ``straggler`` decision about it in the span (a drained host), else None."""
+    ratios = [
+        e.slowest_ratio
+        for e in of_kind(events, Metrics)
+        if t0 <= e.ts <= t1 and e.slowest_host == host and e.slowest_ratio
+    ]
+    if ratios:
+        return 1.0 / statistics.median(ratios)
+    decided = [
+        e.ratio
+        for e in events
+        if isinstance(e, (Eviction, Straggler)) and t0 <= e.ts <= t1 and e.host == host and e.ratio
+    ]
+    return 1.0 / decided[-1] if decided else None
+
+
+def cpu_quota_for(speed: float, core_share: float) -> float:
+    """The quota (share of one core) that gives a worker ``speed`` of the ``core_share`` it got while working."""
+    return max(faults.MIN_CPU_FRACTION, speed * core_share)
 
 
 def share_settled(events: Sequence[Event], t0: float, t1: float, host: str) -> dict[str, Any] | None:
@@ -139,6 +162,21 @@ def share_settled(events: Sequence[Event], t0: float, t1: float, host: str) -> d
         "share": final,
         "changes": len(span),
     }
+
+
+def thread_schedstat(pid: int) -> tuple[float, float]:
+    """``(seconds on a CPU, seconds runnable but waiting)`` of the main thread of ``pid`` (its training thread)."""
+    try:
+        fields = Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()
+        return int(fields[0]) / 1e9, int(fields[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0, 0.0
+
+
+def share_while_working(before: tuple[float, float], after: tuple[float, float]) -> float | None:
+    """The share of a core a thread got while it wanted one (on a CPU / runnable), between two schedstat readings."""
+    ran, waited = after[0] - before[0], after[1] - before[1]
+    return ran / (ran + waited) if ran > 0 and waited >= 0 else None
 
 
 def cpu_of_tree(p: psutil.Process) -> float:
@@ -209,14 +247,15 @@ def policy_trial(
         host, proc = worker.host, worker.proc
         phases: list[Phase] = []
         t = time.time()
-        cpu0 = cpu_of_tree(proc)
+        cpu0, sched0 = cpu_of_tree(proc), thread_schedstat(proc.pid)
         time.sleep(phase_seconds)  # the uniform phase: the schedule's own duration, not a wait for an event
         cpu_rate = (cpu_of_tree(proc) - cpu0) / (time.time() - t)
+        working = share_while_working(sched0, thread_schedstat(proc.pid)) or cpu_rate
         phases.append(Phase("uniform", 1.0, t, time.time()))
-        log(f"{policy}: uniform phase done; {host} used {cpu_rate:.2f} CPU s/s")
+        log(f"{policy}: uniform phase done; {host} used {cpu_rate:.2f} CPU s/s, {working:.2f} of a core while working")
         slow = Slowdown(proc)
         for speed in SPEEDS:
-            quota = cpu_quota_for(speed, cpu_rate)
+            quota = cpu_quota_for(speed, working)
             t = time.time()
             slow.set(quota)
             log(f"{policy}: {host} at {speed:.0%} speed (quota {quota:.2f} of a core)")
@@ -242,7 +281,13 @@ def policy_trial(
         }
     except AuditError as e:
         audited = {"ok": False, "error": str(e), "duplicates": None}
-    out: dict[str, Any] = {"policy": policy, "host": host, "cpu_per_second_uniform": cpu_rate, "audit": audited}
+    out: dict[str, Any] = {
+        "policy": policy,
+        "host": host,
+        "cpu_per_second_uniform": cpu_rate,
+        "core_share_while_working": working,
+        "audit": audited,
+    }
     out["phases"] = {}
     for ph in phases:
         a, b = ph.steady()
@@ -252,6 +297,7 @@ def policy_trial(
             "steady": window_throughput(evs, a, b, BATCH),
             "whole": window_throughput(evs, ph.t0, ph.t1, BATCH),
             "settled": share_settled(evs, ph.t0, ph.t1, host),
+            "measured_speed": measured_speed(evs, a, b, host) if ph.speed < 1.0 else None,
         }
     slow_start = phases[1].t0
     out["named"] = steps_until_named([e for e in evs if e.ts <= phases[-1].t1], slow_start, host)
@@ -292,10 +338,18 @@ def run(ctx: BenchContext) -> Result:
     half, quarter = (f"speed {s:g}" for s in SPEEDS)
     has_balance = "balance" in trials
     metrics: list[Metric] = []
+
+    def speed_of(policy: str, phase: str, nominal: float) -> float:
+        """The slowed host's measured speed in the phase (the nominal one where the profile has none)."""
+        m = trials[policy]["phases"][phase]["measured_speed"]
+        return m if m is not None else nominal
+
     for phase, speed in ((half, SPEEDS[0]), (quarter, SPEEDS[1])):
-        ideal = {p: ideal_rate(u, speed) for p in names if (u := rate(p, "uniform")) is not None}
+        ideal = {p: ideal_rate(u, speed_of(p, phase, speed)) for p in names if (u := rate(p, "uniform")) is not None}
         note = " · ".join(
-            f"{p} {_f(rate(p, phase))} (ideal {_f(ideal.get(p))}, uniform {_f(rate(p, 'uniform'))})" for p in names
+            f"{p} {_f(rate(p, phase))} (ideal {_f(ideal.get(p))} at measured speed {speed_of(p, phase, speed):.2f}, "
+            f"uniform {_f(rate(p, 'uniform'))})"
+            for p in names
         )
         goal = speed == SPEEDS[0]  # the issue's goals are at half speed; a quarter is reported
         if has_balance:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench import hetero
-from elastictrain.rundir.events import Metrics, Shares
+from elastictrain.rundir.events import Eviction, Metrics, Shares
 
 
 def shares(ts: float, step: int, slow: int) -> Shares:
@@ -21,7 +21,7 @@ def test_the_ideal_is_three_hosts_at_the_uniform_pace_and_one_at_its_own_speed()
     assert hetero.ideal_rate(400.0, 1.0) == pytest.approx(400.0)
 
 
-def test_a_speed_is_a_share_of_the_cpu_the_worker_used_at_full_speed_never_below_the_kernels_floor() -> None:
+def test_a_speeds_quota_never_goes_below_the_kernels_floor() -> None:
     assert hetero.cpu_quota_for(0.5, 0.6) == pytest.approx(0.3)
     assert hetero.cpu_quota_for(0.25, 0.02) == hetero.faults.MIN_CPU_FRACTION
 
@@ -60,3 +60,22 @@ def test_the_policies_are_those_the_config_accepts_and_each_job_config_names_its
 
 def test_a_phases_throughput_is_read_over_its_second_half() -> None:
     assert hetero.Phase("speed 0.5", 0.5, 100.0, 180.0).steady() == (140.0, 180.0)
+
+
+def test_the_slowed_hosts_speed_is_one_over_its_median_ratio_or_the_last_decision_about_it() -> None:
+    m = [
+        Metrics(ts=101.0, step=1, epoch=0, world_size=4, slowest_host="vm", slowest_ratio=2.0),
+        Metrics(ts=102.0, step=2, epoch=0, world_size=4, slowest_host="vm", slowest_ratio=4.0),
+        Metrics(ts=103.0, step=3, epoch=0, world_size=4, slowest_host="a", slowest_ratio=1.1),  # another host
+        Metrics(ts=104.0, step=4, epoch=0, world_size=4, slowest_host="vm", slowest_ratio=5.0),
+    ]
+    assert hetero.measured_speed(m, 100.0, 110.0, "vm") == pytest.approx(0.25)
+    drained = [Eviction(ts=105.0, step=5, epoch=0, world_size=4, host="vm", action="drain", ratio=2.5)]
+    assert hetero.measured_speed(drained, 100.0, 110.0, "vm") == pytest.approx(0.4)
+    assert hetero.measured_speed(m, 200.0, 210.0, "vm") is None
+
+
+def test_the_quota_is_a_share_of_the_core_the_worker_got_while_it_wanted_one() -> None:
+    assert hetero.share_while_working((10.0, 5.0), (12.0, 7.0)) == pytest.approx(0.5)
+    assert hetero.share_while_working((10.0, 5.0), (10.0, 5.0)) is None  # never ran
+    assert hetero.cpu_quota_for(0.5, 0.5) == pytest.approx(0.25)
