@@ -247,3 +247,22 @@ def test_the_image_holds_every_command_the_manifests_run() -> None:
                 continue
             exe = c["command"][0]
             assert exe == "elastictrain" or f" /usr/local/bin/{exe}\n" in text, exe
+
+
+def test_the_spot_vm_agent_unit_runs_an_agent_command_line_the_agent_accepts() -> None:
+    """deploy/systemd/elastictrain-agent.service (docs/spot-fleet.md): its ExecStart, with the environment file's
+    variables filled in, parses with the agent's own parser, watches the preemption notice, and stops by SIGTERM."""
+    import shlex
+
+    from discovery.agent import build_parser
+
+    unit = (REPO / "deploy" / "systemd" / "elastictrain-agent.service").read_text()
+    service = dict(
+        line.split("=", 1) for line in unit.split("[Service]", 1)[1].split("[Install]", 1)[0].splitlines() if "=" in line
+    )
+    argv = shlex.split(service["ExecStart"].replace("${ELASTICTRAIN_ETCD}", "https://etcd:2379"))
+    argv = [a.replace("${ELASTICTRAIN_JOB}", "resnet") for a in argv]
+    assert argv[0].endswith("/elastictrain") and argv[1] == "agent"
+    args = build_parser().parse_args(argv[2:])
+    assert (args.etcd, args.job, args.preemption_notice) == ("https://etcd:2379", "resnet", "auto")
+    assert service["KillSignal"] == "SIGTERM" and float(service["TimeoutStopSec"]) > args.drain_grace
