@@ -21,7 +21,7 @@ from elastictrain.checkpoint.manifest import CheckpointDamaged
 from elastictrain.checkpoint.objectstore import FsspecStorage
 from elastictrain.checkpoint.storage import CheckpointStorage
 from elastictrain.launcher.hosts import local_logical_hosts
-from elastictrain.rundir.events import Checkpoint, CheckpointFailed, Start, of_kind, read_events
+from elastictrain.rundir.events import Checkpoint, CheckpointFailed, Done, Start, of_kind, read_events
 from tests.fixtures.elastic_job import job_config
 from tests.fixtures.procs import VENV_BIN, kill_tree, wait_until
 from tests.fixtures.s3_server import SECRET_KEY
@@ -132,6 +132,40 @@ def test_a_brief_outage_is_retried_within_the_save(store):
     assert proxy.faulted == 2
     loaded = load_latest(storage)
     assert loaded is not None and loaded.step == 5
+
+
+def test_a_job_trains_on_while_the_store_refuses_its_saves_and_checkpoints_again_after(s3_proxy, jobs, tmp_path):
+    s3, proxy = s3_proxy
+    location = s3.url("jobs/outage")
+    storage = storage_for(location, tmp_path)
+    proxy.fail(lambda method, path: method == "PUT" and "/state" in path, status=503)  # every state file upload
+    cfg = job_config(
+        tmp_path / "run",
+        training__epochs=12,
+        data__num_samples=768,
+        checkpoint__every_steps=6,
+        checkpoint__location=location,
+    )
+    job = ElasticJob(tmp_path / "job", cfg, HOSTS[:2])
+    jobs.append(job.start())
+    with LatestWatcher(storage) as watcher:
+        first_failure = wait_until(
+            lambda: of_kind(job.events(), CheckpointFailed), 240, what="a save the store refused"
+        )[0]
+        step_when_reported = job.step()
+        assert storage.get_latest() is None  # nothing was ever complete, so nothing is named
+        proxy.clear()
+        assert job.wait_exit() == 0, job.tail()
+    # The save failed in the background (after the client's retries) while the steps went on.
+    assert first_failure.step is not None and step_when_reported > first_failure.step
+    events = read_events(job.events_path)
+    saved = of_kind(events, Checkpoint)
+    assert saved and saved[-1].step is not None and saved[-1].step > first_failure.step
+    assert [e.checkpointed for e in of_kind(events, Done)] == [True]
+    assert watcher.bad == [] and f"step-{first_failure.step:08d}" not in watcher.seen
+    final = load_latest(storage)
+    assert final is not None and final.step == saved[-1].step == job.step() and final.skipped == ()
+    assert SECRET_KEY not in job.events_path.read_text() and SECRET_KEY not in job.tail(400)
 
 
 def _run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
