@@ -312,3 +312,24 @@ def test_the_cli_exits_2_with_one_line_for_a_bad_location_and_never_echoes_a_sec
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "checkpoint.location" in lines[0] and "carries credentials" in lines[0]
     assert "hunter2" not in proc.stderr + proc.stdout
+
+
+def test_the_tools_find_the_location_a_run_recorded_and_distrust_its_config(tmp_path):
+    from elastictrain.checkpoint.location import recorded_location, storage_for_run_dir
+
+    run = tmp_path / "run"
+    run.mkdir()
+    assert recorded_location(run) is None and storage_for_run_dir(run).describe() == str(run / "checkpoints")
+    (run / "config.yaml").write_text("job: x\ncheckpoint:\n  location: s3://bucket/jobs/x\n")
+    assert recorded_location(run) == "s3://bucket/jobs/x"
+    assert storage_for_run_dir(run).describe("latest") == "s3://bucket/jobs/x/latest"
+    assert storage_for_run_dir(run, str(tmp_path / "given")).describe() == str(tmp_path / "given")
+    (run / "config.yaml").write_text("checkpoint:\n  location: [1, 2]\n")
+    with pytest.raises(ValueError, match="not a string"):
+        recorded_location(run)
+    (run / "config.yaml").write_text("checkpoint:\n  location: ftp://elsewhere/x\n")
+    with pytest.raises(ValueError, match="not supported"):
+        storage_for_run_dir(run)
+    (run / "config.yaml").write_bytes(b"x: " + b"a" * (2 << 20))
+    with pytest.raises(ValueError, match="larger than"):
+        recorded_location(run)
