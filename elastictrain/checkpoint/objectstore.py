@@ -21,6 +21,7 @@ Listings are never cached (another writer may have changed the store).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator
 from typing import Any, BinaryIO
@@ -56,6 +57,20 @@ def _lost_race(e: BaseException) -> bool:
         status = str(response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
         return code in _CONFLICT_CODES or status in ("412", "409")
     return False
+
+
+@functools.cache
+def _require_conditional_puts() -> None:
+    """Raise unless botocore knows PutObject's ``IfMatch``/``IfNoneMatch`` (s3fs drops parameters the installed
+    botocore does not know, which would turn the compare-and-swap into a plain overwrite without a word)."""
+    import botocore.session
+
+    members = botocore.session.get_session().get_service_model("s3").operation_model("PutObject").input_shape.members
+    if "IfMatch" not in members or "IfNoneMatch" not in members:
+        raise CheckpointError(
+            "the installed botocore cannot send conditional writes (PutObject IfMatch/IfNoneMatch); "
+            "upgrade s3fs/aiobotocore: pip install -U 'elastictrain[s3]'"
+        )
 
 
 class FsspecStorage(CheckpointStorage):
@@ -184,6 +199,7 @@ class FsspecStorage(CheckpointStorage):
         step = parse_step(name)
         if step is None:
             raise ValueError(f"{name!r} is not a checkpoint folder name (step-NNNNNNNN)")
+        _require_conditional_puts()
         loc, fs = self.location, self.fs
         object_key = self._key(LATEST).split("/", 1)[1]
         data = (name + "\n").encode()

@@ -333,3 +333,28 @@ def test_the_tools_find_the_location_a_run_recorded_and_distrust_its_config(tmp_
     (run / "config.yaml").write_bytes(b"x: " + b"a" * (2 << 20))
     with pytest.raises(ValueError, match="larger than"):
         recorded_location(run)
+
+
+def test_a_botocore_without_conditional_writes_is_refused_not_silently_unconditional(s3_storage, monkeypatch):
+    """s3fs drops parameters botocore does not know: without IfMatch the swap would be a plain overwrite."""
+    import botocore.session
+
+    from elastictrain.checkpoint import objectstore
+    from elastictrain.errors import CheckpointError
+
+    real = botocore.session.Session.get_service_model
+
+    def without_if_match(self, name, api_version=None):
+        model = real(self, name, api_version)
+        members = model.operation_model("PutObject").input_shape.members
+        members.pop("IfMatch", None)
+        return model
+
+    objectstore._require_conditional_puts.cache_clear()
+    monkeypatch.setattr(botocore.session.Session, "get_service_model", without_if_match)
+    try:
+        with pytest.raises(CheckpointError, match="cannot send conditional writes"):
+            s3_storage.set_latest("step-00000001")
+        assert s3_storage.get_latest() is None
+    finally:
+        objectstore._require_conditional_puts.cache_clear()
