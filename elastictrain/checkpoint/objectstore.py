@@ -24,11 +24,13 @@ import contextlib
 import functools
 import os
 from collections.abc import Iterator
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-from elastictrain.checkpoint.location import ObjectLocation
 from elastictrain.checkpoint.storage import LATEST, CheckpointStorage, LatestIsNewer, parse_step
 from elastictrain.errors import CheckpointError
+
+if TYPE_CHECKING:  # location.py builds this storage from its parsed URL; the import runs one way
+    from elastictrain.checkpoint.location import ObjectLocation
 
 DEFAULT_BLOCK_SIZE = 16 << 20
 """Bytes per uploaded part (S3's minimum is 5 MiB) and per read-ahead block."""
