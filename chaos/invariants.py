@@ -136,11 +136,12 @@ def check_no_leftovers(leftovers: Sequence[str], *, name: str = "no process of t
 FAULT_ACTIONS = frozenset(
     {"kill-worker", "kill-host", "preempt-host", "freeze-worker", "etcd-outage", "kill-during-checkpoint",
      "kill-during-commit", "kill-job", "partition-host", "kill-agent", "kill-rank0-spare-writer", "slow-worker",
-     "hang-worker"}
+     "hang-worker", "preemption-notice", "store-down"}
 )  # fmt: skip
 
 
 EXPECTED_REASONS: dict[str, tuple[str, ...]] = {
+    "preemption-notice": ("hosts_removed",),
     "partition-host": ("hosts_removed", "worker_failed"),
     "preempt-host": ("hosts_removed",),
     "kill-agent": ("hosts_removed",),

@@ -306,6 +306,11 @@ def clean_env(env: Mapping[str, str]) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------- system
+def aws_notice(when: float) -> dict[str, str]:
+    """AWS's ``spot/instance-action`` answer for an instance terminated at Unix time ``when``."""
+    return {"action": "terminate", "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when))}
+
+
 def sshd_binary() -> str | None:
     for candidate in (shutil.which("sshd"), "/usr/sbin/sshd"):
         if candidate and os.access(candidate, os.X_OK):
@@ -537,6 +542,7 @@ class Cluster:
         drain_grace_seconds: float = 2.0,
         out: Callable[[str], None] = print,
         share_nothing_run_dir: Path | None = None,
+        preemption_notice: bool = False,
     ) -> None:
         from elastictrain.config import DiscoveryConfig
 
@@ -562,6 +568,11 @@ class Cluster:
         self.store: subprocess.Popen[bytes] | None = None
         self.store_endpoint = ""
         self.provisioned: list[Path] = []
+        self.preemption_notice = preemption_notice
+        """Set: each node has a metadata service of its own on the bridge speaking AWS's protocol (the local one of
+        ``tests/fixtures/metadata_server.py``), and its agent watches it (``--preemption-notice aws``):
+        :meth:`give_notice` is the cloud's spot notice to that node."""
+        self.metadata: dict[int, Any] = {}
 
     # -- life
     def __enter__(self) -> Cluster:
@@ -610,6 +621,9 @@ class Cluster:
             for i in range(self.nodes):
                 self.wipe_disk(i)
             self._start_store()
+        if self.preemption_notice:
+            for i in range(self.nodes):
+                self._start_metadata(i)
         for i in range(self.nodes):
             self.start_node(i)
         for i in range(self.nodes):
@@ -805,8 +819,13 @@ class Cluster:
             host=self.n.address(i),
             drain_grace_seconds=self.drain_grace_seconds,
         )
+        env = {**base, envnames.JOB: self.job}
+        if self.preemption_notice:  # a new machine: no notice on its metadata service
+            self.metadata[i].set(aws_action=None)
+            agent = [*agent, "--preemption-notice", "aws"]
+            env[envnames.AWS_METADATA] = self.metadata[i].url
         # The agent carries the job in its environment, like the launcher's agents: chaos.procs finds it.
-        self.agents[i] = self._spawn(i, agent, f"agent-n{i}.log", {**base, envnames.JOB: self.job})
+        self.agents[i] = self._spawn(i, agent, f"agent-n{i}.log", env)
 
     def ready_hosts(self) -> set[str]:
         from discovery.registry import EtcdRegistry, RegistryError
@@ -854,6 +873,53 @@ class Cluster:
         """Node ``i`` cut off the bridge (its veth down) for ``seconds``, then back."""
         return faults.partition_host(log, job, self.n.address(i), seconds=seconds, veth=self.n.veth(i))
 
+    def _start_metadata(self, i: int) -> None:
+        from tests.fixtures.metadata_server import MetadataServer
+
+        self.metadata[i] = MetadataServer(host=self.n.bridge_address).__enter__()
+
+    def _stop_metadata(self) -> None:
+        for server in self.metadata.values():
+            server.__exit__(None, None, None)
+
+    def give_notice(self, i: int, log: faults.ChaosLog, job: JobRef, seconds: float) -> dict[str, Any]:
+        """The cloud's spot notice to node ``i`` (AWS ``spot/instance-action``: terminate in ``seconds``); its agent
+        reads it within a poll and drains the host."""
+        if not self.preemption_notice:
+            raise ScenarioError("a preemption notice needs the tier's metadata services (Cluster(preemption_notice=))")
+        now = time.time()
+        self.metadata[i].set(aws_action=aws_notice(now + seconds))
+        return log.log(
+            "preemption-notice", job=job.job, host=self.n.address(i), node=i, notice_time=round(now + seconds, 3)
+        )
+
+    def replace_node(self, i: int, log: faults.ChaosLog, job: JobRef) -> dict[str, Any]:
+        """The cloud ends node ``i`` and a new machine takes its place: every process SIGKILLed, the disk emptied,
+        the node booted again (no notice on its metadata service) and ready."""
+        record = self.kill_node(i, log, job)
+        if self.share_nothing:
+            self.wipe_disk(i)
+            log.log("disk-lost", job=job.job, host=self.n.address(i), node=i)
+        self.start_node(i)
+        self.wait_node_ready(i)
+        log.log("host-returns", job=job.job, host=self.n.address(i), node=i)
+        return record
+
+    def store_outage(self, log: faults.ChaosLog, job: JobRef, seconds: float) -> dict[str, Any]:
+        """The tier's S3 server SIGSTOPped for ``seconds`` (connections hang, as in an outage); SIGCONT after."""
+        if self.store is None:
+            raise ScenarioError("a store outage needs the share-nothing tier's S3 server")
+        store = psutil.Process(self.store.pid)
+        record = log.log("store-down", job=job.job, seconds=seconds, store_pid=store.pid)
+        try:
+            store.send_signal(signal.SIGSTOP)
+            faults._hold(seconds)
+        finally:
+            with contextlib.suppress(psutil.Error):
+                store.send_signal(signal.SIGCONT)
+            log.log("store-down", phase="end", job=job.job, store_pid=store.pid)
+        return record
+
     # -- the end
     def stop_agents(self, timeout: float = 10.0) -> None:
         """SIGTERM twice (drain, then skip the grace: the lease is revoked) to every live agent; SIGKILL late ones."""
@@ -877,6 +943,8 @@ class Cluster:
             steps.append(("stop etcd", self.etcd.stop))
         if self.store is not None:
             steps.append(("stop the S3 server", lambda: _stop(self.store)))
+        if self.metadata:
+            steps.append(("stop the metadata services", self._stop_metadata))
         if self.names is not None:
             steps.append(("remove namespaces and links", lambda: destroy(self.n)))
         for what, step in steps:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import random
 import signal
@@ -42,7 +43,7 @@ from elastictrain.commands import elastictrain_command
 from elastictrain.errors import ScenarioError
 from elastictrain.fileio import write_atomic
 from elastictrain.rundir import layout
-from elastictrain.rundir.events import Checkpoint, Commit, Event, Reset, of_kind
+from elastictrain.rundir.events import Checkpoint, Commit, Event, PreemptionCheckpoint, Reset, Start, of_kind
 from elastictrain.tools.audit import SampleAudit
 
 DEFAULT_RUNS = REPO / "runs" / "chaos"
@@ -112,6 +113,10 @@ class Scenario:
     share_nothing: bool = False
     """On the multi-node tier: nodes share nothing but the network (each its own disk; checkpoints in the tier's S3
     server, the workers' signals and records through etcd; :class:`chaos.netns.Cluster`)."""
+    preemption_notice: bool = False
+    """On the multi-node tier: each node has a metadata service (AWS's protocol) that its agent watches."""
+    rejoin: bool = True
+    """On the multi-node tier: a node comes back during the run and must rejoin the ring (checked)."""
     must_reset: frozenset[str] = frozenset()
     """Fault actions that must be followed by a reset in this scenario beyond :data:`chaos.invariants.RESET_EXPECTED`
     (a freeze longer than the Gloo timeout, a slowdown under ``elastic.stragglers: evict``)."""
@@ -536,6 +541,144 @@ def _node_rank0_killed(r: LaunchedJob, quick: bool) -> None:
     r.log.log("host-returns", job=r.job_name, host=rank0.host, node=i)
 
 
+NOTICE_ONE_SECONDS = 120.0
+"""A spot notice on one node ends it this long after (AWS's two minutes); the node is replaced once drained."""
+NOTICE_EVERY_SECONDS = 30.0
+"""Notices on every node end them this long after (GCP's 30 s, the shortest warning of the three clouds)."""
+STORE_DOWN_SECONDS = 30.0
+
+
+def _share_nothing_run(r: LaunchedJob, name: str) -> ClusterRun:
+    if not isinstance(r, ClusterRun) or not r.cluster.share_nothing:
+        raise ScenarioError(f"{name} needs the multi-node tier, sharing nothing (chaos/netns.py)")
+    return r
+
+
+def share_nothing_scenario(name: str, description: str, **options: Any) -> Callable[[Inject], Inject]:
+    """:func:`scenario` on the multi-node tier sharing nothing (:func:`_share_nothing_config`), not run by CI."""
+    options.setdefault("cfg", _share_nothing_config)
+    return scenario(
+        name,
+        f"multi-node, sharing nothing: {description}",
+        ci=False,
+        nodes=MULTI_NODE_NODES,
+        share_nothing=True,
+        **options,
+    )
+
+
+@share_nothing_scenario(
+    "notice-one-node",
+    "the cloud's spot notice on one node (not rank 0's): drained with 0 steps lost; a new machine takes its place",
+    preemption_notice=True,
+    graceful=True,
+    must_reset=frozenset({"preemption-notice"}),
+)
+def _notice_one_node(r: LaunchedJob, quick: bool) -> None:
+    """A notice on a node through its metadata service; its agent drains it; once the job has shrunk, the node is
+    replaced (killed, its disk emptied, booted again) and rejoins."""
+    run = _share_nothing_run(r, "notice-one-node")
+    run.wait_step(20)
+    i, _ = run.victim()
+    record = run.cluster.give_notice(i, run.log, run.job(), NOTICE_ONE_SECONDS)
+    run.wait_reset_after(float(record["ts"]))
+    run.cluster.replace_node(i, run.log, run.job())
+
+
+def jit_checkpointed(events: Sequence[Event]) -> Checkpoint | None:
+    """The checkpoint of the last commit, written as a just-in-time checkpoint (a ``preemption_checkpoint`` at its
+    step), once it is there; else None."""
+    jit = {e.step for e in of_kind(events, PreemptionCheckpoint)}
+    last = max((e.step for e in of_kind(events, Commit)), default=None)
+    return next((c for c in of_kind(events, Checkpoint) if c.step == last and c.step in jit), None)
+
+
+@share_nothing_scenario(
+    "notice-every-node",
+    "spot notices on every node: a just-in-time checkpoint of the last commit into the store before the notices' "
+    "end; every node replaced by a new machine with an empty disk; the job resumes from the store at that commit",
+    preemption_notice=True,
+    expect_reset=False,
+)
+def _notice_every_node(r: LaunchedJob, quick: bool) -> None:
+    run = _share_nothing_run(r, "notice-every-node")
+    run.wait_step(20)
+    job = run.job()
+    for i in range(run.cluster.nodes):
+        run.cluster.give_notice(i, run.log, job, NOTICE_EVERY_SECONDS)
+    run.wait_for(lambda: jit_checkpointed(run.events()), NOTICE_EVERY_SECONDS, "a just-in-time checkpoint")
+    # The notices' end: the cloud takes every machine; new ones with empty disks boot in their places.
+    for i in range(run.cluster.nodes):
+        run.cluster.kill_node(i, run.log, job)
+        run.cluster.wipe_disk(i)
+        run.log.log("disk-lost", job=run.job_name, host=run.cluster.n.address(i), node=i)
+    for i in range(run.cluster.nodes):
+        run.cluster.start_node(i)
+    for i in range(run.cluster.nodes):
+        run.cluster.wait_node_ready(i)
+        run.log.log("host-returns", job=run.job_name, host=run.cluster.n.address(i), node=i)
+
+
+def _store_down_config(quick: bool) -> dict[str, Any]:
+    cfg = _share_nothing_config(quick)
+    cfg["training"]["epochs"] = max(int(cfg["training"]["epochs"]), 10)  # outlasts a 30-s outage after step 20
+    return cfg
+
+
+@share_nothing_scenario(
+    "store-down",
+    "the tier's S3 server SIGSTOPped for 30 s during training: training goes on, checkpoints resume after",
+    expect_reset=False,
+    rejoin=False,
+    cfg=_store_down_config,
+)
+def _store_down(r: LaunchedJob, quick: bool) -> None:
+    run = _share_nothing_run(r, "store-down")
+    run.wait_step(20)
+    run.cluster.store_outage(run.log, run.job(), STORE_DOWN_SECONDS)
+
+
+def check_jit_resume(chaos_events: Sequence[dict[str, Any]], events: Sequence[Event]) -> inv.Check:
+    """Notices on every node: the last commit before the nodes were killed was checkpointed before the notices' end,
+    and the job's next start resumed from it (0 committed steps lost)."""
+    name = "just-in-time checkpoint, resumed with 0 committed steps lost"
+    notices = [f for f in chaos_events if f.get("action") == "preemption-notice"]
+    kills = [f for f in chaos_events if f.get("action") == "kill-host"]
+    if not notices or not kills:
+        return inv.Check(name, False, "no notice or no kill recorded")
+    noticed_at, killed_at = float(notices[0]["ts"]), float(kills[0]["ts"])
+    end = min(float(f.get("notice_time", math.inf)) for f in notices)
+    before = [e for e in events if e.ts < killed_at]
+    last = max((e.step for e in of_kind(before, Commit)), default=None)
+    durable = next((c for c in of_kind(before, Checkpoint) if c.step == last and c.ts >= noticed_at), None)
+    jit = [e for e in of_kind(before, PreemptionCheckpoint) if e.step == last]
+    start = next((e for e in of_kind(events, Start) if e.ts >= killed_at), None)
+    if durable is None or not jit:
+        return inv.Check(name, False, f"no just-in-time checkpoint of the last commit (step {last})")
+    if start is None:
+        return inv.Check(name, False, "the job did not start again after the nodes were replaced")
+    ok = durable.ts <= end and start.resumed_from_step == last
+    return inv.Check(
+        name,
+        ok,
+        f"notice -> step {last} durable in {durable.ts - noticed_at:.2f}s ({end - durable.ts:.1f}s before the end); "
+        f"resumed from step {start.resumed_from_step}",
+        durable.ts - noticed_at,
+    )
+
+
+def check_checkpointed_after(chaos_events: Sequence[dict[str, Any]], events: Sequence[Event], action: str) -> inv.Check:
+    """A checkpoint was written after the outage ``action`` ended (saves resumed)."""
+    name = "checkpoints resumed after the outage"
+    end = next((f for f in chaos_events if f.get("action") == action and f.get("phase") == "end"), None)
+    if end is None:
+        return inv.Check(name, False, "outage end not recorded")
+    after = [c for c in of_kind(events, Checkpoint) if c.ts > float(end["ts"])]
+    if not after:
+        return inv.Check(name, False, "no checkpoint after the outage")
+    return inv.Check(name, True, f"first at step {after[0].step}, {after[0].ts - float(end['ts']):.1f}s after it")
+
+
 @multi_node_scenario("node-partitioned", "a node cut off the bridge for 15 s, then back")
 def _node_partitioned(r: LaunchedJob, quick: bool) -> None:
     """Cut a node (not rank 0's) off the bridge for 15 s; it comes back by itself when the link returns."""
@@ -629,12 +772,17 @@ def check_run(
     if scenario.nodes:
         required |= {"partition-host"}  # cut off longer than the lease TTL: the node must leave the ring
     checks.append(inv.check_recovered(recs, expect_reset=scenario.expect_reset, required=required))
-    if scenario.nodes:
+    if scenario.nodes and scenario.rejoin:
         checks.append(inv.check_rejoined(chaos_events, events))
     if scenario.graceful:
         checks.append(inv.check_no_step_lost(recs))
     if scenario.name == "etcd-outage":
         checks.append(check_trained_during(chaos_events, events, "etcd-outage"))
+    if scenario.name == "store-down":
+        checks.append(check_trained_during(chaos_events, events, "store-down"))
+        checks.append(check_checkpointed_after(chaos_events, events, "store-down"))
+    if scenario.name == "notice-every-node":
+        checks.append(check_jit_resume(chaos_events, events))
     if scenario.name == "kill-during-checkpoint":
         hit = next((f for f in chaos_events if f.get("action") == "kill-during-checkpoint"), None)
         checks.append(
@@ -761,6 +909,7 @@ def _tier(
         heartbeat_seconds=float(disc.get("heartbeat_seconds", 0.5)),
         out=out,
         share_nothing_run_dir=run_dir if scenario.share_nothing else None,
+        preemption_notice=scenario.preemption_notice,
     )
     with cluster:
         saved = {k: os.environ.get(k) for k in cluster.store_env()} if scenario.share_nothing else {}
