@@ -80,6 +80,18 @@ def test_hysteresis_moves_shares_only_past_the_threshold_and_never_back_and_fort
     assert d.changed and rank_shares(d.state, hosts, 90, POLICY) == [45, 45]
 
 
+def test_a_host_down_to_a_few_samples_does_not_flap_by_one_sample():
+    hosts = ["a", "b", "c"]
+    seen = dict.fromkeys(hosts, 40)
+    d = decide(ShareState(), {"a": 1000.0, "b": 1000.0, "c": 50.0}, hosts, 42, POLICY, seen=seen)
+    assert d.changed and rank_shares(d.state, hosts, 42, POLICY) == [21, 20, 1]
+    for c in (75.0, 40.0, 90.0):  # +50%, -20%, +80% of c's own share, a few % of an equal one
+        again = decide(d.state, {"a": 1000.0, "b": 1000.0, "c": c}, hosts, 42, POLICY, seen=seen)
+        assert not again.changed, again.reason
+    recovered = decide(d.state, {"a": 1000.0, "b": 1000.0, "c": 600.0}, hosts, 42, POLICY, seen=seen)
+    assert recovered.changed and rank_shares(recovered.state, hosts, 42, POLICY)[2] == 10
+
+
 def test_smoothing_has_a_half_life_in_steps_and_the_warm_up_steps_are_forgotten():
     policy = SharePolicy(halflife_steps=10, threshold=0.1, warmup_steps=20)
     hosts = ["a", "b"]

@@ -13,7 +13,8 @@ The API (pure functions over a :class:`ShareState`; the trainer holds one :class
 - :func:`decide` ``(state, measured, rank_hosts, global_batch, policy, caps)`` -> :class:`ShareDecision`: the next
   state. Speeds are smoothed with a half-life in steps (``policy.halflife_steps``, so the smoothing does not depend
   on how often commits come); the applied weights move to the speeds only when some host's fraction of the step
-  would change by more than ``policy.threshold`` of its current fraction (hysteresis: noise does not make shares
+  would change by more than ``policy.threshold`` of its current fraction, or of an equal fraction when that is
+  larger (hysteresis: noise, or one sample more or less for a host down to a few, does not make shares
   oscillate), and only once every host of the ring has been measured over ``policy.warmup_steps`` (the first
   steps after a start are slower).
 - :func:`rank_shares` ``(state, rank_hosts, global_batch, policy, caps)``: per-rank integer shares of a full step,
@@ -224,7 +225,10 @@ def decide(
     mean = sum(applied.values()) / len(applied) if applied else 1.0
     before = {h: applied.get(h, mean) for h in hosts}
     now, then = _fractions(target, rank_hosts), _fractions(before, rank_hosts)
-    moved = {h: abs(now[h] - then[h]) / then[h] for h in hosts if then.get(h)}
+    # measured against the host's fraction, or an equal one when that is larger: a host down to a few samples
+    # does not flap by one sample (1 -> 2 would be a 100% move)
+    equal = {h: rank_hosts.count(h) / len(rank_hosts) for h in hosts}
+    moved = {h: abs(now[h] - then[h]) / max(then[h], equal[h]) for h in hosts if then.get(h)}
     worst = max(moved, key=lambda h: (moved[h], h)) if moved else None
     if worst is None or moved[worst] <= policy.threshold:
         note = f"{worst} would move {moved[worst]:.0%}" if worst else "nothing measured"
