@@ -222,7 +222,7 @@ class ElasticConfig:
     account after this many steps, whatever ``commit_every_steps`` is."""
     share_threshold: float = 0.15
     """``balance``: shares move only when some host's fraction of a step would change by more than this part of
-    it (>= 0), so that noise does not make them oscillate."""
+    it, or of an equal fraction when that is larger (>= 0), so that noise does not make them oscillate."""
     share_min_per_worker: int = 1
     """``balance``: samples every worker gets at least per step, so a slow host stays measured (>= 0)."""
     share_max_per_worker: int | None = None
