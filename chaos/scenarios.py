@@ -599,6 +599,7 @@ def jit_checkpointed(events: Sequence[Event]) -> Checkpoint | None:
     "end; every node replaced by a new machine with an empty disk; the job resumes from the store at that commit",
     preemption_notice=True,
     expect_reset=False,
+    rejoin=False,  # the new machines join a relaunch, not a reset: check_jit_resume checks they are in it
 )
 def _notice_every_node(r: LaunchedJob, quick: bool) -> None:
     run = _share_nothing_run(r, "notice-every-node")
@@ -640,7 +641,7 @@ def _store_down(r: LaunchedJob, quick: bool) -> None:
 
 def check_jit_resume(chaos_events: Sequence[dict[str, Any]], events: Sequence[Event]) -> inv.Check:
     """Notices on every node: the last commit before the nodes were killed was checkpointed before the notices' end,
-    and the job's next start resumed from it (0 committed steps lost)."""
+    and the job's next start resumed from it (0 committed steps lost) on the machines that came back."""
     name = "just-in-time checkpoint, resumed with 0 committed steps lost"
     notices = [f for f in chaos_events if f.get("action") == "preemption-notice"]
     kills = [f for f in chaos_events if f.get("action") == "kill-host"]
@@ -657,12 +658,15 @@ def check_jit_resume(chaos_events: Sequence[dict[str, Any]], events: Sequence[Ev
         return inv.Check(name, False, f"no just-in-time checkpoint of the last commit (step {last})")
     if start is None:
         return inv.Check(name, False, "the job did not start again after the nodes were replaced")
-    ok = durable.ts <= end and start.resumed_from_step == last
+    returned = {str(f["host"]) for f in chaos_events if f.get("action") == "host-returns" and f.get("host")}
+    missing = sorted(returned - set(start.hosts or ()))
+    ok = durable.ts <= end and start.resumed_from_step == last and not missing
     return inv.Check(
         name,
         ok,
         f"notice -> step {last} durable in {durable.ts - noticed_at:.2f}s ({end - durable.ts:.1f}s before the end); "
-        f"resumed from step {start.resumed_from_step}",
+        f"resumed from step {start.resumed_from_step} {start.ts - killed_at:.1f}s after the kill on "
+        f"{len(start.hosts or ())} host(s)" + (f"; not on the new machines {', '.join(missing)}" if missing else ""),
         durable.ts - noticed_at,
     )
 

@@ -23,7 +23,7 @@ def test_the_scenarios_are_registered_on_the_share_nothing_tier_with_their_optio
         assert s.cfg(True)["checkpoint"]["location"].startswith("s3://")
     assert one.preemption_notice and every.preemption_notice and not store.preemption_notice
     assert one.graceful and "preemption-notice" in one.must_reset
-    assert not store.rejoin and not store.expect_reset
+    assert not store.rejoin and not store.expect_reset and not every.rejoin
     assert {"preemption-notice", "store-down"} <= FAULT_ACTIONS
     assert "preemption-notice" not in RESET_EXPECTED, "notices on every node are followed by a relaunch, not a reset"
 
@@ -48,13 +48,18 @@ def jit(step: int, ts: float) -> PreemptionCheckpoint:
     return PreemptionCheckpoint(step=step, epoch=0, world_size=3, ts=ts, deadline=T0 + 30, waited=True)
 
 
-def start(ts: float, resumed: int | None) -> Start:
-    return Start(step=resumed or 0, epoch=0, world_size=3, ts=ts, resumed_from_step=resumed)
+HOSTS = [f"169.254.77.{i}" for i in (10, 11, 12)]
+
+
+def start(ts: float, resumed: int | None, hosts: list[str] = HOSTS) -> Start:
+    return Start(step=resumed or 0, epoch=0, world_size=len(hosts), ts=ts, resumed_from_step=resumed, hosts=hosts)
 
 
 CHAOS: list[dict[str, Any]] = [
-    {"ts": T0, "action": "preemption-notice", "host": f"169.254.77.{i}", "notice_time": T0 + 30} for i in (1, 2, 3)
-] + [{"ts": T0 + 5, "action": "kill-host", "host": "169.254.77.1"}]
+    *({"ts": T0, "action": "preemption-notice", "host": h, "notice_time": T0 + 30} for h in HOSTS),
+    {"ts": T0 + 5, "action": "kill-host", "host": HOSTS[0]},
+    *({"ts": T0 + 10, "action": "host-returns", "host": h} for h in HOSTS),
+]
 
 
 def test_jit_checkpointed_is_the_checkpoint_of_the_last_commit_written_for_a_notice() -> None:
@@ -81,6 +86,9 @@ def test_check_jit_resume_fails_on_a_lost_commit_a_late_save_or_no_save() -> Non
     periodic = [commit(45, T0 + 1), saved(45, T0 + 1.5), start(T0 + 20, 45)]
     assert scenarios.check_jit_resume(CHAOS, periodic).ok is False
     assert scenarios.check_jit_resume(CHAOS, [commit(45, T0 + 1), jit(45, T0 + 1.2), saved(45, T0 + 1.5)]).ok is False
+    without_a_new_machine = [commit(45, T0 + 1), jit(45, T0 + 1.2), saved(45, T0 + 1.5), start(T0 + 20, 45, HOSTS[:2])]
+    check = scenarios.check_jit_resume(CHAOS, without_a_new_machine)
+    assert check.ok is False and HOSTS[2] in check.detail
 
 
 def test_checkpoints_resumed_after_an_outage_only_when_one_is_written_after_its_end() -> None:
