@@ -50,7 +50,7 @@ def build(ballast_mib: int = 0, **kwargs):
 """
 
 
-def write_config(tmp_path: Path, job: str, *, max_steps: int, ballast_mib: int) -> Path:
+def write_config(tmp_path: Path, job: str, *, max_steps: int, ballast_mib: int, location: str | None) -> Path:
     (tmp_path / "ballast.py").write_text(BALLAST_TASK)
     cfg = {
         "job": job,
@@ -70,7 +70,8 @@ def write_config(tmp_path: Path, job: str, *, max_steps: int, ballast_mib: int) 
         "training": {"epochs": 1, "max_steps": max_steps, "base_lr": 0.05, "log_every_steps": 5},
         "elastic": {"commit_every_steps": 5, "min_np": 2, "max_np": 2, "base_world_size": 2},
         # No periodic checkpoint: the only checkpoints of the first attempt are the notice's.
-        "checkpoint": {"every_steps": None, "every_epochs": None, "keep_last": 2},
+        "checkpoint": {"every_steps": None, "every_epochs": None, "keep_last": 2}
+        | ({"location": location} if location else {}),
         "tracking": {"mlflow": False, "progress_bar": False},
         "discovery": {"ttl_seconds": 3, "heartbeat_seconds": 0.5},
     }
@@ -90,15 +91,22 @@ def give_every_host_a_notice(etcd: str, job: str, until: float) -> list[str]:
 
 
 @needs_horovod
-@pytest.mark.parametrize("ballast_mib", [0, 100], ids=["small", "100MiB"])
+@pytest.mark.parametrize(
+    ("ballast_mib", "store"), [(0, "local"), (100, "local"), (100, "s3")], ids=["small", "100MiB", "100MiB-s3"]
+)
 def test_notices_on_every_host_checkpoint_the_last_commit_in_time_and_the_relaunch_loses_no_committed_step(
     procs: ProcessGroup,
     tmp_path: Path,
     no_leftovers: list[Launch],  # noqa: F811 - the fixture
+    request: pytest.FixtureRequest,
     ballast_mib: int,
+    store: str,
 ) -> None:
     steps = 400
-    config = write_config(tmp_path, f"jit-{ballast_mib}", max_steps=steps, ballast_mib=ballast_mib)
+    # s3: checkpoints in a real S3 API server on loopback (moto's; the fixture sets the AWS chain's variables, which
+    # the launcher and its workers inherit).
+    location = request.getfixturevalue("s3_server").url("checkpoints") if store == "s3" else None
+    config = write_config(tmp_path, f"jit-{ballast_mib}", max_steps=steps, ballast_mib=ballast_mib, location=location)
     launch = Launch(procs, config, tmp_path, "--wait-hosts-seconds", "90", "--gloo-timeout-seconds", "60")
     no_leftovers.append(launch)
     run_dir = launch.run_dir
@@ -162,7 +170,6 @@ def test_notices_on_every_host_checkpoint_the_last_commit_in_time_and_the_relaun
     jit = of_kind(evs, PreemptionCheckpoint)
     assert jit and all(e.deadline == pytest.approx(deadline) for e in jit)
     print(
-        f"\nballast {ballast_mib} MiB: notice -> checkpoint durable {notice_to_durable:.2f} s "
+        f"\nballast {ballast_mib} MiB, {store}: notice -> checkpoint durable {notice_to_durable:.2f} s "
         f"(step {first.step}, {len(jit)} just-in-time save(s), last commit {last_commit})"
     )
-    (tmp_path.parent / f"jit-{ballast_mib}.txt").write_text(f"{notice_to_durable:.3f}\n")
