@@ -32,7 +32,7 @@ from tests.integration.test_launch import (
     no_leftovers,  # noqa: F401 - a fixture
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 
 NOTICE_SECONDS = 30.0
 """GCP's warning: the notices' end is this far after they are written."""
