@@ -17,7 +17,8 @@ from elastictrain.engine.collective import Collective, HorovodCollective
 from elastictrain.engine.health.eviction import EtcdEvictor
 from elastictrain.engine.health.hang import HangDetector, announce, first_step_bound, gloo_timeout_seconds
 from elastictrain.engine.health.preemption import PreemptionWatch
-from elastictrain.engine.health.signals import RENDEZVOUS, open_signals
+from elastictrain.engine.health.signals import RENDEZVOUS
+from elastictrain.engine.health.transport import open_signals
 from elastictrain.engine.trainer import Trainer, run_trainer
 from elastictrain.engine.watch import arm_watchdog
 

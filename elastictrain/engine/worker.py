@@ -35,7 +35,8 @@ def main(argv: list[str]) -> int:
         print(f"elastictrain train: error: {e}", file=sys.stderr)
         return 2
     from elastictrain.engine.health.hang import announce
-    from elastictrain.engine.health.signals import STARTUP, open_signals
+    from elastictrain.engine.health.signals import STARTUP
+    from elastictrain.engine.health.transport import open_signals
     from elastictrain.rundir.outbox import open_outbox
 
     try:

@@ -15,7 +15,7 @@ import pytest
 from discovery.registry import LeaseLost, RegistryUnavailable
 from elastictrain import envnames
 from elastictrain.config import etcd_transport, load_config
-from elastictrain.engine.health import signals as signals_module
+from elastictrain.engine.health import transport
 from elastictrain.engine.health.etcd_signals import (
     BEATS_REFRESH_SECONDS,
     FAILURE,
@@ -32,8 +32,8 @@ from elastictrain.engine.health.signals import (
     Beat,
     FileSignals,
     Member,
-    open_signals,
 )
+from elastictrain.engine.health.transport import open_signals
 from elastictrain.errors import ConfigError
 from tests.fixtures.clock import FakeClock
 
@@ -301,7 +301,7 @@ def test_a_bad_elastic_signals_value_is_refused_at_load(tmp_path: Path) -> None:
 def test_open_signals_gives_files_by_default_and_one_etcd_object_per_process(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(signals_module, "_OPENED", {})
+    monkeypatch.setattr(transport, "_OPENED", {})
     monkeypatch.setattr(EtcdSignals, "start", lambda self: self)  # no thread: a unit test opens no connection
     path = tmp_path / "job.yaml"
     path.write_text(f"job: j\nrun_dir: {tmp_path / 'run'}\n")

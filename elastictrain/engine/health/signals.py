@@ -4,9 +4,9 @@
 :mod:`~elastictrain.engine.health.watchdog`) speak. Two transports: :class:`FileSignals` keeps them in
 ``run_dir/.elastic/`` (:mod:`elastictrain.rundir.layout`) on storage the workers share;
 :class:`~elastictrain.engine.health.etcd_signals.EtcdSignals` keeps them in etcd under the job's prefix (no shared
-disk). :func:`open_signals` picks one by ``elastic.signals``. Writes are best effort (a signal that cannot be written
-never fails a worker); what is read is untrusted and checked (:meth:`Beat.parse`, :func:`parse_failure`,
-:func:`parse_verdict`).
+disk). :func:`~elastictrain.engine.health.transport.open_signals` picks one by ``elastic.signals``. Writes are best
+effort (a signal that cannot be written never fails a worker); what is read is untrusted and checked
+(:meth:`Beat.parse`, :func:`parse_failure`, :func:`parse_verdict`).
 """
 
 from __future__ import annotations
@@ -16,13 +16,12 @@ import json
 import math
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from discovery.wire import check_name
-from elastictrain import envnames
 from elastictrain.fileio import write_atomic
 from elastictrain.rundir import layout
 
@@ -39,7 +38,7 @@ MAX_MARK_BYTES = 400
 MAX_VERDICT_CHARS = 300
 
 if TYPE_CHECKING:
-    from elastictrain.config import JobConfig
+    pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,27 +297,3 @@ class FileSignals:
 
     def verdict_since(self, ts: float) -> str | None:
         return self.verdict.since(ts)
-
-
-_OPENED: dict[tuple[str, ...], WorkerSignals] = {}
-
-
-def open_signals(cfg: JobConfig, environ: Mapping[str, str] | None = None) -> WorkerSignals:
-    """This worker's signals for ``cfg`` (``elastic.signals``, :func:`~elastictrain.config.etcd_transport`): one
-    object per process and transport, so that the start-up's announcements and the detector share etcd's lease and
-    thread. Raises :class:`ConfigError` (one line) for an etcd the environment names badly."""
-    env = os.environ if environ is None else environ
-    from elastictrain.config import etcd_transport
-
-    transport = etcd_transport("elastic.signals", cfg.elastic.signals, env)
-    if transport == "files":
-        return FileSignals.of_run_dir(cfg.run_path)
-    key = (transport, env.get(envnames.ETCD, ""), env.get(envnames.ETCD_PREFIX, ""), env.get(envnames.JOB, ""))
-    if key not in _OPENED:
-        from elastictrain.engine.health.etcd_signals import EtcdSignals
-
-        _OPENED[key] = EtcdSignals.from_env(env, hang_seconds=cfg.elastic.hang_seconds).start()
-    return _OPENED[key]
-
-
-os.register_at_fork(after_in_child=_OPENED.clear)  # no thread crosses a fork: a child opens its own
