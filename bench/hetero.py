@@ -3,8 +3,10 @@
 One ``elastictrain launch`` job (embedded etcd and agents) per policy on 4 logical hosts, run one after the other
 in one run; every job goes through the same schedule: a warm-up, a **uniform** phase (all hosts at full speed),
 one non-rank-0 worker's processes put under a CPU quota (:func:`chaos.faults.cpu_quota`, a cgroup) for **half**
-its speed, then for a **quarter**, then the quota lifted (**recovered**). A speed f is a quota of f of one core
-(:data:`QUOTA_CORES`); what the slowed host's speed then is, the profile measures and the ideal uses.
+its speed, then for a **quarter**, then the quota lifted (**recovered**). Speed is the worker's own: a quota that a
+controller corrects every 2 s so that the training thread is held back the right part of the time it wants a core
+(:class:`Slowdown`); what the slowed host's speed then is against the others, the profile measures and the ideal
+uses.
 Policies: ``report`` (equal shares), ``evict`` (drain a host when predicted faster without it; cool-down longer
 than the run), ``balance`` (each host's share follows its speed) when this checkout has it.
 
@@ -22,6 +24,7 @@ Goals (issue 40): at half speed ``balance`` >= 0.9 x ideal, >= 1.25 x ``report``
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import threading
 import time
@@ -48,11 +51,6 @@ WORKERS = 4
 BATCH = 16
 SPEEDS = (0.5, 0.25)
 """The slowed host's speed in the two slow phases (share of its own uniform-phase CPU)."""
-QUOTA_CORES = 1.0
-"""A speed's quota is that share of this many cores. Measured here: the profile put a worker quota'd to q of a core
-at about q of the others' speed (0.05-0.12 of a core: 0.05-0.14), although its training thread got only about 0.2
-of a core while it wanted one: its compute comes in bursts that a core serves whole, and the quota also feeds its
-other threads; half of that 0.2 made a 50% host a 10% one."""
 SETTLE_TOLERANCE = 0.1
 """A share has settled once it stays within this part of the phase's last share."""
 GOAL_IDEAL = Goal(">=", 0.9)
@@ -204,35 +202,81 @@ def _metrics_at(size: int, steps: int) -> Callable[[list[Event]], Metrics | None
     return find
 
 
+CONTROL_SECONDS = 2.0
+"""How often :class:`Slowdown` reads the slowed thread's own speed and corrects the quota."""
+
+
+def own_speed(ran: float, waited: float, throttled: float) -> float | None:
+    """A thread's speed relative to itself without the quota, over an interval: of the time it was runnable (``ran``
+    on a CPU + ``waited`` for one), the part its group was not throttling it (``throttled``, capped by ``waited``)."""
+    total = ran + waited
+    if total <= 0:
+        return None
+    return (total - min(max(throttled, 0.0), max(waited, 0.0))) / total
+
+
+def next_quota(quota: float, measured: float | None, target: float, most: float = 2.0) -> float:
+    """The quota after one correction: multiplied by sqrt(target / measured), at most x2 or /2 a step (damped: the
+    speed answers a quota with noise), within the kernel's floor and ``most`` cores."""
+    factor = 0.5 if not measured else min(2.0, max(0.5, (target / measured) ** 0.5))
+    return min(most, max(faults.MIN_CPU_FRACTION, quota * factor))
+
+
 class Slowdown:
-    """A CPU quota on one worker that can change level or be lifted; the group lives in a thread of its own that
-    also moves helpers in (:func:`chaos.faults.cpu_quota`), one thread per level."""
+    """One worker held at a target speed of its own by a CPU quota (:class:`chaos.faults.CpuQuota`) that a thread
+    corrects every :data:`CONTROL_SECONDS` from the training thread's ``schedstat`` and the group's throttled time
+    (a fixed quota gives a speed that depends on the machine's load: 0.12 of a core made a worker 10x slower here,
+    0.25 of a core barely slowed it); the thread also moves the worker's new helpers in. ``samples`` has every
+    correction: ``(ts, quota, measured own speed)``."""
 
     def __init__(self, proc: psutil.Process) -> None:
         self.proc = proc
-        self.runs: list[dict[str, Any]] = []
-        self._stop: threading.Event | None = None
+        self.samples: list[tuple[float, float, float | None]] = []
+        self.target = 1.0
+        self._quota: faults.CpuQuota | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def set(self, cpu_fraction: float | None) -> None:
-        self.lift()
-        if cpu_fraction is None or not self.proc.is_running():
-            return
-        stop = threading.Event()
-        record: dict[str, Any] = {"cpu_fraction": round(cpu_fraction, 4), "t": time.time()}
-        self.runs.append(record)
+    def set(self, speed: float, initial_quota: float) -> None:
+        """Aim at ``speed`` (of its own), starting from ``initial_quota`` cores (later targets: from the quota that
+        held the last one, scaled)."""
+        with self._lock:
+            old, self.target = self.target, speed
+            if self._quota is None:
+                self._quota = faults.CpuQuota(initial_quota)
+                self._quota.add([self.proc])
+                self._thread = threading.Thread(target=self._control, daemon=True)
+                self._thread.start()
+            elif self._quota.cpu_fraction is not None:  # from what held it at the last target, scaled
+                self._quota.set(max(faults.MIN_CPU_FRACTION, self._quota.cpu_fraction * speed / old))
 
-        def hold() -> None:
-            record.update(faults.cpu_quota([self.proc], cpu_fraction, stop).record())
-
-        self._stop, self._thread = stop, threading.Thread(target=hold, daemon=True)
-        self._thread.start()
+    def _control(self) -> None:
+        quota = self._quota
+        assert quota is not None
+        before = (*thread_schedstat(self.proc.pid), quota.stat()["throttled_seconds"])
+        while not self._stop.wait(CONTROL_SECONDS) and self.proc.is_running():
+            quota.follow([self.proc])
+            now = (*thread_schedstat(self.proc.pid), quota.stat()["throttled_seconds"])
+            measured = own_speed(now[0] - before[0], now[1] - before[1], now[2] - before[2])
+            before = now
+            with self._lock:
+                if quota.cpu_fraction is None or self._stop.is_set():
+                    break
+                q = next_quota(quota.cpu_fraction, measured, self.target)
+                with contextlib.suppress(OSError):
+                    quota.set(q)
+                self.samples.append((time.time(), q, measured))
 
     def lift(self) -> None:
-        if self._stop is not None and self._thread is not None:
-            self._stop.set()
+        """Lift the quota and delete the group (the worker and its helpers go back)."""
+        self._stop.set()
+        if self._thread is not None:
             self._thread.join(20)
-        self._stop = self._thread = None
+        with self._lock:
+            if self._quota is not None:
+                self._quota.close()
+            self._quota = None
 
 
 def policy_trial(
@@ -259,10 +303,10 @@ def policy_trial(
         log(f"{policy}: uniform phase done; {host} used {cpu_rate:.2f} CPU s/s, {working:.2f} of a core while working")
         slow = Slowdown(proc)
         for speed in SPEEDS:
-            quota = cpu_quota_for(speed, QUOTA_CORES)
+            quota = cpu_quota_for(speed, working)
             t = time.time()
-            slow.set(quota)
-            log(f"{policy}: {host} at {speed:.0%} speed (quota {quota:.2f} of a core)")
+            slow.set(speed, quota)
+            log(f"{policy}: {host} at {speed:.0%} of its speed (quota from {quota:.2f} of a core, corrected)")
             time.sleep(phase_seconds)
             phases.append(Phase(f"speed {speed:g}", speed, t, time.time()))
         t = time.time()
@@ -293,6 +337,7 @@ def policy_trial(
         "audit": audited,
     }
     out["phases"] = {}
+    control = slow.samples if slow is not None else []
     for ph in phases:
         a, b = ph.steady()
         out["phases"][ph.name] = {
@@ -302,10 +347,12 @@ def policy_trial(
             "whole": window_throughput(evs, ph.t0, ph.t1, BATCH),
             "settled": share_settled(evs, ph.t0, ph.t1, host),
             "measured_speed": measured_speed(evs, a, b, host) if ph.speed < 1.0 else None,
+            "own_speed": _median([m for ts, _q, m in control if a <= ts <= b and m is not None]),
+            "quota": _median([q for ts, q, _m in control if a <= ts <= b]),
         }
     slow_start = phases[1].t0
     out["named"] = steps_until_named([e for e in evs if e.ts <= phases[-1].t1], slow_start, host)
-    out["quota_runs"] = slow.runs if slow is not None else []
+    out["quota_control"] = [[round(ts, 3), round(q, 4), m and round(m, 3)] for ts, q, m in control]
     out["evictions"] = [e.to_record() for e in of_kind(evs, Eviction)]
     out["resets"] = [
         {"step": r.step, "reason": r.reason, "sizes": [r.old_size, r.new_size]} for r in of_kind(evs, Reset)
@@ -414,6 +461,10 @@ def run(ctx: BenchContext) -> Result:
             "trials": trials,
         },
     )
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def _f(x: float | None) -> str:
