@@ -217,8 +217,8 @@ def own_speed(ran: float, waited: float, throttled: float) -> float | None:
 
 def next_quota(quota: float, measured: float | None, target: float, most: float = 2.0) -> float:
     """The quota after one correction: multiplied by sqrt(target / measured), at most x2 or /2 a step (damped: the
-    speed answers a quota with noise), within the kernel's floor and ``most`` cores."""
-    factor = 0.5 if not measured else min(2.0, max(0.5, (target / measured) ** 0.5))
+    speed answers a quota with noise), within the kernel's floor and ``most`` cores; unchanged without a reading."""
+    factor = 1.0 if not measured else min(2.0, max(0.5, (target / measured) ** 0.5))
     return min(most, max(faults.MIN_CPU_FRACTION, quota * factor))
 
 

@@ -79,3 +79,19 @@ def test_the_quota_is_a_share_of_the_core_the_worker_got_while_it_wanted_one() -
     assert hetero.share_while_working((10.0, 5.0), (12.0, 7.0)) == pytest.approx(0.5)
     assert hetero.share_while_working((10.0, 5.0), (10.0, 5.0)) is None  # never ran
     assert hetero.cpu_quota_for(0.5, 0.5) == pytest.approx(0.25)
+
+
+def test_own_speed_is_the_part_of_the_runnable_time_the_quota_did_not_throttle() -> None:
+    assert hetero.own_speed(1.0, 1.0, 1.0) == pytest.approx(0.5)  # throttled all the time it waited
+    assert hetero.own_speed(1.0, 1.0, 0.0) == pytest.approx(1.0)  # waited for busy cores only: its own pace
+    assert hetero.own_speed(1.0, 0.5, 3.0) == pytest.approx(1.0 / 1.5)  # a group's sum over CPUs is capped
+    assert hetero.own_speed(0.0, 0.0, 0.0) is None
+
+
+def test_the_quota_moves_toward_the_target_by_damped_bounded_steps() -> None:
+    assert hetero.next_quota(0.4, 1.0, 0.25) == pytest.approx(0.2)  # sqrt(0.25) = 0.5
+    assert hetero.next_quota(0.1, 0.05, 0.5) == pytest.approx(0.2)  # sqrt(10) bounded to x2
+    assert hetero.next_quota(0.1, 0.5, 0.5) == pytest.approx(0.1)  # on target: unchanged
+    assert hetero.next_quota(0.1, None, 0.5) == pytest.approx(0.1)  # no reading (it did not run): kept
+    assert hetero.next_quota(0.015, 1.0, 0.25) == hetero.faults.MIN_CPU_FRACTION
+    assert hetero.next_quota(1.5, 0.01, 0.5) == 2.0
