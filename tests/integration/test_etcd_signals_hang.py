@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(480)]
 HOSTS = local_logical_hosts()
 needs3 = pytest.mark.skipif(len(HOSTS) < 3, reason=f"needs 3 logical local hosts, found {HOSTS}")
 GLOO_TIMEOUT = 60
-JOB = "hang-etcd"
+JOB = f"hang-etcd-{os.urandom(3).hex()}"  # unique: processes are found by their job name
 SAMPLES = 3072
 
 
