@@ -50,7 +50,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m bench
 
-# The same in under 5 minutes: fewer repeats, a 2-minute goodput run.
+# The quick modes of the fast measurements (bench.QUICK_RUN); `python -m bench --help` lists each one's last time.
 bench-quick: $(STAMP)
 	$(PY) -m bench --quick
 

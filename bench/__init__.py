@@ -12,7 +12,9 @@ written (machine, load average before and after, every number). Exit 0 when ever
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import json
 import shutil
 import sys
 import tempfile
@@ -62,16 +64,23 @@ MEASUREMENTS: dict[str, str] = {
     "scale-up pause, steps redone, goodput, exactly once (torchrun and TorchFT need `make peers-env`)",
 }
 
-__all__ = ["MEASUREMENTS", "main", "parse_only"]
+QUICK_RUN = ("discovery", "elastic_overhead", "commit", "scaling", "checkpoint_stall", "recovery", "scale_up")
+"""What ``--quick`` runs when ``--only`` names nothing: the measurements whose quick modes together take a few
+minutes (their recorded times are in ``--help``); any other runs in its quick mode with ``--quick --only NAME``."""
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+__all__ = ["MEASUREMENTS", "QUICK_RUN", "main", "parse_only", "recorded_times"]
 
 
-def parse_only(value: str | None) -> list[str]:
-    """The measurements named by ``--only`` (comma-separated), in run order; all when None.
+def parse_only(value: str | None, *, quick: bool = False) -> list[str]:
+    """The measurements named by ``--only`` (comma-separated), in run order; when None, all of them, or
+    :data:`QUICK_RUN` with ``quick``.
 
     Raises ``ValueError`` with one line naming an unknown name and the valid ones.
     """
     if value is None:
-        return list(MEASUREMENTS)
+        return [n for n in MEASUREMENTS if n in QUICK_RUN] if quick else list(MEASUREMENTS)
     names = [n.strip() for n in value.split(",") if n.strip()]
     unknown = [n for n in names if n not in MEASUREMENTS]
     if unknown or not names:
@@ -79,6 +88,37 @@ def parse_only(value: str | None) -> list[str]:
             f"--only: unknown measurement {', '.join(unknown) or repr(value)} (choose from {', '.join(MEASUREMENTS)})"
         )
     return [n for n in MEASUREMENTS if n in names]
+
+
+def recorded_times(results: Path = RESULTS) -> dict[str, dict[str, tuple[float, str]]]:
+    """name -> mode (``quick``/``full``) -> (seconds, file) of the newest run in ``results`` that measured it; files
+    that are not a run's JSON are skipped."""
+    out: dict[str, dict[str, tuple[float, str]]] = {}
+    for path in sorted(results.glob("*.json")):  # by name: dates first, so a later file wins
+        try:
+            report = json.loads(path.read_text())
+            mode, measured = report["mode"], report["measurements"]
+            for name, entry in measured.items():
+                seconds = float(entry["seconds"])
+                if mode in ("quick", "full") and name in MEASUREMENTS and seconds > 0:
+                    out.setdefault(name, {})[mode] = (seconds, path.name)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return out
+
+
+def _minutes(times: dict[str, tuple[float, str]], mode: str) -> str:
+    return f"{mode} {times[mode][0] / 60:.1f} min" if mode in times else f"{mode} not timed"
+
+
+def describe_measurements(times: dict[str, dict[str, tuple[float, str]]]) -> str:
+    """The help's list: each measurement, whether ``--quick`` runs it, and its last recorded times."""
+    lines = []
+    for name, about in MEASUREMENTS.items():
+        t = times.get(name, {})
+        run = "in --quick" if name in QUICK_RUN else "--quick --only"
+        lines.append(f"  {name} ({run}; last run: {_minutes(t, 'quick')}, {_minutes(t, 'full')}): {about}")
+    return "\n".join(lines)
 
 
 def run_measurement(name: str, ctx: BenchContext) -> Result:
@@ -101,14 +141,20 @@ def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(
         prog="python -m bench",
         description="Measure the performance goals side by side; results to DIR/<date>-<host>.json and .md.",
-        epilog="measurements: " + "; ".join(f"{k}: {v}" for k, v in MEASUREMENTS.items()),
+        epilog="measurements (times: their last run on the 2-core VM, bench/results):\n"
+        + describe_measurements(recorded_times()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--quick", action="store_true", help="fewer repeats, 2-minute goodput: under 5 minutes")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"quick modes (fewer repeats, shorter windows); without --only: {', '.join(QUICK_RUN)}",
+    )
     p.add_argument("--only", metavar="NAME[,NAME]", help="run only these measurements")
     p.add_argument("--out", metavar="DIR", default="bench/results", help="where results go (bench/results)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        names = parse_only(args.only)
+        names = parse_only(args.only, quick=args.quick)
     except ValueError as e:
         print(f"python -m bench: {e}", file=sys.stderr)
         return 2

@@ -172,6 +172,9 @@ def test_results_are_written_as_date_host_json_and_md(tmp_path: Path) -> None:
 
 def test_only_selects_known_measurements_in_run_order_and_names_a_bad_one() -> None:
     assert bench.parse_only(None) == list(bench.MEASUREMENTS)
+    assert bench.parse_only(None, quick=True) == [n for n in bench.MEASUREMENTS if n in bench.QUICK_RUN]
+    assert set(bench.QUICK_RUN) < set(bench.MEASUREMENTS) and "peers" not in bench.QUICK_RUN
+    assert bench.parse_only("peers", quick=True) == ["peers"], "--only still names any measurement"
     assert bench.parse_only("goodput,discovery") == ["discovery", "goodput"]
     with pytest.raises(ValueError, match=r"unknown measurement bogus \(choose from discovery, "):
         bench.parse_only("discovery,bogus")
@@ -410,3 +413,17 @@ def test_stragglers_jobs_run_the_evict_policy_with_the_default_window_and_hang_b
     assert cfg["elastic"]["stragglers"] == "evict" and cfg["elastic"]["max_np"] == stragglers.WORKERS == 4
     assert "window_steps" not in cfg["elastic"] and "hang_seconds" not in cfg["elastic"]
     assert stragglers.GOAL_NAMED_STEPS.target == 100 and stragglers.GOAL_HANG_SECONDS.target == 15
+
+
+def test_the_help_gives_each_measurements_last_recorded_time_per_mode(tmp_path: Path) -> None:
+    run = {"mode": "quick", "measurements": {"discovery": {"seconds": 12.0}, "bogus": {"seconds": 3.0}}}
+    (tmp_path / "2026-12-01-vm-quick.json").write_text(json.dumps(run))
+    later = {"mode": "quick", "measurements": {"discovery": {"seconds": 90.0}}}
+    (tmp_path / "2026-12-02-vm-quick.json").write_text(json.dumps(later))
+    (tmp_path / "2026-12-03-vm.json").write_text(json.dumps({"mode": "full", "measurements": {"discovery": {}}}))
+    (tmp_path / "notes.json").write_text("[1, 2]")
+    times = bench.recorded_times(tmp_path)
+    assert times == {"discovery": {"quick": (90.0, "2026-12-02-vm-quick.json")}}
+    text = bench.describe_measurements(times)
+    assert "discovery (in --quick; last run: quick 1.5 min, full not timed)" in text
+    assert "peers (--quick --only; last run: quick not timed, full not timed)" in text
