@@ -672,15 +672,18 @@ def check_jit_resume(chaos_events: Sequence[dict[str, Any]], events: Sequence[Ev
 
 
 def check_checkpointed_after(chaos_events: Sequence[dict[str, Any]], events: Sequence[Event], action: str) -> inv.Check:
-    """A checkpoint was written after the outage ``action`` ended (saves resumed)."""
+    """Saves resumed after the outage ``action``: a checkpoint of a step committed after the outage began was written
+    after it ended (a save held through the outage and finished late does not count)."""
     name = "checkpoints resumed after the outage"
+    start = next((f for f in chaos_events if f.get("action") == action and "phase" not in f), None)
     end = next((f for f in chaos_events if f.get("action") == action and f.get("phase") == "end"), None)
-    if end is None:
-        return inv.Check(name, False, "outage end not recorded")
-    after = [c for c in of_kind(events, Checkpoint) if c.ts > float(end["ts"])]
+    if start is None or end is None:
+        return inv.Check(name, False, "outage not recorded")
+    began = max((e.step for e in of_kind(events, Commit) if e.ts <= float(start["ts"])), default=0)
+    after = [c for c in of_kind(events, Checkpoint) if c.ts > float(end["ts"]) and c.step > began]
     if not after:
-        return inv.Check(name, False, "no checkpoint after the outage")
-    return inv.Check(name, True, f"first at step {after[0].step}, {after[0].ts - float(end['ts']):.1f}s after it")
+        return inv.Check(name, False, f"no checkpoint of a step after {began} once the outage ended")
+    return inv.Check(name, True, f"step {after[0].step}, {after[0].ts - float(end['ts']):.1f}s after it ended")
 
 
 @multi_node_scenario("node-partitioned", "a node cut off the bridge for 15 s, then back")

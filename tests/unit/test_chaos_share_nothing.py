@@ -91,9 +91,12 @@ def test_check_jit_resume_fails_on_a_lost_commit_a_late_save_or_no_save() -> Non
     assert check.ok is False and HOSTS[2] in check.detail
 
 
-def test_checkpoints_resumed_after_an_outage_only_when_one_is_written_after_its_end() -> None:
+def test_checkpoints_resumed_after_an_outage_only_with_a_newer_step_saved_after_its_end() -> None:
     chaos = [{"ts": T0, "action": "store-down"}, {"ts": T0 + 30, "action": "store-down", "phase": "end"}]
-    assert scenarios.check_checkpointed_after(chaos, [saved(10, T0 + 10)], "store-down").ok is False
-    check = scenarios.check_checkpointed_after(chaos, [saved(10, T0 + 10), saved(60, T0 + 33)], "store-down")
-    assert check.ok is True and "step 60" in check.detail
-    assert scenarios.check_checkpointed_after(chaos[:1], [saved(60, T0 + 33)], "store-down").ok is False
+    before = [commit(10, T0 - 1), saved(10, T0 + 10)]
+    assert scenarios.check_checkpointed_after(chaos, before, "store-down").ok is False
+    held = [commit(10, T0 - 1), saved(10, T0 + 30.1)]  # the save in flight when the store stopped, finished late
+    assert scenarios.check_checkpointed_after(chaos, held, "store-down").ok is False
+    check = scenarios.check_checkpointed_after(chaos, [*held, saved(490, T0 + 30.6)], "store-down")
+    assert check.ok is True and "step 490" in check.detail
+    assert scenarios.check_checkpointed_after(chaos[:1], [saved(490, T0 + 33)], "store-down").ok is False
