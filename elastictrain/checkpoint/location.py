@@ -13,11 +13,11 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from elastictrain.checkpoint.objectstore import FsspecStorage, ObjectLocation
 from elastictrain.rundir.layout import RunDir
 
 if TYPE_CHECKING:
@@ -37,20 +37,6 @@ _BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.\-_]{1,61}[a-z0-9]")
 _SEGMENT_RE = re.compile(r"[A-Za-z0-9._\-=+]+")
 _MAX_LOCATION = 1024
 _MAX_CONFIG_BYTES = 1 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class ObjectLocation:
-    """A checked object-store URL: ``scheme://bucket/prefix`` (no credentials, no query)."""
-
-    scheme: str
-    bucket: str
-    prefix: str
-    """``/``-separated, no leading or trailing ``/``; empty for the bucket's root."""
-
-    @property
-    def url(self) -> str:
-        return f"{self.scheme}://{self.bucket}" + (f"/{self.prefix}" if self.prefix else "")
 
 
 def _scheme(location: str) -> str | None:
@@ -114,8 +100,6 @@ def storage_for(location: str | None, run_dir: str | os.PathLike[str]) -> Checkp
     problem = location_problem(location)
     if problem is not None:
         raise ValueError(f"checkpoint.location: {problem}")
-    from elastictrain.checkpoint.objectstore import FsspecStorage
-
     return FsspecStorage(parse_object_location(location))
 
 

@@ -24,13 +24,26 @@ import contextlib
 import functools
 import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, BinaryIO
+from dataclasses import dataclass
+from typing import Any, BinaryIO
 
 from elastictrain.checkpoint.storage import LATEST, CheckpointStorage, LatestIsNewer, parse_step
 from elastictrain.errors import CheckpointError
 
-if TYPE_CHECKING:  # location.py builds this storage from its parsed URL; the import runs one way
-    from elastictrain.checkpoint.location import ObjectLocation
+
+@dataclass(frozen=True, slots=True)
+class ObjectLocation:
+    """A checked object-store URL: ``scheme://bucket/prefix`` (no credentials, no query)."""
+
+    scheme: str
+    bucket: str
+    prefix: str
+    """``/``-separated, no leading or trailing ``/``; empty for the bucket's root."""
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://{self.bucket}" + (f"/{self.prefix}" if self.prefix else "")
+
 
 DEFAULT_BLOCK_SIZE = 16 << 20
 """Bytes per uploaded part (S3's minimum is 5 MiB) and per read-ahead block."""

@@ -329,8 +329,12 @@ class Shares(Event):
         " written at the commit from which they apply"
     )
     global_batch: int | None = _doc("samples per step over all workers")
-    shares: dict[str, int] | None = _doc("samples per step of each host (all its workers), summing to `global_batch`")
-    speeds: dict[str, float] | None = _doc("each host's smoothed samples per second, per worker")
+    shares: dict[str, int] | None = field(
+        default=None, metadata={"doc": "samples per step of each host (all its workers), summing to `global_batch`"}
+    )
+    speeds: dict[str, float] | None = field(
+        default=None, metadata={"doc": "each host's smoothed samples per second, per worker"}
+    )
     reason: str | None = _doc("why they changed")
 
 

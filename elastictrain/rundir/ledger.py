@@ -27,13 +27,10 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any, Protocol
 
 from elastictrain.errors import InputError
 from elastictrain.rundir import layout
-
-if TYPE_CHECKING:
-    from elastictrain.rundir.outbox import Outbox
 
 LEDGER_PREFIX = "tenure-"
 """Ledger files are ``tenure-<sequence>-<name>.jsonl``; the sequence orders them (see :func:`ledger_files`)."""
@@ -75,6 +72,12 @@ def next_tenure_seq(ledger_dir: str | Path, taken: Iterable[str] = ()) -> int:
     return 1 + max((tenure_seq(n) for n in names), default=0)
 
 
+class RecordSink(Protocol):
+    """Where a ledger's lines go instead of a file: the worker's :class:`~elastictrain.rundir.outbox.Outbox`."""
+
+    def append(self, stream: str, data: bytes) -> None: ...
+
+
 class SampleLedger:
     """Rank 0's writer: one file per process that holds rank 0 (``name`` makes it unique, e.g. the pid).
 
@@ -90,7 +93,7 @@ class SampleLedger:
         *,
         num_samples: int | None = None,
         drop_last: bool | None = None,
-        outbox: Outbox | None = None,
+        outbox: RecordSink | None = None,
     ) -> None:
         self.dir = Path(root)
         self._outbox = outbox

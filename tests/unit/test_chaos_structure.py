@@ -45,7 +45,9 @@ def test_chaos_modules_import_each_other_without_a_cycle() -> None:
     for mod in sorted(graph):
         visit(mod, [])
     assert "scenarios" not in graph["netns"]
-    assert not graph["jobs"] & {"scenarios", "campaign", "netns", "resets"}, "the harness is under every tier, not over one"
+    assert not graph["jobs"] & {"scenarios", "campaign", "netns", "resets"}, (
+        "the harness is under every tier, not over one"
+    )
 
 
 def test_a_registered_scenario_is_its_function_and_a_name_registers_once(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -258,7 +258,9 @@ def test_the_spot_vm_agent_unit_runs_an_agent_command_line_the_agent_accepts() -
 
     unit = (REPO / "deploy" / "systemd" / "elastictrain-agent.service").read_text()
     service = dict(
-        line.split("=", 1) for line in unit.split("[Service]", 1)[1].split("[Install]", 1)[0].splitlines() if "=" in line
+        line.split("=", 1)
+        for line in unit.split("[Service]", 1)[1].split("[Install]", 1)[0].splitlines()
+        if "=" in line
     )
     argv = shlex.split(service["ExecStart"].replace("${ELASTICTRAIN_ETCD}", "https://etcd:2379"))
     argv = [a.replace("${ELASTICTRAIN_JOB}", "resnet") for a in argv]
