@@ -65,7 +65,7 @@ gpu-check: $(STAMP)
 # make chaos CHAOS_ARGS=--quick
 CHAOS_ARGS ?=
 chaos: $(STAMP)
-	ELASTICTRAIN_CHAOS_LONG=1 $(PYTEST) -q -ra tests/chaos
+	ELASTICTRAIN_CHAOS_LONG=1 $(PYTEST) -q -ra tests/chaos tests/integration/test_preemption_checkpoint.py
 	d=runs/chaos/campaign-short-$$(date +%Y%m%d-%H%M%S); $(PY) -m chaos campaign --faults 24 --seed 1 --run-dir $$d --out $$d.json
 	$(PY) -m chaos run soak --run-dir runs/chaos/soak-$$(date +%Y%m%d-%H%M%S) $(CHAOS_ARGS)
 

@@ -150,6 +150,21 @@ def test_a_tier_sharing_nothing_loses_rank_0s_node_with_its_disk_and_keeps_every
     assert tier_traces() <= before, f"left by the tier: {sorted(tier_traces() - before)}"
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not LONG, reason="share-nothing chaos scenario of `make chaos` (ELASTICTRAIN_CHAOS_LONG=1)")
+@pytest.mark.parametrize(
+    "name", [s.name for s in SCENARIOS.values() if s.share_nothing and s.name != "node-rank0-killed"]
+)
+def test_a_share_nothing_scenario_keeps_every_invariant(name: str, chaos_root: Path) -> None:
+    """Spot notices on one node and on every node (just-in-time checkpoint, new machines, a relaunch from the
+    store), and the object store down for 30 s, on the share-nothing tier."""
+    reason = netns.preflight()
+    if reason is not None:
+        pytest.skip(reason)
+    run_and_check(name, chaos_root)
+
+
 def _events(run_dir: Path) -> list[Event]:
     return read_events(run_dir / layout.EVENTS)
 

@@ -33,6 +33,9 @@ from tests.integration.test_launch import (
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
+LONG_ONLY = pytest.mark.skipif(
+    os.environ.get("ELASTICTRAIN_CHAOS_LONG") != "1", reason="a measurement of `make chaos` (ELASTICTRAIN_CHAOS_LONG=1)"
+)
 
 NOTICE_SECONDS = 30.0
 """GCP's warning: the notices' end is this far after they are written."""
@@ -92,7 +95,14 @@ def give_every_host_a_notice(etcd: str, job: str, until: float) -> list[str]:
 
 @needs_horovod
 @pytest.mark.parametrize(
-    ("ballast_mib", "store"), [(0, "local"), (100, "local"), (100, "s3")], ids=["small", "100MiB", "100MiB-s3"]
+    ("ballast_mib", "store"),
+    [
+        (0, "local"),
+        # The 100-MiB cases measure the goal (a 100 MiB state durable <= 10 s after the notice): `make chaos`.
+        pytest.param(100, "local", marks=LONG_ONLY),
+        pytest.param(100, "s3", marks=LONG_ONLY),
+    ],
+    ids=["small", "100MiB", "100MiB-s3"],
 )
 def test_notices_on_every_host_checkpoint_the_last_commit_in_time_and_the_relaunch_loses_no_committed_step(
     procs: ProcessGroup,
