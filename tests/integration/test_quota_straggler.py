@@ -82,9 +82,6 @@ def test_a_worker_put_under_a_cpu_quota_is_named_within_100_steps_and_cleared_af
         Straggler, lambda e: e.slow is False and e.host == host, timeout=400, what="the recovered host cleared"
     )
     assert cleared.step > lifted
-    print(
-        f"named {named.step - start} steps after the quota at ratio {named.ratio:.2f}; cleared {cleared.step - lifted} steps after it was lifted"
-    )
     assert job.wait_exit(timeout=400) == 0, job.tail()
     assert not job.events(Eviction), "report drains nothing"
     assert all(r.new_size == 3 for r in job.events(Reset)), job.events(Reset)

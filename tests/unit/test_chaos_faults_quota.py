@@ -230,4 +230,4 @@ def test_the_profile_of_a_worker_under_a_quota_counts_the_time_it_was_throttled(
         assert s["wall"] > 4 * s["cpu"], s  # the quota did hold it back
         # Leaving out all run-queue delay gave about the CPU time; what is left out now is only the delay that
         # the machine's other processes explain while the quota was not biting.
-        assert s["compute"] >= 3 * s["cpu"] and s["compute"] <= s["wall"], s
+        assert s["compute"] >= 3 * s["cpu"] and s["compute"] <= s["wall"] + 0.01, s  # its window starts earlier
