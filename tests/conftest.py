@@ -8,4 +8,5 @@ pytest_plugins = [
     "tests.fixtures.etcd",
     "tests.fixtures.elastic_job",
     "tests.fixtures.s3_server",
+    "tests.fixtures.launch",
 ]

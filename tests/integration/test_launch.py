@@ -14,16 +14,13 @@ import os
 import signal
 import sqlite3
 import subprocess
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 import yaml
 
-from elastictrain.envnames import LAUNCH_ID as LAUNCH_ID_ENV
 from elastictrain.hotjoin.protocol import CHECKER_NAME
 from elastictrain.launcher.decisions import EXIT_STOPPED
 from elastictrain.launcher.processes import is_worker
@@ -32,23 +29,26 @@ from elastictrain.rundir.events import (
     Checkpoint,
     Commit,
     Done,
-    Event,
     Metrics,
     Reset,
     Start,
     Stopped,
     of_kind,
-    read_events,
 )
 from elastictrain.tools.live_view import STATUS_KIND
 from tests.fixtures.etcd import ETCD_BIN, EtcdServer
-from tests.fixtures.procs import REPO, VENV_BIN, ProcessGroup, free_port, wait_until
+from tests.fixtures.launch import (
+    ELASTICTRAIN,
+    HOSTS,
+    Launch,
+    events,
+    job_processes,
+    launch_state,
+    needs_horovod,
+)
+from tests.fixtures.procs import REPO, ProcessGroup, free_port, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
-
-ELASTICTRAIN = VENV_BIN / "elastictrain"
-HOSTS = "localhost,127.0.0.1"
-needs_horovod = pytest.mark.skipif(not (VENV_BIN / "horovodrun").exists(), reason="horovodrun is not installed")
 
 
 def write_config(tmp_path: Path, job: str, *, max_steps: int, mlflow: bool = False) -> Path:
@@ -74,89 +74,6 @@ def write_config(tmp_path: Path, job: str, *, max_steps: int, mlflow: bool = Fal
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
-
-
-def events(run_dir: Path) -> list[Event]:
-    try:
-        return read_events(run_dir / layout.EVENTS)
-    except FileNotFoundError:
-        return []
-
-
-def launch_state(run_dir: Path) -> dict | None:
-    try:
-        return json.loads((run_dir / layout.LAUNCH_STATE).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-class Launch:
-    """A launcher process plus every descendant pid it ever had (sampled every 0.1 s by psutil)."""
-
-    def __init__(self, procs: ProcessGroup, config: Path, tmp_path: Path, *flags: str) -> None:
-        self.run_dir = tmp_path / "run"
-        self.log_path = tmp_path / "launch.log"
-        env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}", "ELASTICTRAIN_LOG_LEVEL": "warning"}
-        env.pop("ELASTICTRAIN_ETCD", None)
-        with self.log_path.open("ab") as log:
-            self.proc = procs.start(
-                [str(ELASTICTRAIN), "launch", "--config", str(config), "--hosts", HOSTS,
-                 "--gloo-timeout-seconds", "15", "--blacklist-cooldown-range", "1", "2", "--drain-grace", "2", *flags],
-                env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
-            )  # fmt: skip
-        self.seen: dict[int, psutil.Process] = {self.proc.pid: psutil.Process(self.proc.pid)}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-
-    def _sample(self) -> None:
-        root = self.seen[self.proc.pid]
-        while not self._stop.is_set():
-            with contextlib.suppress(psutil.Error):
-                for p in root.children(recursive=True):
-                    self.seen.setdefault(p.pid, p)
-            self._stop.wait(0.1)
-
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        finally:
-            self._stop.set()
-            self._thread.join(5)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def left_behind(self) -> list[str]:
-        """Processes of this job still alive: any descendant ever seen, or any carrying its launch id."""
-        alive = []
-        for p in self.seen.values():
-            with contextlib.suppress(psutil.Error):
-                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                    alive.append(f"{p.pid} {' '.join(p.cmdline())[:120]}")
-        return alive
-
-
-def job_processes(launch_id: str) -> list[psutil.Process]:
-    """Processes started for this launch, found by the environment variable the launcher sets."""
-    out = []
-    for p in psutil.process_iter():
-        with contextlib.suppress(psutil.Error):
-            if p.environ().get(LAUNCH_ID_ENV) == launch_id:
-                out.append(p)
-    return out
-
-
-@pytest.fixture
-def no_leftovers() -> Iterator[list[Launch]]:
-    launches: list[Launch] = []
-    yield launches
-    for launch in launches:
-        if launch.proc.poll() is None:
-            continue  # the test failed early; the procs fixture kills the launcher's tree
-        with contextlib.suppress(Exception):  # a process may still be releasing its memory: poll, then judge
-            wait_until(lambda launch=launch: not launch.left_behind(), 30, interval=0.2, what="the tree to end")
-        assert not launch.left_behind(), f"processes left behind: {launch.left_behind()}"
 
 
 # -------------------------------------------------------------------------------------------- scenarios

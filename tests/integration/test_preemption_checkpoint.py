@@ -20,8 +20,7 @@ import yaml
 from discovery.registry import EtcdRegistry
 from elastictrain.launcher.processes import is_worker
 from elastictrain.rundir.events import Checkpoint, Commit, Done, PreemptionCheckpoint, Start, of_kind
-from tests.fixtures.procs import ProcessGroup, wait_until
-from tests.integration.test_launch import (
+from tests.fixtures.launch import (
     ELASTICTRAIN,
     HOSTS,
     Launch,
@@ -29,8 +28,8 @@ from tests.integration.test_launch import (
     job_processes,
     launch_state,
     needs_horovod,
-    no_leftovers,  # noqa: F401 - a fixture
 )
+from tests.fixtures.procs import ProcessGroup, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 LONG_ONLY = pytest.mark.skipif(
@@ -107,7 +106,7 @@ def give_every_host_a_notice(etcd: str, job: str, until: float) -> list[str]:
 def test_notices_on_every_host_checkpoint_the_last_commit_in_time_and_the_relaunch_loses_no_committed_step(
     procs: ProcessGroup,
     tmp_path: Path,
-    no_leftovers: list[Launch],  # noqa: F811 - the fixture
+    no_leftovers: list[Launch],
     request: pytest.FixtureRequest,
     ballast_mib: int,
     store: str,
