@@ -38,6 +38,8 @@ of every contender; samples/s >= 0.97x the fastest contender's; exactly once per
 
 Size: the shared rule over the step log (pure functions, tested in ``tests/unit/test_peers_goodput.py`` and
 ``tests/unit/test_peers_contenders.py``) and one small job class per contender, which only make sense side by side.
+
+Size: one race of four contenders: each one's launch, its log's reading and the one goodput rule, side by side.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ returns the record it logged (``ts``, ``action``, ``job``, what was hit). Durati
 slowdown, CPU quota, etcd outage, partition) undo themselves in ``finally`` and log a second line with ``phase: "end"``;
 a hang (:func:`hang_worker`) is never undone.
 Waiting is polling against a deadline, never a sleep that stands in for an event.
+
+Size: every fault primitive in one place, so each acts on one job's processes and logs one line the same way.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import psutil
 from chaos.procs import JobNotFound, JobRef, Worker, tree
 from elastictrain import fileio
 from elastictrain.engine import cgroup
+from elastictrain.errors import ScenarioError
 from elastictrain.launcher.processes import is_alive
 from elastictrain.rundir import layout
 
@@ -342,7 +345,7 @@ MIN_CPU_FRACTION = 0.01
 """Below 1 ms of CPU per 100 ms period (the kernel's floor for a quota) a worker is hung, not slow."""
 
 
-class QuotaUnavailable(RuntimeError):
+class QuotaUnavailable(ScenarioError, RuntimeError):
     """This machine has no CPU controller that a quota can be set on (or no right to set one)."""
 
 
