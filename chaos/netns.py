@@ -246,21 +246,25 @@ def boot_command(names: TierNames, i: int, argv: list[str], mounts: Sequence[str
     ]  # fmt: skip
 
 
-def node_mounts(*, disk: Path, code: Path, run_dir: Path, home: Path, hidden: Path) -> list[str]:
+def node_mounts(*, disk: Path, code: Path, run_dir: Path, home: Path, hidden: Path, stage: Path) -> list[str]:
     """Shell commands giving a node a disk of its own (``disk``'s ``tmp``, ``cache`` and ``run``): its own ``/tmp``,
     ``~/.cache`` and run_dir (at the launcher's run_dir path), the code and its venv read-only as in an image, and
-    ``hidden`` (the tier's disks) covered, so no node sees another's disk."""
-    q = shlex.quote
+    ``hidden`` (the tier's disks) covered, so no node sees another's disk. The code goes through ``stage`` (outside
+    ``/tmp``), so a checkout under ``/tmp`` is still there once ``/tmp`` is the node's own."""
+    q = lambda path: shlex.quote(str(path))  # noqa: E731
     cache = home / ".cache"
     return [
-        f"mount --bind {q(str(disk / 'tmp'))} /tmp",
-        f"mkdir -p {q(str(cache))}",
-        f"mount --bind {q(str(disk / 'cache'))} {q(str(cache))}",
-        f"mount --bind {q(str(code))} {q(str(code))}",
-        f"mount -o remount,bind,ro {q(str(code))}",
-        f"mkdir -p {q(str(run_dir))}",
-        f"mount --bind {q(str(disk / 'run'))} {q(str(run_dir))}",
-        f"mount -t tmpfs -o size=1m,mode=0700 tmpfs {q(str(hidden))}",
+        f"mkdir -p {q(stage)}",
+        f"mount --bind {q(code)} {q(stage)}",
+        f"mount --bind {q(disk / 'tmp')} /tmp",
+        f"mkdir -p {q(cache)}",
+        f"mount --bind {q(disk / 'cache')} {q(cache)}",
+        f"mkdir -p {q(code)}",
+        f"mount --bind {q(stage)} {q(code)}",
+        f"mount -o remount,bind,ro {q(code)}",
+        f"mkdir -p {q(run_dir)}",
+        f"mount --bind {q(disk / 'run')} {q(run_dir)}",
+        f"mount -t tmpfs -o size=1m,mode=0700 tmpfs {q(hidden)}",
     ]
 
 
@@ -729,7 +733,12 @@ class Cluster:
             return []
         assert self.tmp is not None
         return node_mounts(
-            disk=self.disk(i), code=REPO, run_dir=self.run_dir, home=Path.home(), hidden=self.tmp / "disks"
+            disk=self.disk(i),
+            code=REPO,
+            run_dir=self.run_dir,
+            home=Path.home(),
+            hidden=self.tmp / "disks",
+            stage=self.tmp / "code",
         )
 
     def _start_store(self) -> None:

@@ -192,26 +192,30 @@ def test_the_scenarios_that_ci_runs_need_no_multi_node_tier() -> None:
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="mount namespaces need root")
+@pytest.mark.parametrize("code_under_tmp", [False, True], ids=["code-elsewhere", "code-under-tmp"])
 def test_a_share_nothing_node_has_its_own_tmp_cache_and_run_dir_and_reads_the_code_only(
-    tmp_path: Path, request: pytest.FixtureRequest
+    tmp_path: Path, request: pytest.FixtureRequest, code_under_tmp: bool
 ) -> None:
     """The mounts of a share-nothing node, run for real in a mount namespace of their own: what the node writes
-    to /tmp, its cache and the run_dir lands on its own disk; the code is read-only; the tier's disks are hidden."""
+    to /tmp, its cache and the run_dir lands on its own disk; the code is read-only (also a checkout under /tmp,
+    as a CI worktree may be); the tier's disks are hidden."""
     # The tier's own files live outside /tmp (netns.PRIVATE_ROOT): a node's /tmp is its disk's. The run_dir and home
     # here are under /tmp, as a pytest run_dir is: the node makes them on its own /tmp.
     root = Path(tempfile.mkdtemp(prefix="elastictrain-netns-test-", dir=netns.PRIVATE_ROOT))
     request.addfinalizer(lambda: shutil.rmtree(root, ignore_errors=True))
-    disk, code, hidden = root / "disks" / "n0", root / "code", root / "disks"
+    disk, hidden = root / "disks" / "n0", root / "disks"
+    code = tmp_path / "code" if code_under_tmp else root / "code"
     run_dir, home = tmp_path / "run", tmp_path / "home"
     for d in (disk / "tmp", disk / "cache", disk / "run", code, run_dir, home):
         d.mkdir(parents=True, exist_ok=True)
     (run_dir / "events.jsonl").write_text("the launcher's\n")
     (code / "train.py").write_text("code\n")
     marker = f"elastictrain-node-{os.getpid()}"
-    mounts = netns.node_mounts(disk=disk, code=code, run_dir=run_dir, home=home, hidden=hidden)
+    mounts = netns.node_mounts(disk=disk, code=code, run_dir=run_dir, home=home, hidden=hidden, stage=root / "stage")
     probe = (
         f"echo node > /tmp/{marker} && echo node > {run_dir}/events.jsonl && echo c > {home}/.cache/c"
-        f" && ! (echo x > {code}/train.py) 2>/dev/null && test ! -e {disk} && echo ok"
+        f' && test "$(cat {code}/train.py)" = code && ! (echo x > {code}/train.py) 2>/dev/null'
+        f" && test ! -e {disk} && echo ok"
     )
     out = subprocess.run(
         ["unshare", "--mount", "--propagation", "private", "sh", "-c", " && ".join([*mounts, probe])],
