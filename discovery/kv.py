@@ -47,7 +47,12 @@ class EtcdKeyValue(EtcdRegistry):
 
         async def get(c: Any) -> list[tuple[str, bytes, int]]:
             await c.connect()
-            reply = await c.kvstub.Range(request, timeout=c._timeout, metadata=c.metadata)
+            try:
+                reply = await c.kvstub.Range(request, timeout=c._timeout, metadata=c.metadata)
+            except Exception as e:
+                from aetcd.exceptions import _handle_exception
+
+                _handle_exception(e)
             return [(kv.key.decode(errors="replace"), bytes(kv.value), int(kv.mod_revision)) for kv in reply.kvs]
 
         return self._run(get, "Range over prefix")

@@ -75,7 +75,7 @@ class Notice:
 def _json_object(body: bytes, what: str) -> dict[str, Any]:
     try:
         data = json.loads(body)
-    except ValueError:  # UnicodeDecodeError too
+    except (ValueError, RecursionError):  # UnicodeDecodeError too; RecursionError: nesting deeper than Python's stack
         raise NoticeError(f"{what}: the answer is not JSON") from None
     if not isinstance(data, dict):
         raise NoticeError(f"{what}: the answer is not a JSON object")
@@ -170,7 +170,8 @@ def parse_azure_events(body: bytes, vm_name: str, now: float) -> Notice | None:
     for event in events:
         if not isinstance(event, dict):
             raise NoticeError("azure scheduledevents: an event is not an object")
-        kind = AZURE_EVENT_TYPES.get(event.get("EventType"))  # type: ignore[arg-type]
+        event_type = event.get("EventType")
+        kind = AZURE_EVENT_TYPES.get(event_type) if isinstance(event_type, str) else None
         resources = event.get("Resources")
         if not isinstance(resources, list):
             raise NoticeError("azure scheduledevents: an event's Resources is not a list")

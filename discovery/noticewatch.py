@@ -317,7 +317,9 @@ class NoticeWatch:
         log = self.log or get_logger("notice")
         try:
             notice = source.poll()
-        except NoticeError as e:
+        except Exception as e:  # a NoticeError, or any surprise in a hostile answer: a failed poll, never a dead watch
+            if not isinstance(e, NoticeError):
+                e = NoticeError(f"{source.name}: {type(e).__name__}: {str(e)[:200]}")
             if self._errors.get(source.name) != str(e):
                 log.warning("cannot read the preemption notice; polling on", source=source.name, error=str(e))
             self._errors[source.name] = str(e)

@@ -397,6 +397,10 @@ class _MemStore:
 # etcd v3 (aetcd)
 
 
+MAX_RECEIVE_BYTES = 64 << 20
+"""Largest etcd answer a client takes (a Range over many keys)."""
+
+
 class EtcdRegistry(HostRegistry):
     """The registry on etcd v3 through ``aetcd``, with a synchronous facade.
 
@@ -442,7 +446,12 @@ class EtcdRegistry(HostRegistry):
                 password=password,
                 timeout=max(1, round(self.timeout_seconds)),
                 # Reconnect soon after an outage instead of gRPC's default backoff of up to 2 min.
-                options={"grpc.initial_reconnect_backoff_ms": 100, "grpc.max_reconnect_backoff_ms": 1000},
+                options={
+                    "grpc.initial_reconnect_backoff_ms": 100,
+                    "grpc.max_reconnect_backoff_ms": 1000,
+                    # A Range over the outbox returns up to rundir.outbox.COLLECT_KEYS chunks (gRPC's default is 4 MiB).
+                    "grpc.max_receive_message_length": MAX_RECEIVE_BYTES,
+                },
                 tls=self.access if endpoint.tls else None,
             )
         return self._client

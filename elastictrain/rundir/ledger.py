@@ -22,6 +22,7 @@ a file that has no newline and does not parse: the torn write of a killed rank 0
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import Iterable
@@ -72,6 +73,10 @@ def next_tenure_seq(ledger_dir: str | Path, taken: Iterable[str] = ()) -> int:
     return 1 + max((tenure_seq(n) for n in names), default=0)
 
 
+_OPENINGS = itertools.count(1)
+"""Openings of a ledger in this process: each is a tenure of rank 0."""
+
+
 class RecordSink(Protocol):
     """Where a ledger's lines go instead of a file: the worker's :class:`~elastictrain.rundir.outbox.Outbox`."""
 
@@ -99,7 +104,7 @@ class SampleLedger:
         self._outbox = outbox
         self._f: IO[str] | None = None
         if outbox is not None:  # the launcher's collector numbers the tenure (:mod:`elastictrain.rundir.outbox`)
-            self.stream = f"{layout.LEDGER}/{name}.jsonl"
+            self.stream = f"{layout.LEDGER}/{name}@{next(_OPENINGS)}.jsonl"  # a second tenure of a process is its own
         else:
             self.dir.mkdir(parents=True, exist_ok=True)
             self.path = self.dir / tenure_name(next_tenure_seq(self.dir), name)

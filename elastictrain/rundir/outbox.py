@@ -50,8 +50,9 @@ CHUNK_BYTES = 256 * 1024
 """Most bytes of one chunk (etcd's default request limit is 1.5 MiB)."""
 HEADER_BYTES = 512
 """Most bytes of a chunk's header line."""
-COLLECT_KEYS = 1024
-"""Most chunks one :meth:`Collector.collect` reads (the rest wait for the next)."""
+COLLECT_KEYS = 200
+"""Most chunks one :meth:`Collector.collect` reads (the rest wait for the next): at most about 50 MiB in one answer,
+within the client's limit (``discovery.registry.MAX_RECEIVE_BYTES``)."""
 RETRY_SECONDS = (0.25, 5.0)
 """A failed put is retried after the first delay, doubling up to the second."""
 QUEUED_WARN_BYTES = 64 * 1024 * 1024
@@ -60,7 +61,9 @@ STATE_VERSION = 1
 _SEQ_DIGITS = 12
 _TOKEN = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _NAME = r"[A-Za-z0-9_.-]{1,100}"
-_APPEND_STREAMS = re.compile(rf"^({re.escape(layout.EVENTS)}|{re.escape(layout.LEDGER)}/{_NAME}\.jsonl)$")
+_APPEND_STREAMS = re.compile(rf"^({re.escape(layout.EVENTS)}|{re.escape(layout.LEDGER)}/{_NAME}(@\d{{1,9}})?\.jsonl)$")
+"""The run log, and a ledger stream: ``ledger/<name>@<opening>.jsonl`` (each opening of a ledger in a process is a
+tenure of its own; the file is ``tenure-<n>-<name>.jsonl``)."""
 _WHOLE_STREAMS = re.compile(
     rf"^({re.escape(layout.CONFIG)}|{re.escape(layout.REPORT_JSON)}|{re.escape(layout.WORKER_ERRORS)}/{_NAME}\.json)$"
 )
@@ -315,6 +318,7 @@ class Collector:
         return state
 
     def _save_state(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         write_atomic(self.state_path, json.dumps(self.state, sort_keys=True) + "\n")
 
     def _recover(self) -> None:
@@ -360,12 +364,17 @@ class Collector:
         self._register_targets(units)
         touched: dict[str, int] = {}
         handles: dict[str, Any] = {}
+        applied_state = json.loads(json.dumps(self.state))  # what is recorded only once the writes are durable
         try:
             for unit in units:
                 self._apply(unit, handles, touched)
             for f in handles.values():
                 f.flush()
                 os.fsync(f.fileno())
+        except BaseException:
+            self.state = applied_state  # nothing of this pass counts: cut back, and the keys stay for the next pass
+            self._recover()
+            raise
         finally:
             for f in handles.values():
                 f.close()
@@ -420,7 +429,7 @@ class Collector:
             return stream
         key = f"{writer}/{stream}"
         if key not in self.state["ledger"]:
-            name = stream.split("/", 1)[1].removesuffix(".jsonl")
+            name = stream.split("/", 1)[1].removesuffix(".jsonl").split("@", 1)[0]
             seq = next_tenure_seq(self.run_dir / layout.LEDGER, self.state["ledger"].values())
             self.state["ledger"][key] = f"{layout.LEDGER}/{tenure_name(seq, name)}"
         target: str = self.state["ledger"][key]

@@ -105,6 +105,7 @@ def test_an_azure_preempt_or_terminate_naming_this_vm_is_a_notice() -> None:
         (json.dumps({"Events": [{**azure_event(), "Resources": "vm-1"}]}).encode(), "Resources is not a list"),
         (json.dumps({"Events": [azure_event(NotBefore="soon")]}).encode(), "expected an RFC 1123 time"),
         (json.dumps({"Events": [azure_event()] * 101}).encode(), "more than 100"),
+        (b"[" * 65536, "not JSON"),  # nesting deeper than Python's stack (a RecursionError, caught)
     ],
 )
 def test_a_bad_azure_answer_is_a_one_line_error(body: bytes, match: str) -> None:
@@ -273,6 +274,20 @@ class ScriptedSource(AwsSource):
         if isinstance(answer, Exception):
             raise answer
         return answer
+
+
+def test_an_event_type_that_is_not_a_string_is_no_notice() -> None:
+    assert parse_azure_events(azure_events(azure_event(EventType=[1])), "vm-1", T0) is None
+
+
+def test_a_surprise_in_a_poll_is_a_failed_poll_and_the_watch_goes_on() -> None:
+    notice = Notice("aws", "spot-terminate", T0)
+    src = ScriptedSource(TypeError("unhashable type: 'list'"), notice)
+    log = RecordingLog()
+    watch = NoticeWatch("aws", [src], log=log)
+    assert watch.poll_once(src) is False and watch.notice() is None
+    assert "TypeError" in log.warnings[0][1]["error"]
+    assert watch.poll_once(src) is True and watch.notice() == notice
 
 
 def test_a_bad_answer_changes_nothing_is_logged_once_and_the_first_notice_is_kept() -> None:

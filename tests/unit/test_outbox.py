@@ -222,3 +222,53 @@ def test_files_mode_opens_no_outbox_and_etcd_mode_needs_the_jobs_etcd() -> None:
     assert open_outbox("auto", {}) is None
     with pytest.raises(ConfigError, match=r"elastic\.outputs is etcd but ELASTICTRAIN_ETCD is not set"):
         open_outbox("etcd", {})
+
+
+def test_a_pass_whose_fsync_fails_loses_nothing_and_the_next_pass_applies_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = MemoryKeyValue()
+    box = Outbox(store, PREFIX, "w.1.1")
+    box.append(layout.EVENTS, b'{"n":1}\n')
+    sent(box)
+    collector = Collector(store, PREFIX, tmp_path)
+    real_fsync, failures = outbox.os.fsync, [1]
+
+    def fsync_once(fd: int) -> None:
+        if failures:
+            failures.pop()
+            raise OSError(5, "I/O error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(outbox.os, "fsync", fsync_once)
+    with pytest.raises(OSError):
+        collector.collect()
+    assert len(store.data) == 1, "the chunk stays in etcd"
+    assert collector.collect() == 1
+    assert events_lines(tmp_path) == ['{"n":1}'] and store.data == {}
+    again = Collector(store, PREFIX, tmp_path)  # a restarted launcher keeps what was recorded
+    assert again.collect() == 0 and events_lines(tmp_path) == ['{"n":1}']
+    box.close()
+
+
+def test_a_process_that_holds_rank_0_twice_writes_two_tenures(tmp_path: Path) -> None:
+    store = MemoryKeyValue()
+    run_dir = tmp_path / "run"
+    p, q = Outbox(store, PREFIX, "p.1.1"), Outbox(store, PREFIX, "q.2.2")
+    first = SampleLedger(run_dir / layout.LEDGER, "100", num_samples=4, drop_last=False, outbox=p)
+    first.record(1, 0, [0])
+    first.record(2, 0, [9])  # rolled back by q's restore
+    sent(p)
+    other = SampleLedger(run_dir / layout.LEDGER, "200", num_samples=4, drop_last=False, outbox=q)
+    other.restore(1)
+    other.record(2, 0, [1])
+    sent(q)
+    again = SampleLedger(run_dir / layout.LEDGER, "100", num_samples=4, drop_last=False, outbox=p)
+    again.restore(2)
+    again.record(3, 0, [2, 3])
+    sent(p)
+    Collector(store, PREFIX, run_dir).collect()
+    names = sorted(f.name for f in (run_dir / layout.LEDGER).iterdir())
+    assert names == ["tenure-000001-100.jsonl", "tenure-000002-200.jsonl", "tenure-000003-100.jsonl"]
+    assert read_ledger(run_dir / layout.LEDGER).committed == {0: [0, 1, 2, 3]}
+    p.close(), q.close()
