@@ -300,3 +300,21 @@ def test_the_live_view_shows_the_last_shares():
     v = view(s, now=0.0, epochs=None, max_steps=None)
     assert v["shares"] == {"a": 20, "b": 12} and "shares a 20/b 12" in status_line(v)
     assert view(fold([]), now=0.0, epochs=None, max_steps=None)["shares"] is None
+
+
+def test_a_kept_decision_that_raises_a_hosts_cap_changes_the_split_and_the_planner_plans_again():
+    """The caps follow the largest share a host was measured at; when a kept decision raises one, the split the
+    planner uses changes, so the change is applied like any other (version, event), never silently."""
+    hosts = ["a", "b", "c"]
+    state = ShareState({"a": 100.0, "b": 100.0, "c": 10.0}, {h: 10 for h in hosts}, {"a": 1.0, "b": 1.0, "c": 0.1})
+    state.largest = {"a": 5, "b": 16, "c": 2}
+    events: list[Event] = []
+    balancer = Balancer(POLICY, state, events.append)
+    assert balancer.weights(hosts, 30) == [10.0, 18.0, 2.0], "a is capped at twice its largest share"
+    kept = ShareState(dict(state.speeds), dict(state.steps), dict(state.applied), {"a": 7, "b": 16, "c": 2})
+    balancer.pending = (ShareDecision(kept, False, "shares kept"), 30)
+    assert balancer.apply_pending(step=10, epoch=0, rank_hosts=hosts) is True
+    assert balancer.version == 1 and balancer.weights(hosts, 30) == [14.0, 15.0, 1.0]
+    assert [e.name for e in events] == ["shares"]
+    balancer.pending = (ShareDecision(kept, False, "shares kept"), 30)
+    assert balancer.apply_pending(step=20, epoch=0, rank_hosts=hosts) is False and balancer.version == 1

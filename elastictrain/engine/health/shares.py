@@ -288,13 +288,16 @@ class Balancer:
         if pending is None or self.policy is None:
             return False
         d, global_batch = pending
+        before = self.weights(rank_hosts, global_batch)
         self.state.speeds, self.state.steps = dict(d.state.speeds), dict(d.state.steps)
-        self.state.largest = dict(d.state.largest)
-        if not d.changed:
+        self.state.largest = dict(d.state.largest)  # a larger measured share raises a host's cap
+        if d.changed:
+            self.state.applied = dict(d.state.applied)
+        elif self.weights(rank_hosts, global_batch) == before:
             return False
-        self.state.applied = dict(d.state.applied)
-        self.version += 1
-        self.announce(step=step, epoch=epoch, rank_hosts=rank_hosts, global_batch=global_batch, reason=d.reason)
+        self.version += 1  # the split changed: the planner plans again, as a rollback or resume will
+        reason = d.reason if d.changed else "a host's cap grew with the share it was measured at"
+        self.announce(step=step, epoch=epoch, rank_hosts=rank_hosts, global_batch=global_batch, reason=reason)
         return True
 
     def discard_pending(self) -> None:
