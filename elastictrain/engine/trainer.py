@@ -494,11 +494,13 @@ class Trainer:
         figures = self.profile.take() if self.profile.enabled else []
         try:
             state.check_host_updates(figures, self._on_step_figures)
-        except HostsUpdatedInterrupt:
+        except HostsUpdatedInterrupt as e:
             # Noticed hosts drained: read the notices now, before the reset's rendezvous may wait for hosts that
-            # never come (the state is committed: this commit is the last one).
-            if self.preemption is not None and self.ctx.is_rank0:
-                self.preemption.refresh()
+            # never come (the state is committed: this commit is the last one). Only when hosts left (skip_sync:
+            # removals alone) or notices were already seen: a scale-up costs no etcd read here.
+            watch = self.preemption
+            if watch is not None and self.ctx.is_rank0 and (e.skip_sync or watch.plan is not None):
+                watch.refresh()
                 self._preemption_checkpoint()
             raise
 

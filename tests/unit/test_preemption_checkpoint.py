@@ -148,9 +148,18 @@ class NoticeWorld(ScriptedWorld):
     """At optimizer step ``at``, every host gets a notice ending at ``until`` (by the fake clock); ``read``: the
     watch's thread reads it before the next commit (else only the host removal that follows makes rank 0 read)."""
 
-    def __init__(self, registry: InMemoryRegistry, watch: PreemptionWatch, at: int, until: float, read: bool) -> None:
+    def __init__(
+        self,
+        registry: InMemoryRegistry,
+        watch: PreemptionWatch,
+        at: int,
+        until: float,
+        read: bool,
+        update: HostUpdateResult = HostUpdateResult.removed,
+    ) -> None:
         super().__init__()
         self.registry, self.watch, self.at, self.until, self.read = registry, watch, at, until, read
+        self.update = update
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         super()._before_step(optimizer, args, kwargs)
@@ -161,15 +170,17 @@ class NoticeWorld(ScriptedWorld):
             self.watch.refresh()
         else:  # the drain reaches Horovod's driver first: a removal notice, acted on at the next commit
             assert self.state is not None
-            self.state.on_hosts_updated(NOW, HostUpdateResult.removed)
+            self.state.on_hosts_updated(NOW, self.update)
 
 
-def run_with_notice(tmp_path: Path, *, left: float, read: bool) -> tuple[list[Any], Trainer]:
+def run_with_notice(
+    tmp_path: Path, *, left: float, read: bool, update: HostUpdateResult = HostUpdateResult.removed
+) -> tuple[list[Any], Trainer]:
     cfg = small_job(tmp_path / "run", checkpoint={"every_steps": 1000, "every_epochs": None})
     registry = registry_of(record("h1"))
     clock = FakeClock(NOW)
     watch = PreemptionWatch(lambda: registry, min_np=1, clock=clock)
-    world = NoticeWorld(registry, watch, at=5, until=NOW + left, read=read)
+    world = NoticeWorld(registry, watch, at=5, until=NOW + left, read=read, update=update)
     trainer = Trainer.build(cfg, world)
     world.state, trainer.preemption = trainer.state, watch
     assert run_trainer(trainer) == 0
@@ -203,3 +214,9 @@ def test_a_host_removal_before_the_thread_read_makes_rank0_read_and_save_the_las
     assert max(commits_before) == 6, "the checkpoint is of the commit the removal interrupted"
     loaded = load_latest(LocalStorage.for_run_dir(trainer.cfg.run_path), map_location="cpu")
     assert loaded is not None and loaded.step >= 6
+
+
+def test_a_scale_up_costs_rank0_no_read_of_the_notices_on_the_training_thread(tmp_path: Path) -> None:
+    """Only hosts leaving (or notices already seen) make rank 0 read etcd at the interrupted commit."""
+    _, trainer = run_with_notice(tmp_path, left=10, read=False, update=HostUpdateResult.added)
+    assert trainer.preemption is not None and trainer.preemption.reads == 0
