@@ -40,7 +40,7 @@ from bench.core import BenchContext, BenchError, Goal, Metric, Result, summary
 from bench.stragglers import launch_run, steps_until_named, wait_events, window_throughput
 from chaos import faults
 from chaos.jobs import LaunchedJob
-from chaos.procs import JobRef
+from chaos.procs import JobRef, cpu_seconds
 from elastictrain.config import ElasticConfig
 from elastictrain.launcher.hosts import local_logical_hosts
 from elastictrain.rundir.events import Event, Eviction, Metrics, Reset, Shares, Straggler, of_kind
@@ -181,18 +181,6 @@ def share_while_working(before: tuple[float, float], after: tuple[float, float])
     return ran / (ran + waited) if ran > 0 and waited >= 0 else None
 
 
-def cpu_of_tree(p: psutil.Process) -> float:
-    """CPU seconds of ``p`` and its descendants so far (gone ones count 0)."""
-    total = 0.0
-    for q in faults.tree(p):
-        try:
-            t = q.cpu_times()
-            total += t.user + t.system
-        except psutil.Error:
-            continue
-    return total
-
-
 # ---------------------------------------------------------------------------------------------- one job
 def _metrics_at(size: int, steps: int) -> Callable[[list[Event]], Metrics | None]:
     def find(evs: list[Event]) -> Metrics | None:
@@ -295,9 +283,9 @@ def policy_trial(
         host, proc = worker.host, worker.proc
         phases: list[Phase] = []
         t = time.time()
-        cpu0, sched0 = cpu_of_tree(proc), thread_schedstat(proc.pid)
+        cpu0, sched0 = cpu_seconds(proc), thread_schedstat(proc.pid)
         time.sleep(phase_seconds)  # the uniform phase: the schedule's own duration, not a wait for an event
-        cpu_rate = (cpu_of_tree(proc) - cpu0) / (time.time() - t)
+        cpu_rate = (cpu_seconds(proc) - cpu0) / (time.time() - t)
         working = share_while_working(sched0, thread_schedstat(proc.pid)) or cpu_rate
         phases.append(Phase("uniform", 1.0, t, time.time()))
         log(f"{policy}: uniform phase done; {host} used {cpu_rate:.2f} CPU s/s, {working:.2f} of a core while working")

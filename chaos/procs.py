@@ -303,3 +303,15 @@ def tree(p: psutil.Process) -> list[psutil.Process]:
     except psutil.Error:
         kids = []
     return [*reversed(kids), p]
+
+
+def cpu_seconds(p: psutil.Process) -> float:
+    """CPU seconds (user + system) of ``p`` and its descendants so far; a process gone meanwhile counts 0."""
+    total = 0.0
+    for q in tree(p):
+        try:
+            t = q.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            continue
+    return total

@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from discovery.wire import check_name
 from elastictrain.fileio import write_atomic
@@ -37,8 +37,6 @@ MAX_MARK_BYTES = 400
 """Most bytes of a failure marker or a hung verdict that are read (``ts`` then one line of at most 300 characters)."""
 MAX_VERDICT_CHARS = 300
 
-if TYPE_CHECKING:
-    pass
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from chaos import faults
-from chaos.procs import JobRef
+from chaos.procs import JobRef, cpu_seconds
 from tests.fixtures.procs import REPO, ProcessGroup, wait_until
 
 try:
@@ -29,7 +29,10 @@ try:
     faults.CpuQuota(None, backend=BACKEND).close()
 except (faults.QuotaUnavailable, OSError):
     BACKEND = None
-pytestmark = pytest.mark.skipif(BACKEND is None, reason="no CPU cgroup this user can make a quota in")
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(BACKEND is None, reason="no CPU cgroup this user can make a quota in"),
+]
 
 STAND_IN = """
 import os, sys, time
@@ -60,23 +63,12 @@ def start(procs: ProcessGroup, tmp_path: Path, job: str, *flags: str, rank: int 
     return psutil.Process(proc.pid)
 
 
-def cpu_of_tree(p: psutil.Process) -> float:
-    total = 0.0
-    for q in faults.tree(p):
-        try:
-            t = q.cpu_times()
-            total += t.user + t.system
-        except psutil.Error:
-            pass
-    return total
-
-
 def cpu_rates(procs: list[psutil.Process], seconds: float) -> list[float]:
     """CPU seconds per second of each of ``procs`` with its descendants, over one measured ``seconds``."""
-    c0, t0 = [cpu_of_tree(p) for p in procs], time.monotonic()
+    c0, t0 = [cpu_seconds(p) for p in procs], time.monotonic()
     time.sleep(seconds)  # the measurement window itself, not a wait for an event
     wall = time.monotonic() - t0
-    return [(cpu_of_tree(p) - c) / wall for p, c in zip(procs, c0, strict=True)]
+    return [(cpu_seconds(p) - c) / wall for p, c in zip(procs, c0, strict=True)]
 
 
 def cpu_group(pid: int) -> str | None:
