@@ -131,6 +131,8 @@ listen-metrics-urls: ${ETCD_MEMBER_LISTEN_METRICS:-http://0.0.0.0:2381}
 initial-cluster: $CLUSTER
 initial-cluster-token: ${ETCD_MEMBER_TOKEN:-elastictrain-etcd}
 initial-cluster-state: $STATE
+auto-compaction-mode: revision
+auto-compaction-retention: "10000"
 client-transport-security:
   cert-file: $ETCD_MEMBER_SERVER_CERT
   key-file: $ETCD_MEMBER_SERVER_KEY

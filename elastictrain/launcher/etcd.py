@@ -84,6 +84,10 @@ def etcd_data_dir_in_use(data_dir: Path) -> bool:
     return False
 
 
+COMPACTION_RETENTION_REVISIONS = 10_000
+"""Revisions the embedded etcd keeps (compacted every five minutes): minutes of a busy job's history."""
+
+
 class EtcdServer:
     """One single-member etcd on ``host`` (default ``127.0.0.1``; ``::1`` works); ``endpoint`` stays the same across
     restarts. With ``tls`` the client URL is ``https://`` and every client must present a certificate.
@@ -146,6 +150,10 @@ class EtcdServer:
             "--initial-cluster", f"{self.name}={peer}",
             "--initial-cluster-state", "new",
             "--log-level", "warn",
+            # The workers' beats and the outbox write and delete keys all the time: keep the last revisions only,
+            # or etcd's history fills its quota (2 GiB) in about a day of a busy job and it refuses every write.
+            "--auto-compaction-mode", "revision",
+            "--auto-compaction-retention", str(COMPACTION_RETENTION_REVISIONS),
         ]  # fmt: skip
         if self.tls is not None:
             args += [

@@ -85,3 +85,24 @@ def test_a_job_whose_workers_write_through_etcd_keeps_every_sample_once_when_ran
     tenures = sorted(p.name for p in (run.run_dir / layout.LEDGER).iterdir())
     assert len(tenures) >= 2 and all(n.startswith("tenure-") for n in tenures), tenures
     assert_exactly_once(run, cfg["data"]["num_samples"], cfg["training"]["epochs"])
+
+
+def test_the_embedded_etcd_compacts_its_history(tmp_path: Path) -> None:
+    """The outbox and the beats write and delete keys all the time: the launcher's etcd runs with revision
+    auto-compaction (its history would otherwise fill etcd's quota), and this etcd takes the flags and serves."""
+    from elastictrain.launcher.etcd import COMPACTION_RETENTION_REVISIONS, EtcdServer
+
+    server = EtcdServer(tmp_path / "data", tmp_path / "etcd.log")
+    cmd = server.command()
+    assert cmd[cmd.index("--auto-compaction-mode") + 1] == "revision"
+    assert int(cmd[cmd.index("--auto-compaction-retention") + 1]) == COMPACTION_RETENTION_REVISIONS
+    server.start()
+    try:
+        store = EtcdKeyValue(server.endpoint, "compaction", timeout_seconds=2.0)
+        try:
+            store.put("/elastictrain/compaction/k", b"v")
+            assert store.get_prefix("/elastictrain/compaction/", 10)[0][1] == b"v", "etcd takes the flags and serves"
+        finally:
+            store.close()
+    finally:
+        server.kill()
