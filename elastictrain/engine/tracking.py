@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import os
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -38,11 +39,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from elastictrain import fileio
+from elastictrain import envnames, fileio
 from elastictrain.errors import one_line
 from elastictrain.logconf import get_logger
 from elastictrain.rundir import layout
 from elastictrain.rundir.events import Checkpoint, EpochEnd, Event, Metrics, Reset, read_events
+from elastictrain.rundir.outbox import current_outbox
 
 if TYPE_CHECKING:
     from elastictrain.config import JobConfig
@@ -351,13 +353,20 @@ def write_atomic(path: Path, text: str) -> None:
     fileio.write_atomic(path, text)
 
 
-def read_run_id(run_dir: str | os.PathLike[str]) -> str | None:
-    """The job's persisted MLflow run id, or None."""
+_RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def read_run_id(run_dir: str | os.PathLike[str], environ: Mapping[str, str] | None = None) -> str | None:
+    """The job's MLflow run id: ``run_dir/mlflow_run_id``, else the one the launcher passed
+    (``ELASTICTRAIN_MLFLOW_RUN_ID``: a worker on a machine whose run_dir is empty); None when neither holds a valid
+    one."""
     try:
-        text = (Path(run_dir) / layout.MLFLOW_RUN_ID).read_text().strip()
+        text = (Path(run_dir) / layout.MLFLOW_RUN_ID).read_text(errors="replace")[:200].strip()
     except OSError:
-        return None
-    return text or None
+        text = ""
+    if not text:
+        text = (os.environ if environ is None else environ).get(envnames.MLFLOW_RUN_ID, "").strip()
+    return text if _RUN_ID.fullmatch(text) else None
 
 
 # ----------------------------------------------------------------------------------------- tracker
@@ -593,6 +602,9 @@ class MlflowTracker:
         if opened.run_id != existing:
             try:
                 write_atomic(self.run_dir / layout.MLFLOW_RUN_ID, opened.run_id + "\n")
+                box = current_outbox()  # elastic.outputs: etcd: the launcher's run_dir gets it too
+                if box is not None:
+                    box.append(layout.MLFLOW_RUN_ID, (opened.run_id + "\n").encode())
             except OSError as e:
                 log.warning("tracking_run_id_not_saved", path=str(self.run_dir / layout.MLFLOW_RUN_ID), error=str(e))
         self._run_id = opened.run_id

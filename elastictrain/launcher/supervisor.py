@@ -75,6 +75,7 @@ from elastictrain.commands import (
     launch_env,
 )
 from elastictrain.config import JobConfig, etcd_transport
+from elastictrain.engine.tracking import read_run_id
 from elastictrain.errors import LaunchError
 from elastictrain.fileio import write_atomic
 from elastictrain.launcher.decisions import (
@@ -443,6 +444,9 @@ class Launcher:
         # The launcher's own ELASTICTRAIN_ETCD_* settings reach discover.sh only through ``env`` (none in the
         # embedded mode, whose etcd is plain loopback).
         inherited = {k: v for k, v in os.environ.items() if k not in etcd_endpoints.ENV_VARS}
+        run_id = read_run_id(self.run_dir, {})  # the job's MLflow run, for workers on machines with empty disks
+        if run_id is not None:
+            env[envnames.MLFLOW_RUN_ID] = run_id
         self.hvd_proc = subprocess.Popen(
             cmd,
             env={**inherited, **env, envnames.LAUNCH_ID: self.launch_id},

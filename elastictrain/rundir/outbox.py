@@ -65,7 +65,8 @@ _APPEND_STREAMS = re.compile(rf"^({re.escape(layout.EVENTS)}|{re.escape(layout.L
 """The run log, and a ledger stream: ``ledger/<name>@<opening>.jsonl`` (each opening of a ledger in a process is a
 tenure of its own; the file is ``tenure-<n>-<name>.jsonl``)."""
 _WHOLE_STREAMS = re.compile(
-    rf"^({re.escape(layout.CONFIG)}|{re.escape(layout.REPORT_JSON)}|{re.escape(layout.WORKER_ERRORS)}/{_NAME}\.json)$"
+    rf"^({re.escape(layout.CONFIG)}|{re.escape(layout.REPORT_JSON)}|{re.escape(layout.MLFLOW_RUN_ID)}"
+    rf"|{re.escape(layout.WORKER_ERRORS)}/{_NAME}\.json)$"
 )
 
 
@@ -268,6 +269,12 @@ def open_outbox(choice: str, environ: Mapping[str, str] | None = None) -> Outbox
         host = env.get("HOROVOD_HOSTNAME") or socket.gethostname()
         _OPENED[key] = Outbox(store, outbox_prefix(prefix, job), writer_token(host))
     return _OPENED[key]
+
+
+def current_outbox() -> Outbox | None:
+    """The outbox this process opened (:func:`open_outbox` with ``etcd``), or None: for writers that learn late that
+    they have something for the launcher (the tracker's run id)."""
+    return next(iter(_OPENED.values()), None)
 
 
 os.register_at_fork(after_in_child=_OPENED.clear)  # no thread crosses a fork: a child opens its own

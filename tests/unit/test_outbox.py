@@ -272,3 +272,20 @@ def test_a_process_that_holds_rank_0_twice_writes_two_tenures(tmp_path: Path) ->
     assert names == ["tenure-000001-100.jsonl", "tenure-000002-200.jsonl", "tenure-000003-100.jsonl"]
     assert read_ledger(run_dir / layout.LEDGER).committed == {0: [0, 1, 2, 3]}
     p.close(), q.close()
+
+
+def test_the_mlflow_run_id_reaches_the_launcher_and_a_worker_on_an_empty_disk_finds_it_there(tmp_path: Path) -> None:
+    from elastictrain.engine.tracking import read_run_id
+
+    store = MemoryKeyValue()
+    box = Outbox(store, PREFIX, "w.1.1")
+    box.append(layout.MLFLOW_RUN_ID, b"0123456789abcdef0123456789abcdef\n")
+    sent(box)
+    launcher_dir, empty_disk = tmp_path / "launcher", tmp_path / "worker"
+    Collector(store, PREFIX, launcher_dir).collect()
+    run_id = read_run_id(launcher_dir, {})
+    assert run_id == "0123456789abcdef0123456789abcdef"
+    assert read_run_id(empty_disk, {}) is None
+    assert read_run_id(empty_disk, {"ELASTICTRAIN_MLFLOW_RUN_ID": run_id}) == run_id, "passed by the launcher"
+    assert read_run_id(empty_disk, {"ELASTICTRAIN_MLFLOW_RUN_ID": "../../etc"}) is None, "validated"
+    box.close()
