@@ -19,8 +19,11 @@ puts them in the run_dir itself, which every node shares. With ``etcd`` a writer
 
 Why etcd: every node already reaches it (discovery), it orders the chunks of every writer (revisions), and a put is
 one round trip off the training thread; the records are small (a few KiB per step). A record still queued when its
-writer is killed is lost; the ledger does not depend on it: the next rank 0 records the committed steps again when it
-restores them (:meth:`~elastictrain.engine.services.Rank0Services.restore_ledger`).
+writer is killed is lost. For the ledger the next rank 0 records the committed steps of its step log again when it
+restores them (:meth:`~elastictrain.engine.services.Rank0Services.restore_ledger`: the last four commits' steps), so
+only a backlog older than that (etcd unreachable over several commits, then rank 0 killed) leaves a gap, which
+``elastictrain audit`` reports. The queue is not bounded (dropping a record would break the ledger for sure); past
+:data:`QUEUED_WARN_BYTES` the outbox says so once per outage.
 """
 
 from __future__ import annotations
