@@ -319,7 +319,7 @@ class ElasticConfig:
 @dataclass(kw_only=True, frozen=True, slots=True)
 class CheckpointConfig:
     enabled: bool = True
-    """Write checkpoints to ``run_dir/checkpoints``."""
+    """Write checkpoints (to ``checkpoint.location``; by default ``run_dir/checkpoints``)."""
     every_steps: int | None = 100
     """Save every N optimizer steps (at a commit); none disables the step trigger."""
     every_epochs: int | None = 1
@@ -331,7 +331,7 @@ class CheckpointConfig:
     save_on_sigterm: bool = True
     """Rank 0 writes the last committed state when a worker receives SIGTERM."""
     resume: bool = True
-    """Start from the latest verified checkpoint in ``run_dir/checkpoints`` when one exists."""
+    """Start from the latest verified checkpoint at ``checkpoint.location`` when one exists."""
     location: str = ""
     """Where checkpoints live: empty for ``run_dir/checkpoints``, a local or shared path, or an object store
     (``s3://bucket/prefix``, ``gs://...``, ``az://container/prefix``; needs the ``s3``/``gcs``/``azure`` extra).
