@@ -333,8 +333,9 @@ class CheckpointConfig:
     resume: bool = True
     """Start from the latest verified checkpoint at ``checkpoint.location`` when one exists."""
     location: str = ""
-    """Where checkpoints live: empty for ``run_dir/checkpoints``, a local or shared path, or an object store
-    (``s3://bucket/prefix``, ``gs://...``, ``az://container/prefix``; needs the ``s3``/``gcs``/``azure`` extra).
+    """Where checkpoints live: empty for ``run_dir/checkpoints``, a local or shared path (a relative one is under
+    run_dir), or an object store (``s3://bucket/prefix``, ``gs://...``, ``az://container/prefix``; needs the
+    ``s3``/``gcs``/``azure`` extra).
     Credentials come from the cloud's own chain (environment, profile, instance role), never from here."""
 
     def __post_init__(self) -> None:

@@ -96,7 +96,7 @@ def storage_for(location: str | None, run_dir: str | os.PathLike[str]) -> Checkp
     if not location:
         return LocalStorage(RunDir.of(run_dir).checkpoints)
     if _scheme(location) is None:
-        return LocalStorage(Path(location))
+        return LocalStorage(Path(run_dir) / location)  # a relative path is under the run_dir, wherever one runs
     problem = location_problem(location)
     if problem is not None:
         raise ValueError(f"checkpoint.location: {problem}")

@@ -290,9 +290,11 @@ def test_a_location_whose_package_is_missing_names_the_extra(monkeypatch):
     )
 
 
-def test_the_default_and_a_path_are_local_storage(tmp_path):
+def test_the_default_and_a_path_are_local_storage(tmp_path, monkeypatch):
     assert storage_for("", tmp_path).describe() == str(tmp_path / "checkpoints")
     assert isinstance(storage_for(str(tmp_path / "elsewhere"), tmp_path), LocalStorage)
+    monkeypatch.chdir("/")  # a tool run from anywhere finds a relative location under the run_dir
+    assert storage_for("ckpt", tmp_path / "run").describe() == str(tmp_path / "run" / "ckpt")
 
 
 def test_the_cli_exits_2_with_one_line_for_a_bad_location_and_never_echoes_a_secret(tmp_path):
