@@ -357,6 +357,19 @@ class CpuBackend:
     root: str
 
 
+@contextlib.contextmanager
+def duty_cycled(proc: psutil.Process, slowdown: float) -> Iterator[None]:
+    """``proc`` and its helpers slowed by :func:`duty_cycle` (in a thread) for the ``with`` block; continued after."""
+    stop = threading.Event()
+    t = threading.Thread(target=duty_cycle, args=([proc], slowdown, stop), kwargs={"helpers": True}, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join(10)
+
+
 def choose_cpu_backend(h: cgroup.Hierarchies, v2_controllers: str | None) -> CpuBackend:
     """cgroup v2 when its root offers the ``cpu`` controller (``cgroup.controllers``), else v1's ``cpu`` mount.
 

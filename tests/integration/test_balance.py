@@ -14,15 +14,11 @@ peer), with every sample exactly once.
 
 from __future__ import annotations
 
-import contextlib
 import signal
-import threading
-from collections.abc import Iterator
 
-import psutil
 import pytest
 
-from chaos.faults import duty_cycle
+from chaos.faults import duty_cycled
 from chaos.jobs import ElasticJob
 from elastictrain.launcher.hosts import local_logical_hosts
 from elastictrain.rundir.events import Reset, Shares
@@ -35,18 +31,6 @@ HOSTS = local_logical_hosts()
 needs3 = pytest.mark.skipif(len(HOSTS) < 3, reason=f"needs 3 logical local hosts, found {HOSTS}")
 NUM_SAMPLES = 14400
 """300 steps of 48 (3 workers x 16): time to fall, settle and grow back."""
-
-
-@contextlib.contextmanager
-def slowed(proc: psutil.Process, slowdown: float) -> Iterator[None]:
-    stop = threading.Event()
-    t = threading.Thread(target=duty_cycle, args=([proc], slowdown, stop), kwargs={"helpers": True}, daemon=True)
-    t.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        t.join(10)
 
 
 @needs3
@@ -67,7 +51,7 @@ def test_balance_gives_a_slowed_host_a_smaller_share_and_gives_it_back_with_ever
     victim = job.worker(rank=2)
     host = str(victim.environ()["HOROVOD_HOSTNAME"])
     equal = 48 // 3
-    with slowed(victim, 1.0):  # stopped half the time
+    with duty_cycled(victim, 1.0):  # stopped half the time
         fell = job.wait_event(
             Shares,
             lambda e: (e.shares or {}).get(host, equal) <= 0.8 * equal,
@@ -111,7 +95,7 @@ def test_after_a_worker_dies_the_shares_are_re_split_over_the_hosts_left_and_eve
     job.wait_step(20, timeout=240)
     victim = job.worker(rank=2)
     slow = str(victim.environ()["HOROVOD_HOSTNAME"])
-    with slowed(victim, 1.0):
+    with duty_cycled(victim, 1.0):
         fell = job.wait_event(
             Shares,
             lambda e: e.world_size == 3 and (e.shares or {}).get(slow, 16) <= 12,

@@ -18,14 +18,13 @@ import json
 import os
 import signal
 import subprocess
-import threading
 from pathlib import Path
 
 import psutil
 import pytest
 import yaml
 
-from chaos.faults import duty_cycle, target_worker
+from chaos.faults import duty_cycled, target_worker
 from chaos.jobs import ElasticJob
 from chaos.procs import JobRef
 from elastictrain.launcher.hosts import local_logical_hosts
@@ -45,18 +44,6 @@ SLOWDOWN = 1.0
 """Stopped half the time. With 3 workers on this 2-core machine the others take up the time a stopped one leaves,
 so a 50% slowdown shows as a compute ratio of about 1.46 only (measured by chaos's duty-cycle tests), at the edge
 of both the 1.3 threshold and the 1.5 a 3 -> 2 drain needs to pay; stopped half the time it is clearly slow."""
-
-
-@contextlib.contextmanager
-def slowed(proc: psutil.Process, slowdown: float):
-    stop = threading.Event()
-    t = threading.Thread(target=duty_cycle, args=([proc], slowdown, stop), kwargs={"helpers": True}, daemon=True)
-    t.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        t.join(10)
 
 
 @needs3
@@ -101,7 +88,7 @@ def test_report_names_a_worker_slowed_by_half_and_status_shows_it(jobs, tmp_path
     victim = job.worker(rank=2)
     host = victim.environ().get("HOROVOD_HOSTNAME")
     start = job.step()
-    with slowed(victim, SLOWDOWN):
+    with duty_cycled(victim, SLOWDOWN):
         named = job.wait_event(
             Straggler, lambda e: bool(e.slow) and e.host == host, timeout=240, what="the slowed host named"
         )
@@ -162,7 +149,7 @@ def test_evict_drains_a_slowed_worker_through_etcd_with_no_step_lost(procs: Proc
     )
     worker = target_worker(JobRef.resolve("evict", run_dir), rng=None)  # any worker but the current rank 0
     target = worker.host
-    with slowed(worker.proc, SLOWDOWN):
+    with duty_cycled(worker.proc, SLOWDOWN):
         drained = wait_until(
             lambda: next((e for e in of_kind(evs(), Eviction) if e.action == "drain"), None), 300, what="a drain"
         )
