@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.setup-done
 PYTEST  := .venv/bin/pytest
 
-.PHONY: setup test test-unit docs test-integration lint format demo bench bench-quick gpu-check chaos chaos-campaign clean peers-env bench-peers
+.PHONY: setup test test-unit test-long docs test-integration lint format demo bench bench-quick gpu-check chaos chaos-campaign clean peers-env bench-peers
 
 # Setup is idempotent; the stamp makes `make test` skip it when nothing it depends on changed.
 $(STAMP): scripts/setup.sh elastictrain/horovod/patch.py constraints/torch.txt pyproject.toml
@@ -21,6 +21,10 @@ test: $(STAMP)
 
 test-unit: $(STAMP)
 	$(PYTEST) -q tests/unit
+
+# The tests marked long (real jobs that measure a goal or repeat what make test proves more briefly).
+test-long: $(STAMP)
+	ELASTICTRAIN_LONG=1 $(PYTEST) -q -ra -m long tests
 
 test-integration: $(STAMP)
 	$(PYTEST) -q -m integration tests
@@ -65,7 +69,7 @@ gpu-check: $(STAMP)
 # make chaos CHAOS_ARGS=--quick
 CHAOS_ARGS ?=
 chaos: $(STAMP)
-	ELASTICTRAIN_CHAOS_LONG=1 $(PYTEST) -q -ra tests/chaos tests/integration/test_preemption_checkpoint.py
+	ELASTICTRAIN_CHAOS_LONG=1 $(PYTEST) -q -ra tests/chaos
 	d=runs/chaos/campaign-short-$$(date +%Y%m%d-%H%M%S); $(PY) -m chaos campaign --faults 24 --seed 1 --run-dir $$d --out $$d.json
 	$(PY) -m chaos run soak --run-dir runs/chaos/soak-$$(date +%Y%m%d-%H%M%S) $(CHAOS_ARGS)
 

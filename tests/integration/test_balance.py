@@ -78,6 +78,7 @@ def test_balance_gives_a_slowed_host_a_smaller_share_and_gives_it_back_with_ever
 
 
 @needs3
+@pytest.mark.long  # the re-split itself is a unit test (test_sampler_shares); this is the whole job's view
 def test_after_a_worker_dies_the_shares_are_re_split_over_the_hosts_left_and_every_sample_is_used_once(jobs, tmp_path):
     cfg = job_config(
         tmp_path / "run",

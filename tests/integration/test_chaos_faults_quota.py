@@ -31,6 +31,7 @@ except (faults.QuotaUnavailable, OSError):
     BACKEND = None
 pytestmark = [
     pytest.mark.integration,
+    pytest.mark.long,  # real cgroups and CPU rates: a measurement on an idle machine
     pytest.mark.skipif(BACKEND is None, reason="no CPU cgroup this user can make a quota in"),
 ]
 

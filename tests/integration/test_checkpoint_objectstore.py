@@ -81,7 +81,7 @@ def store(s3_proxy, tmp_path):
     return s3, proxy, storage
 
 
-@pytest.mark.parametrize("fault", ["503", "500", "connection dropped"])
+@pytest.mark.parametrize("fault", ["503", "500", pytest.param("connection dropped", marks=pytest.mark.long)])
 def test_the_store_failing_in_the_middle_of_a_save_reports_it_and_latest_keeps_the_last_good_one(store, fault):
     s3, proxy, storage = store
     events: list[tuple[str, dict]] = []
@@ -134,6 +134,7 @@ def test_a_brief_outage_is_retried_within_the_save(store):
     assert loaded is not None and loaded.step == 5
 
 
+@pytest.mark.long  # the store refusing saves is proven at the storage level above; this is the whole job's view
 def test_a_job_trains_on_while_the_store_refuses_its_saves_and_checkpoints_again_after(s3_proxy, jobs, tmp_path):
     s3, proxy = s3_proxy
     location = s3.url("jobs/outage")

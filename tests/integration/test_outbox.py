@@ -52,6 +52,7 @@ def test_records_of_two_writers_cross_a_restart_of_etcd_once_each(etcd_server: E
             s.close()
 
 
+@pytest.mark.long  # make test's share-nothing chaos test runs the same (rank 0's node killed, outputs through etcd)
 def test_a_job_whose_workers_write_through_etcd_keeps_every_sample_once_when_rank_0_is_killed(tmp_path: Path) -> None:
     cfg = job_config(
         tmp_path / "run",

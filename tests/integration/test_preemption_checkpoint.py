@@ -32,9 +32,6 @@ from tests.fixtures.launch import (
 from tests.fixtures.procs import ProcessGroup, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
-LONG_ONLY = pytest.mark.skipif(
-    os.environ.get("ELASTICTRAIN_CHAOS_LONG") != "1", reason="a measurement of `make chaos` (ELASTICTRAIN_CHAOS_LONG=1)"
-)
 
 NOTICE_SECONDS = 30.0
 """GCP's warning: the notices' end is this far after they are written."""
@@ -97,9 +94,9 @@ def give_every_host_a_notice(etcd: str, job: str, until: float) -> list[str]:
     ("ballast_mib", "store"),
     [
         (0, "local"),
-        # The 100-MiB cases measure the goal (a 100 MiB state durable <= 10 s after the notice): `make chaos`.
-        pytest.param(100, "local", marks=LONG_ONLY),
-        pytest.param(100, "s3", marks=LONG_ONLY),
+        # The 100-MiB cases measure the goal (a 100 MiB state durable <= 10 s after the notice): `make test-long`.
+        pytest.param(100, "local", marks=pytest.mark.long),
+        pytest.param(100, "s3", marks=pytest.mark.long),
     ],
     ids=["small", "100MiB", "100MiB-s3"],
 )

@@ -24,7 +24,7 @@ from elastictrain.launcher.hosts import local_logical_hosts
 from elastictrain.rundir.events import Eviction, Reset, Straggler
 from tests.fixtures.elastic_job import assert_exactly_once, job_config
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.long, pytest.mark.timeout(600)]  # the goal's measurement
 
 HOSTS = local_logical_hosts()
 try:
