@@ -19,8 +19,8 @@ The API (pure functions over a :class:`ShareState`; the trainer holds one :class
   steps after a start are slower).
 - :func:`rank_shares` ``(state, rank_hosts, global_batch, policy, caps)``: per-rank integer shares of a full step,
   summing exactly to ``global_batch``: in proportion to the applied weights, each at least ``policy.min_share``
-  and at most its host's cap, per worker: the smallest of ``elastic.share_max_per_worker``, ``caps[host]`` (a cap
-  measured elsewhere, e.g. memory; 0 makes a host's share zero: a host that only catches up) and the measured one,
+  and at most its host's cap, per worker: the smallest of ``elastic.share_max_per_worker``, ``caps[host]`` (an API for a
+  cap measured elsewhere, e.g. memory: nothing fills it yet; 0 makes a host's share zero) and the measured one,
   ``policy.growth`` x the largest share the host has been measured at (``ShareState.largest``: a speed measured at
   one share is not trusted far beyond it, so a share at most doubles per change). A host the state does not know
   (it joined) gets the mean weight; hosts that left are forgotten at the next decision.
