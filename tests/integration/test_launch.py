@@ -45,6 +45,7 @@ from tests.fixtures.launch import (
     job_processes,
     launch_state,
     needs_horovod,
+    start_agents,
 )
 from tests.fixtures.procs import REPO, ProcessGroup, free_port, wait_until
 
@@ -179,14 +180,7 @@ def test_full_preemption_relaunches_and_resumes_from_the_checkpoint_in_the_same_
     wait_until(lambda: "relaunch 1 when hosts return" in launch.log(), 60, interval=0.2, what="the relaunch decision")
 
     # The machines come back: new agents under the same host names (the launcher starts no agents again).
-    env = {**os.environ, "ELASTICTRAIN_LOG_LEVEL": "warning"}
-    with (tmp_path / "agents.log").open("ab") as log:
-        for host in HOSTS.split(","):
-            procs.start(
-                [str(ELASTICTRAIN), "agent", "--etcd", state["etcd"], "--job", state["job"], "--host", host,
-                 "--slots", "1", "--ttl", "3", "--heartbeat", "0.5", "--request-timeout", "0.5", "--drain-grace", "1"],
-                env=env, stdout=log, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+    start_agents(procs, state, tmp_path / "agents.log")
     assert launch.wait(timeout=180) == 0, launch.log()
 
     evs = events(run_dir)

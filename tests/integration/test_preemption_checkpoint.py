@@ -8,8 +8,6 @@ of that size, so the checkpoint holds that much state more.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import time
 from pathlib import Path
 
@@ -21,13 +19,13 @@ from discovery.registry import EtcdRegistry
 from elastictrain.launcher.processes import is_worker
 from elastictrain.rundir.events import Checkpoint, Commit, Done, PreemptionCheckpoint, Start, of_kind
 from tests.fixtures.launch import (
-    ELASTICTRAIN,
     HOSTS,
     Launch,
     events,
     job_processes,
     launch_state,
     needs_horovod,
+    start_agents,
 )
 from tests.fixtures.procs import ProcessGroup, wait_until
 
@@ -157,14 +155,7 @@ def test_notices_on_every_host_checkpoint_the_last_commit_in_time_and_the_relaun
 
     # New machines under the same names, with fresh records (no notice): horovodrun, which waits for hosts since the
     # drain, starts workers on them (or, once it gave up, the launcher relaunches it); either resumes from the store.
-    env = {**os.environ, "ELASTICTRAIN_LOG_LEVEL": "warning"}
-    with (tmp_path / "agents.log").open("ab") as log:
-        for host in HOSTS.split(","):
-            procs.start(
-                [str(ELASTICTRAIN), "agent", "--etcd", state["etcd"], "--job", state["job"], "--host", host,
-                 "--slots", "1", "--ttl", "3", "--heartbeat", "0.5", "--request-timeout", "0.5", "--drain-grace", "1"],
-                env=env, stdout=log, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+    start_agents(procs, state, tmp_path / "agents.log")
     assert launch.wait(timeout=180) == 0, launch.log()
 
     evs = events(run_dir)
